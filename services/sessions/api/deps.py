@@ -1,0 +1,32 @@
+"""Request dependencies: the service objects and the caller identity the gateway forwards."""
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from services.sessions.service import Caller, CompletionService
+
+# Headers the gateway sets after authenticating the caller. The session manager is
+# internal: only the gateway can reach it (NetworkPolicy in the Helm chart).
+TENANT_HEADER = "x-axon-tenant"
+PRIORITY_HEADER = "x-axon-priority"
+
+
+def get_service(request: Request) -> CompletionService:
+    return request.app.state.completions
+
+
+def get_caller(
+    tenant: Annotated[str, Header(alias=TENANT_HEADER, max_length=128)] = "anonymous",
+    priority: Annotated[int, Header(alias=PRIORITY_HEADER, ge=0, le=9)] = 0,
+) -> Caller:
+    return Caller(tenant=tenant, priority=priority)
+
+
+def get_request_id(request: Request) -> str:
+    return request.scope["state"]["request_id"]
+
+
+ServiceDep = Annotated[CompletionService, Depends(get_service)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
+RequestIdDep = Annotated[str, Depends(get_request_id)]

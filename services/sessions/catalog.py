@@ -1,0 +1,53 @@
+"""Which models can be served now, from worker heartbeats, with a short cache."""
+
+import time
+
+from shared.errors import ModelNotFound, Unavailable
+from shared.registry import WorkerRegistry
+
+# Suggested wait before retrying a model that has no live worker.
+NO_WORKER_RETRY_AFTER_S = 5
+
+
+class ModelCatalog:
+    def __init__(self, registry: WorkerRegistry, *, aliases: dict[str, str], cache_ttl_s: float) -> None:
+        self._registry = registry
+        self._aliases = aliases
+        self._cache_ttl_s = cache_ttl_s
+        self._live: dict[str, int] = {}
+        self._fetched_at = float("-inf")
+
+    async def live(self) -> dict[str, int]:
+        """Model -> live workers, at most `cache_ttl_s` old."""
+        now = time.monotonic()
+        if now - self._fetched_at > self._cache_ttl_s:
+            self._live = await self._registry.live_models()
+            self._fetched_at = now
+        return self._live
+
+    def resolve(self, name: str) -> str:
+        return self._aliases.get(name, name)
+
+    async def require(self, name: str) -> str:
+        """Return the model `name` refers to, if a live worker serves it.
+
+        Raises:
+            ModelNotFound: no worker has ever served it.
+            Unavailable: it is known but no worker serves it now.
+        """
+        model = self.resolve(name)
+        if model in await self.live():
+            return model
+        if await self._registry.is_known(model):
+            raise Unavailable(
+                f"No worker is serving model '{model}' right now; try again shortly.",
+                retry_after_s=NO_WORKER_RETRY_AFTER_S,
+                code="no_worker",
+            )
+        raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
+
+    async def listing(self) -> list[dict]:
+        """OpenAI `/v1/models` entries: live models and the aliases that point at them."""
+        live = await self.live()
+        names = sorted(live) + sorted(a for a, target in self._aliases.items() if target in live)
+        return [{"id": n, "object": "model", "created": 0, "owned_by": "axon"} for n in names]

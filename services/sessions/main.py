@@ -1,0 +1,24 @@
+"""`axon-sessions`: run the session manager, configured only by environment."""
+
+import uvicorn
+
+from shared.logging import configure_logging
+from services.sessions.app import create_app
+from services.sessions.settings import SessionsSettings
+
+
+def main() -> None:
+    settings = SessionsSettings()
+    configure_logging(service="sessions", level=settings.log_level, log_format=settings.log_format)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.sessions_port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+
+
+if __name__ == "__main__":
+    main()

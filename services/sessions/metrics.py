@@ -1,0 +1,39 @@
+"""Prometheus metrics of one session manager process."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared.web import LATENCY_BUCKETS_S, HttpMetrics
+
+# Seconds between tokens: from a fast GPU step to a stalled stream.
+INTER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 5)
+
+
+class SessionsMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.http = HttpMetrics(self.registry)
+        self.jobs_published = Counter(
+            "axon_sessions_jobs_published_total", "Jobs confirmed by the broker.", ["model"],
+            registry=self.registry,
+        )
+        self.outcomes = Counter(
+            "axon_sessions_requests_total", "Completions by outcome.", ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "axon_sessions_time_to_first_token_seconds",
+            "From accepting a request to relaying its first chunk.", ["model"],
+            buckets=LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "axon_sessions_inter_chunk_latency_seconds", "Time between consecutive chunks of a stream.",
+            ["model"], buckets=INTER_TOKEN_BUCKETS_S, registry=self.registry,
+        )
+        self.output_tokens = Counter(
+            "axon_sessions_output_tokens_total", "Tokens relayed to clients.", ["model"],
+            registry=self.registry,
+        )
+        self.active_streams = Gauge(
+            "axon_sessions_active_streams", "Jobs whose chunks this process is relaying.",
+            registry=self.registry,
+        )

@@ -1,0 +1,279 @@
+"""Turns a completion request into a job and relays its chunks back.
+
+Order matters: subscribe to the job's token channel, then publish the job, so no
+chunk can be published before someone listens.
+"""
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import orjson
+import redis.asyncio as redis
+from pydantic import ValidationError
+
+from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, UpstreamError
+from shared.logging import bind_contextvars, get_logger
+from shared.names import Names
+from shared.schemas import Job, Sampling, TokenChunk
+from services.sessions.catalog import ModelCatalog
+from services.sessions.jobs import JobPublisher
+from services.sessions.metrics import SessionsMetrics
+from services.sessions.protocol import ChatCompletionRequest, CompletionRequest, Kind, ResponseBuilder
+from services.sessions.relay import STREAM_LOST, TokenRelay, TokenStream
+from services.sessions.settings import SessionsSettings
+
+log = get_logger(__name__)
+
+_ERROR_TYPES: dict[str, type[AxonError]] = {
+    "timeout_error": DeadlineExceeded,
+    "invalid_request_error": InvalidRequest,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is asking, as the gateway vouches for it."""
+
+    tenant: str
+    priority: int = 0
+
+
+def chunk_error(chunk: TokenChunk) -> AxonError:
+    """The exception a worker's error chunk stands for."""
+    message = chunk.error.message if chunk.error else "The worker failed to generate an answer."
+    error_type = chunk.error.type if chunk.error else "server_error"
+    return _ERROR_TYPES.get(error_type, UpstreamError)(message)
+
+
+class ActiveJob:
+    """A published job whose chunks are being received, deduplicated by `seq`, until its deadline."""
+
+    def __init__(self, *, job: Job, stream: TokenStream, builder: ResponseBuilder, started: float) -> None:
+        self.job = job
+        self.stream = stream
+        self.builder = builder
+        self.started = started
+        self.finished = False
+        self._next_seq = 0
+
+    async def chunks(self) -> AsyncIterator[TokenChunk]:
+        """Yield chunks in order until the final one.
+
+        Raises:
+            DeadlineExceeded: the job's deadline passed first.
+            UpstreamError: the stream was lost (shutdown or a client too slow to keep up).
+        """
+        while not self.finished:
+            remaining_s = self.job.deadline - time.time()
+            try:
+                if remaining_s <= 0:
+                    raise TimeoutError
+                raw = await self.stream.next(remaining_s)
+            except TimeoutError:
+                raise DeadlineExceeded("The request's deadline passed before the answer was complete.") from None
+            if raw == STREAM_LOST:
+                raise UpstreamError("The answer's stream was interrupted.")
+            try:
+                chunk = TokenChunk.model_validate_json(raw)
+            except ValidationError:
+                log.error("chunk_invalid", raw=raw[:200])
+                continue
+            if chunk.seq < self._next_seq:
+                continue  # already relayed: a redelivered job repeats its chunks
+            if chunk.seq > self._next_seq:
+                log.warning("chunk_gap", expected=self._next_seq, got=chunk.seq)
+            self._next_seq = chunk.seq + 1
+            self.finished = chunk.is_final
+            yield chunk
+
+
+class CompletionService:
+    """Admits completion requests, publishes their jobs, and relays the answers."""
+
+    def __init__(
+        self,
+        *,
+        settings: SessionsSettings,
+        catalog: ModelCatalog,
+        relay: TokenRelay,
+        publisher: JobPublisher,
+        client: redis.Redis,
+        metrics: SessionsMetrics,
+    ) -> None:
+        self._settings = settings
+        self._names = Names(settings.namespace)
+        self._catalog = catalog
+        self._relay = relay
+        self._publisher = publisher
+        self._redis = client
+        self._metrics = metrics
+        self._background: set[asyncio.Task] = set()
+
+    def _sampling(self, body: ChatCompletionRequest | CompletionRequest) -> Sampling:
+        max_tokens = body.requested_max_tokens or self._settings.default_max_tokens
+        if max_tokens > self._settings.max_tokens_limit:
+            raise InvalidRequest(
+                f"max_tokens is {max_tokens}, more than this server allows ({self._settings.max_tokens_limit}).",
+                param="max_tokens",
+            )
+        defaults = Sampling()
+        return Sampling(
+            max_tokens=max_tokens,
+            temperature=defaults.temperature if body.temperature is None else body.temperature,
+            top_p=defaults.top_p if body.top_p is None else body.top_p,
+            top_k=defaults.top_k if body.top_k is None else body.top_k,
+            stop=body.stop_list,
+            seed=body.seed,
+        )
+
+    def _build_job(self, body: ChatCompletionRequest | CompletionRequest, *, kind: Kind, model: str, caller: Caller) -> Job:
+        job_id = str(uuid.uuid4())
+        if kind == "chat":
+            assert isinstance(body, ChatCompletionRequest)
+            messages = [m.to_message(i) for i, m in enumerate(body.messages)]
+            prompt, session_id = None, body.session_id
+        else:
+            assert isinstance(body, CompletionRequest)
+            messages, prompt, session_id = None, body.prompt_text, None
+        return Job(
+            job_id=job_id,
+            model=model,
+            messages=messages,
+            prompt=prompt,
+            sampling=self._sampling(body),
+            channel=self._names.tokens_channel(job_id),
+            deadline=time.time() + self._settings.request_timeout_s,
+            session_id=session_id,
+            tenant=caller.tenant,
+        )
+
+    async def start(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        *,
+        kind: Kind,
+        caller: Caller,
+        request_id: str,
+    ) -> ActiveJob:
+        """Admit the request and publish its job.
+
+        Raises:
+            ModelNotFound, Unavailable, InvalidRequest: refused before any work was queued.
+        """
+        started = time.perf_counter()
+        model = await self._catalog.require(body.model)
+        job = self._build_job(body, kind=kind, model=model, caller=caller)
+        bind_contextvars(job_id=job.job_id, tenant=caller.tenant)
+        stream = await self._relay.open(job.channel)
+        try:
+            await self._publisher.publish(job, priority=caller.priority, request_id=request_id)
+        except BaseException:
+            await stream.close()
+            raise
+        self._metrics.jobs_published.labels(model).inc()
+        self._metrics.active_streams.inc()
+        builder = ResponseBuilder(kind=kind, job_id=job.job_id, model=body.model)
+        return ActiveJob(job=job, stream=stream, builder=builder, started=started)
+
+    async def first_chunk(self, active: ActiveJob) -> tuple[TokenChunk, AsyncIterator[TokenChunk]]:
+        """Wait for the first chunk, so failures before any token get a real status code."""
+        chunks = active.chunks()
+        try:
+            first = await anext(chunks)
+            if first.finish_reason == "error":
+                raise chunk_error(first)
+        except BaseException:
+            await self.finish(active, outcome="error")
+            raise
+        self._metrics.ttft.labels(active.job.model).observe(time.perf_counter() - active.started)
+        return first, chunks
+
+    async def collect(self, active: ActiveJob, first: TokenChunk, rest: AsyncIterator[TokenChunk]) -> dict:
+        """Gather the whole answer into one OpenAI response object."""
+        parts = [first.text]
+        last = first
+        try:
+            if not first.is_final:
+                async for chunk in rest:
+                    parts.append(chunk.text)
+                    last = chunk
+            if last.finish_reason == "error":
+                raise chunk_error(last)
+        except BaseException:
+            await self.finish(active, outcome="error")
+            raise
+        await self.finish(active, outcome=last.finish_reason or "stop")
+        usage = last.usage
+        return active.builder.response(
+            "".join(parts),
+            last.finish_reason if last.finish_reason != "cancelled" else "stop",
+            usage.prompt_tokens if usage else 0,
+            usage.completion_tokens if usage else 0,
+        )
+
+    async def sse(
+        self,
+        active: ActiveJob,
+        first: TokenChunk,
+        rest: AsyncIterator[TokenChunk],
+        *,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        """Relay chunks as OpenAI server-sent events, ending with `data: [DONE]`."""
+        builder = active.builder
+        model = active.job.model
+        outcome = "disconnected"
+        last_at = time.perf_counter()
+        try:
+            chunk = first
+            is_first = True
+            while True:
+                if chunk.finish_reason == "error":
+                    raise chunk_error(chunk)
+                if chunk.text or chunk.is_final or is_first:
+                    yield _sse(builder.chunk(chunk.text, chunk.finish_reason, first=is_first))
+                    is_first = False
+                if chunk.is_final:
+                    break
+                chunk = await anext(rest)
+                now = time.perf_counter()
+                self._metrics.inter_token.labels(model).observe(now - last_at)
+                last_at = now
+            if include_usage and chunk.usage is not None:
+                yield _sse(builder.usage_chunk(chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+            yield b"data: [DONE]\n\n"
+            outcome = chunk.finish_reason or "stop"
+            if chunk.usage is not None:
+                self._metrics.output_tokens.labels(model).inc(chunk.usage.completion_tokens)
+        except AxonError as exc:
+            outcome = "error"
+            log.warning("stream_failed", error=exc.message)
+            yield _sse(exc.body())
+            yield b"data: [DONE]\n\n"
+        finally:
+            self._spawn(self.finish(active, outcome=outcome))
+
+    async def finish(self, active: ActiveJob, *, outcome: str) -> None:
+        """Stop relaying; if the answer was not complete, tell the workers to stop generating it."""
+        self._metrics.active_streams.dec()
+        self._metrics.outcomes.labels(active.job.model, outcome).inc()
+        await active.stream.close()
+        if not active.finished:
+            try:
+                await self._redis.publish(self._names.cancel_channel, active.job.job_id)
+            except Exception as exc:  # noqa: BLE001 - best effort: the deadline bounds the work anyway
+                log.warning("cancel_publish_failed", error=repr(exc))
+
+    def _spawn(self, coro) -> None:
+        # Cleanup runs in its own task: the streaming task may itself be cancelled
+        # (client gone), and the cancel notice must still go out.
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"

@@ -1,0 +1,22 @@
+"""Session manager settings (`AXON_*` environment variables)."""
+
+from pydantic import Field
+
+from shared.settings import CommonSettings
+
+
+class SessionsSettings(CommonSettings):
+    host: str = "0.0.0.0"
+    sessions_port: int = Field(8001, ge=1, le=65535)
+    # Every request gets a deadline this far ahead; no wait outlives it.
+    request_timeout_s: float = Field(300.0, gt=0)
+    default_max_tokens: int = Field(256, ge=1)
+    max_tokens_limit: int = Field(8192, ge=1)
+    publish_timeout_s: float = Field(5.0, gt=0)
+    subscribe_timeout_s: float = Field(5.0, gt=0)
+    # How long the list of live models may be reused before asking Redis again.
+    models_cache_ttl_s: float = Field(1.0, ge=0)
+    # Alternative model names: {"alias": "model"}, as JSON.
+    model_aliases: dict[str, str] = Field(default_factory=dict)
+    # Chunks buffered per stream before a slow client is cut off.
+    stream_buffer_chunks: int = Field(4096, ge=16)

@@ -1,0 +1,158 @@
+"""The inference worker process: a job consumer plus a small HTTP server for health and metrics."""
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from shared.clients import connect_amqp, create_redis, declare_job_queue
+from shared.logging import get_logger
+from shared.names import Names
+from shared.registry import WorkerRegistry
+from shared.web import ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response
+from services.worker.engines import Engine
+from services.worker.engines.factory import create_engine
+from services.worker.metrics import WorkerMetrics
+from services.worker.service import Heartbeat, JobRunner, consume, listen_for_cancellations
+from services.worker.settings import WorkerSettings
+
+log = get_logger(__name__)
+
+_RETRY_DELAY_S = 2.0
+
+
+class Worker:
+    """Everything one worker process runs, started in the background so `/health` answers at once."""
+
+    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.names = Names(settings.namespace)
+        self.metrics = WorkerMetrics()
+        self.redis = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
+        self.registry = WorkerRegistry(self.redis, self.names)
+        self.runner = JobRunner(engine=engine, client=self.redis, metrics=self.metrics)
+        self.not_ready_reason: str | None = "starting"
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._queue: AbstractQueue | None = None
+        self._consumer_tag: str | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def boot(self) -> None:
+        """Load the engine, then connect and start consuming. A broken engine stops the process."""
+        self.not_ready_reason = "loading model"
+        try:
+            await self.engine.start()
+        except Exception as exc:
+            log.exception("engine_start_failed", error=str(exc))
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.metrics.max_seqs.labels(self.engine.model_name).set(self.engine.max_seqs)
+        await self._connect_until_up()
+        heartbeat = Heartbeat(
+            self.registry,
+            worker_id=self.settings.worker_id,
+            engine=self.engine,
+            interval_s=self.settings.heartbeat_interval_s,
+            ttl_s=self.settings.heartbeat_ttl_s,
+        )
+        self._tasks += [
+            asyncio.create_task(heartbeat.run()),
+            asyncio.create_task(listen_for_cancellations(
+                create_redis(self.settings.redis_url, timeout_s=self.settings.connect_timeout_s, for_pubsub=True),
+                self.names,
+                self.runner,
+            )),
+        ]
+        self._heartbeat = heartbeat
+        self.not_ready_reason = None
+        log.info("worker_ready", model=self.engine.model_name, max_seqs=self.engine.max_seqs)
+
+    async def _connect_until_up(self) -> None:
+        while True:
+            try:
+                await self.redis.ping()
+                self._connection = await connect_amqp(self.settings.amqp_url, timeout_s=self.settings.connect_timeout_s)
+                self._channel = await self._connection.channel()
+                await self._channel.set_qos(prefetch_count=self.engine.max_seqs)
+                self._queue = await declare_job_queue(
+                    self._channel, self.names, self.engine.model_name,
+                    max_queued_jobs=self.settings.max_queued_jobs,
+                )
+                self._consumer_tag = await consume(self._queue, self.runner)
+                return
+            except Exception as exc:  # noqa: BLE001 - report and retry, never crash-loop
+                self.not_ready_reason = f"dependencies unreachable: {exc!r}"
+                log.warning("worker_connect_failed", error=repr(exc))
+                await asyncio.sleep(_RETRY_DELAY_S)
+
+    async def shutdown(self) -> None:
+        """Stop taking jobs, let in-flight ones finish (bounded), hand the rest back, exit."""
+        self.not_ready_reason = "shutting down"
+        if self._queue is not None and self._consumer_tag is not None:
+            with contextlib.suppress(Exception):
+                await self._queue.cancel(self._consumer_tag)
+        left = await self.runner.drain(self.settings.drain_timeout_s)
+        log.info("worker_drained", handed_back=left)
+        if getattr(self, "_heartbeat", None) is not None:
+            with contextlib.suppress(Exception):
+                await self._heartbeat.withdraw()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._connection is not None:
+            await self._connection.close()  # unacked jobs go back to the queue
+        await self.engine.stop()
+        await self.redis.aclose()
+
+
+def create_app(settings: WorkerSettings | None = None, engine: Engine | None = None) -> FastAPI:
+    """Build the worker's app; the engine and consumer start in the lifespan."""
+    settings = settings or WorkerSettings()
+    worker = Worker(settings, engine or create_engine(settings))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.worker = worker
+        boot = asyncio.create_task(worker.boot())
+        try:
+            yield
+        finally:
+            boot.cancel()
+            await asyncio.gather(boot, return_exceptions=True)
+            await worker.shutdown()
+
+    app = FastAPI(title="Axon inference worker", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(
+        RequestContextMiddleware,
+        metrics=worker.metrics.http,
+        quiet_paths=frozenset({"/health", "/ready", "/metrics"}),
+    )
+
+    @app.get("/health")
+    async def health() -> dict:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        """Readiness: the engine is loaded and the worker takes jobs."""
+        current: Worker = request.app.state.worker
+        if current.not_ready_reason is not None:
+            return ORJSONResponse({"status": "not_ready", "reason": current.not_ready_reason}, status_code=503)
+        return ORJSONResponse({"status": "ready", "model": current.engine.model_name, "in_flight": current.runner.in_flight})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics."""
+        return metrics_response(request.app.state.worker.metrics.registry)
+
+    return app

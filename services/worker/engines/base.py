@@ -1,0 +1,67 @@
+"""The one small interface every inference engine implements."""
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from shared.schemas import FinishReason, Message, Sampling
+
+
+class EngineError(Exception):
+    """The engine failed a request; the message is safe to show the client."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What an engine needs to generate one answer."""
+
+    request_id: str
+    sampling: Sampling
+    messages: list[Message] | None = None
+    prompt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """New text since the previous output of the same request.
+
+    `completion_tokens` and `prompt_tokens` are running totals; `finish_reason` is set
+    on the last output only.
+    """
+
+    text: str
+    n_tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason | None = None
+
+
+class Engine(ABC):
+    """A continuously batched text generator.
+
+    `generate` may be called concurrently up to `max_seqs` times; each call streams its
+    own request. Implementations never block the event loop.
+    """
+
+    model_name: str
+    max_seqs: int
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Load the model; the worker takes jobs only after this returns."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Release the model; in-flight requests end."""
+
+    @abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
+        """Stream the answer to `request`; the last output carries `finish_reason`."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop generating `request_id` within one engine step; its stream ends `cancelled`."""
+
+    @abstractmethod
+    async def check_health(self) -> None:
+        """Raise `EngineError` if the engine cannot serve requests."""

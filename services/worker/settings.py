@@ -1,0 +1,46 @@
+"""Inference worker settings (`AXON_*` environment variables)."""
+
+import os
+import socket
+import uuid
+from typing import Literal
+
+from pydantic import Field
+
+from shared.settings import DEFAULT_MODEL, CommonSettings
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class WorkerSettings(CommonSettings):
+    host: str = "0.0.0.0"
+    worker_port: int = Field(8002, ge=1, le=65535)
+    worker_id: str = Field(default_factory=_default_worker_id)
+
+    engine: Literal["transformers", "vllm", "sim"] = "transformers"
+    model: str = DEFAULT_MODEL
+    # GGUF file (transformers) or model directory (vllm). Empty: the bundled SmolLM2 GGUF.
+    model_path: str = ""
+    # Sequences one engine runs at once; also the queue prefetch. 0: the engine's default.
+    max_seqs: int = Field(0, ge=0)
+
+    # transformers engine
+    kv_cache_blocks: int = Field(64, ge=1)
+    max_batch_tokens: int = Field(512, ge=16)
+    torch_threads: int = Field(0, ge=0)
+
+    # vllm engine
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_model_len: int | None = None
+
+    # sim engine
+    sim_ttft_ms: float = Field(50.0, ge=0)
+    sim_itl_ms: float = Field(10.0, ge=0)
+    sim_max_seqs: int = Field(64, ge=1)
+
+    heartbeat_interval_s: float = Field(3.0, gt=0)
+    heartbeat_ttl_s: float = Field(10.0, gt=0)
+    drain_timeout_s: float = Field(30.0, ge=0)

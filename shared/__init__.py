@@ -1,0 +1,1 @@
+"""Axon's library code shared by every service: settings, logging, wire schemas, names, clients."""

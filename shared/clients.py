@@ -1,0 +1,75 @@
+"""Connections to Redis and RabbitMQ with timeouts, and the job queue topology.
+
+Every service declares the topology it touches with the same arguments, so any of
+them may come up first.
+"""
+
+import aio_pika
+import redis.asyncio as redis
+from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared.names import Names
+
+# RabbitMQ priorities 0-9 (a key's tier); higher is served first.
+MAX_JOB_PRIORITY = 9
+
+
+def create_redis(url: str, *, timeout_s: float, for_pubsub: bool = False) -> redis.Redis:
+    """Return a Redis client whose every command times out after `timeout_s`.
+
+    Args:
+        url: `redis://` URL.
+        timeout_s: connect and per-command timeout.
+        for_pubsub: a subscriber blocks on reads by design, so it gets no read timeout.
+    """
+    return redis.Redis.from_url(
+        url,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=None if for_pubsub else timeout_s,
+        health_check_interval=0 if for_pubsub else 30,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
+
+
+async def connect_amqp(url: str, *, timeout_s: float) -> AbstractRobustConnection:
+    """Open a robust (auto-reconnecting) AMQP connection, failing after `timeout_s`."""
+    return await aio_pika.connect_robust(url, timeout=timeout_s)
+
+
+async def declare_job_queue(
+    channel: AbstractChannel,
+    names: Names,
+    model: str,
+    *,
+    max_queued_jobs: int,
+) -> AbstractQueue:
+    """Declare the jobs exchange, the model's durable queue and the dead-letter queue.
+
+    The queue refuses publishes past `max_queued_jobs` (`reject-publish`), which turns
+    into an early 503 for the caller instead of an ever-growing backlog.
+    """
+    dead_exchange = await channel.declare_exchange(
+        names.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+    )
+    dead_queue = await channel.declare_queue(names.dead_letter_queue, durable=True)
+    await dead_queue.bind(dead_exchange)
+    jobs_exchange = await channel.declare_exchange(
+        names.jobs_exchange, aio_pika.ExchangeType.DIRECT, durable=True
+    )
+    queue = await channel.declare_queue(
+        names.jobs_queue(model),
+        durable=True,
+        arguments={
+            "x-max-priority": MAX_JOB_PRIORITY,
+            "x-dead-letter-exchange": names.dead_letter_exchange,
+            "x-max-length": max_queued_jobs,
+            "x-overflow": "reject-publish",
+        },
+    )
+    await queue.bind(jobs_exchange, routing_key=model)
+    return queue

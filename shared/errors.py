@@ -1,0 +1,100 @@
+"""Axon's exceptions and the one OpenAI-style error envelope.
+
+Each exception names its HTTP status and OpenAI error type, so mapping an
+exception to a response happens in one place (`shared.web`).
+"""
+
+from typing import Any
+
+
+class AxonError(Exception):
+    """Base error; subclasses fix the status code and OpenAI error type."""
+
+    status_code: int = 500
+    error_type: str = "server_error"
+    default_code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, error_type=self.error_type, param=self.param, code=self.code)
+
+
+class InvalidRequest(AxonError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(AxonError):
+    status_code = 401
+    error_type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class Forbidden(AxonError):
+    status_code = 403
+    error_type = "permission_error"
+
+
+class NotFound(AxonError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    default_code = "model_not_found"
+
+
+class PayloadTooLarge(AxonError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class Unavailable(AxonError):
+    """Refused early because nothing can serve the request now; retry after `retry_after_s`."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(AxonError):
+    status_code = 504
+    error_type = "timeout_error"
+    default_code = "deadline_exceeded"
+
+
+class UpstreamError(AxonError):
+    """A dependency failed in a way the caller cannot fix."""
+
+    status_code = 502
+    error_type = "server_error"
+    default_code = "upstream_error"
+
+
+def error_body(
+    message: str,
+    *,
+    error_type: str,
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """Return OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

@@ -1,0 +1,85 @@
+"""Create the database if missing and apply versioned SQL migrations (`axon migrate`).
+
+Migrations are files `NNNN_name.sql` under `infra/migrations`; each runs once, in its
+own transaction, recorded in `schema_migrations`. An advisory lock lets several
+migrators start at once (e.g. a Helm hook and a developer) without racing.
+"""
+
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from shared.logging import get_logger
+
+DEFAULT_MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "infra" / "migrations"
+_LOCK_KEY = 0x6178_6F6E  # "axon"
+
+log = get_logger(__name__)
+
+
+def split_database_url(url: str) -> tuple[str, str]:
+    """Return (URL of the maintenance database `postgres`, name of the target database)."""
+    parts = urlsplit(url)
+    name = parts.path.lstrip("/") or "postgres"
+    return urlunsplit(parts._replace(path="/postgres")), name
+
+
+async def ensure_database(url: str, *, timeout_s: float = 10.0) -> bool:
+    """Create the database named in `url` if it does not exist. Returns True if it was created."""
+    admin_url, name = split_database_url(url)
+    conn = await asyncpg.connect(admin_url, timeout=timeout_s)
+    try:
+        exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
+        if exists:
+            return False
+        quoted = '"' + name.replace('"', '""') + '"'
+        try:
+            await conn.execute(f"CREATE DATABASE {quoted}")
+        except asyncpg.DuplicateDatabaseError:
+            return False
+        log.info("database_created", database=name)
+        return True
+    finally:
+        await conn.close()
+
+
+def pending_files(migrations_dir: Path) -> list[tuple[str, Path]]:
+    """List (version, file) for every migration file, in order."""
+    files = sorted(migrations_dir.glob("[0-9][0-9][0-9][0-9]_*.sql"))
+    return [(path.stem, path) for path in files]
+
+
+async def migrate(
+    url: str,
+    *,
+    migrations_dir: Path = DEFAULT_MIGRATIONS_DIR,
+    timeout_s: float = 10.0,
+) -> list[str]:
+    """Create the database if needed and apply every migration not yet applied.
+
+    Returns:
+        The versions applied by this call, in order.
+    """
+    await ensure_database(url, timeout_s=timeout_s)
+    conn = await asyncpg.connect(url, timeout=timeout_s)
+    applied: list[str] = []
+    try:
+        await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {row["version"] for row in await conn.fetch("SELECT version FROM schema_migrations")}
+        for version, path in pending_files(migrations_dir):
+            if version in done:
+                continue
+            async with conn.transaction():
+                await conn.execute(path.read_text())
+                await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
+            log.info("migration_applied", version=version)
+            applied.append(version)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1)", _LOCK_KEY)
+        await conn.close()
+    return applied

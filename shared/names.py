@@ -1,0 +1,54 @@
+"""Every Redis key and channel, RabbitMQ exchange and queue, built from the namespace.
+
+Two stacks with different namespaces can share one Redis and one broker without
+seeing each other's traffic; the tests rely on that.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """Names of every shared resource for one namespace."""
+
+    namespace: str
+
+    # RabbitMQ
+    @property
+    def jobs_exchange(self) -> str:
+        """Direct exchange that routes a job to its model's queue (routing key = model)."""
+        return f"{self.namespace}.jobs"
+
+    def jobs_queue(self, model: str) -> str:
+        """Durable queue holding one model's jobs."""
+        return f"{self.namespace}.jobs.{model}"
+
+    @property
+    def dead_letter_exchange(self) -> str:
+        return f"{self.namespace}.jobs.dlx"
+
+    @property
+    def dead_letter_queue(self) -> str:
+        """Where poison and rejected jobs end up, with the reason in their headers."""
+        return f"{self.namespace}.jobs.dead"
+
+    # Redis pub/sub
+    def tokens_channel(self, job_id: str) -> str:
+        """Channel the worker publishes a job's token chunks on."""
+        return f"{self.namespace}:tokens:{job_id}"
+
+    @property
+    def cancel_channel(self) -> str:
+        """Channel carrying ids of jobs whose client went away."""
+        return f"{self.namespace}:cancel"
+
+    # Redis keys
+    @property
+    def workers_key(self) -> str:
+        """Hash: worker id -> JSON heartbeat (model, expiry)."""
+        return f"{self.namespace}:workers"
+
+    @property
+    def models_key(self) -> str:
+        """Set of every model a worker has ever served in this namespace (known models)."""
+        return f"{self.namespace}:models"

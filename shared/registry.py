@@ -1,0 +1,59 @@
+"""Which workers are alive and which models they serve, kept in Redis.
+
+Workers heartbeat into one hash with an expiry time inside each entry; readers
+ignore (and sweep) expired entries, so a killed worker's model disappears once its
+last heartbeat expires. Every model ever served is also remembered, which tells
+"unknown model" (404) from "known model, no worker right now" (503).
+"""
+
+import time
+
+import orjson
+import redis.asyncio as redis
+
+from shared.names import Names
+
+# An entry is deleted only long after it expired, so a sweep never races a live
+# worker's refresh of its own entry.
+_SWEEP_GRACE_S = 60.0
+
+
+class WorkerRegistry:
+    """Reads and writes worker heartbeats for one namespace."""
+
+    def __init__(self, client: redis.Redis, names: Names) -> None:
+        self._redis = client
+        self._names = names
+
+    async def heartbeat(self, *, worker_id: str, model: str, ttl_s: float, max_seqs: int) -> None:
+        """Announce that `worker_id` serves `model` for the next `ttl_s` seconds."""
+        entry = {"model": model, "expires_at": time.time() + ttl_s, "max_seqs": max_seqs}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self._names.workers_key, worker_id, orjson.dumps(entry))
+            pipe.sadd(self._names.models_key, model)
+            await pipe.execute()
+
+    async def remove(self, worker_id: str) -> None:
+        """Withdraw a worker at once (clean shutdown)."""
+        await self._redis.hdel(self._names.workers_key, worker_id)
+
+    async def live_models(self) -> dict[str, int]:
+        """Return model -> number of live workers, sweeping expired heartbeats."""
+        entries = await self._redis.hgetall(self._names.workers_key)
+        now = time.time()
+        live: dict[str, int] = {}
+        expired: list[bytes] = []
+        for worker_id, raw in entries.items():
+            entry = orjson.loads(raw)
+            if entry["expires_at"] < now - _SWEEP_GRACE_S:
+                expired.append(worker_id)
+            if entry["expires_at"] < now:
+                continue
+            live[entry["model"]] = live.get(entry["model"], 0) + 1
+        if expired:
+            await self._redis.hdel(self._names.workers_key, *expired)
+        return live
+
+    async def is_known(self, model: str) -> bool:
+        """True if any worker has ever served `model` in this namespace."""
+        return bool(await self._redis.sismember(self._names.models_key, model))
