@@ -36,7 +36,8 @@ async def ensure_database(url: str, *, timeout_s: float = 10.0) -> bool:
         quoted = '"' + name.replace('"', '""') + '"'
         try:
             await conn.execute(f"CREATE DATABASE {quoted}")
-        except asyncpg.DuplicateDatabaseError:
+        except (asyncpg.DuplicateDatabaseError, asyncpg.UniqueViolationError):
+            # Another migrator created it between our check and our CREATE.
             return False
         log.info("database_created", database=name)
         return True

@@ -101,6 +101,7 @@ class JobRunner:
         headers = message.headers or {}
         bind_contextvars(job_id=job.job_id, tenant=job.tenant, request_id=headers.get("x-request-id"))
         publisher = ChunkPublisher(self._redis, job.channel)
+        started = time.perf_counter()
         try:
             outcome = await self._run(job, publisher)
         except Exception as exc:  # noqa: BLE001 - any failure must end the client's stream
@@ -110,6 +111,13 @@ class JobRunner:
             return
         self._metrics.jobs.labels(job.model, outcome).inc()
         await message.ack()
+        log.info(
+            "job_finished",
+            outcome=outcome,
+            chunks=publisher.seq,
+            redelivered=message.redelivered,
+            duration_ms=round((time.perf_counter() - started) * 1000, 1),
+        )
 
     async def _fail(self, publisher: ChunkPublisher, message: AbstractIncomingMessage) -> None:
         """Requeue a crashed job once; a second crash dead-letters it and tells the client."""

@@ -1,0 +1,55 @@
+"""End-to-end fixtures: the three services as real processes, on the sim engine unless a test says otherwise."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from tests.e2e.stack import Service, Stack
+
+SIM_MODEL = "sim-model"
+SIM_ENV = {"AXON_ENGINE": "sim", "AXON_MODEL": SIM_MODEL, "AXON_SIM_TTFT_MS": "20", "AXON_SIM_ITL_MS": "5"}
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("service-logs")
+
+
+@pytest.fixture(scope="session")
+def stack(namespace: str, database_url: str, log_dir: Path) -> Iterator[Stack]:
+    """Processes shared by the e2e tests: one sim worker, one session manager, one gateway."""
+    stack = Stack(namespace=namespace, database_url=database_url, log_dir=log_dir)
+    try:
+        stack.start("worker:sim", env=SIM_ENV)
+        sessions = stack.start("sessions")
+        stack.start("gateway", env={"AXON_SESSIONS_URL": sessions.url})
+        yield stack
+    finally:
+        stack.close()
+
+
+@pytest.fixture(scope="session")
+def gateway(stack: Stack) -> Service:
+    return next(s for s in stack.services if s.name == "gateway")
+
+
+@pytest.fixture(scope="session")
+def sessions(stack: Stack) -> Service:
+    return next(s for s in stack.services if s.name == "sessions")
+
+
+@pytest.fixture(scope="session")
+def sim_worker(stack: Stack) -> Service:
+    return next(s for s in stack.services if s.name == "worker:sim")
+
+
+@pytest.fixture
+def client(gateway: Service) -> OpenAI:
+    return OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture
+def aclient(gateway: Service) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=30)

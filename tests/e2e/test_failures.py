@@ -1,0 +1,144 @@
+"""Bad input, missing workers, deadlines and disconnects: explicit errors, never a hang."""
+
+import re
+import time
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.e2e.conftest import SIM_MODEL
+from tests.e2e.stack import Service, Stack, free_port
+
+pytestmark = pytest.mark.e2e
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def _assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    return error
+
+
+def test_unknown_model_is_404_model_not_found(client: OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert caught.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b'{"model": "sim-model", "messages": []}', "messages"),
+        (b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "temperature": 9}', "temperature"),
+        (b'{"model": "sim-model", "messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role"),
+        (b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
+        (b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+    ],
+)
+def test_invalid_bodies_are_400_in_openai_shape(gateway: Service, body: bytes, param: str | None) -> None:
+    response = httpx.post(
+        f"{gateway.url}/v1/chat/completions", content=body,
+        headers={"content-type": "application/json"}, timeout=10,
+    )
+    error = _assert_openai_error(response, 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+def test_oversized_body_is_413(gateway: Service) -> None:
+    body = b'{"model": "sim-model", "prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
+    response = httpx.post(f"{gateway.url}/v1/completions", content=body, timeout=30)
+    _assert_openai_error(response, 413)
+
+
+def test_max_tokens_over_the_server_limit_is_400(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=SIM_MODEL, messages=MESSAGES, max_tokens=10**6)
+    assert caught.value.body["param"] == "max_tokens"
+
+
+def test_killed_worker_leaves_models_within_15s_then_503_fast(stack: Stack, gateway: Service, client: OpenAI) -> None:
+    model = "ephemeral-model"
+    worker = stack.start("worker:ephemeral", env={"AXON_ENGINE": "sim", "AXON_MODEL": model})
+    assert model in [m.id for m in client.models.list().data]
+    worker.kill()
+    killed_at = time.monotonic()
+    while model in [m.id for m in client.models.list().data]:
+        assert time.monotonic() - killed_at < 15, "killed worker's model still listed after 15 s"
+        time.sleep(0.5)
+    asked_at = time.monotonic()
+    response = httpx.post(
+        f"{gateway.url}/v1/chat/completions", json={"model": model, "messages": MESSAGES}, timeout=10
+    )
+    assert time.monotonic() - asked_at < 5
+    error = _assert_openai_error(response, 503)
+    assert error["code"] == "no_worker"
+    assert int(response.headers["retry-after"]) > 0
+
+
+@pytest.fixture(scope="module")
+def short_deadline_sessions(stack: Stack) -> Service:
+    """A second session manager whose requests expire after 1 s, and slow sim workers behind it."""
+    stack.start("worker:slow-start", env={"AXON_ENGINE": "sim", "AXON_MODEL": "slow-start", "AXON_SIM_TTFT_MS": "3000"})
+    stack.start("worker:slow-tail", env={"AXON_ENGINE": "sim", "AXON_MODEL": "slow-tail", "AXON_SIM_TTFT_MS": "0", "AXON_SIM_ITL_MS": "400"})
+    return stack.start("sessions:short", env={"AXON_REQUEST_TIMEOUT_S": "1"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deadline_before_first_token_is_504(short_deadline_sessions: Service, stream: bool) -> None:
+    started = time.monotonic()
+    response = httpx.post(
+        f"{short_deadline_sessions.url}/v1/chat/completions",
+        json={"model": "slow-start", "messages": MESSAGES, "max_tokens": 3, "stream": stream},
+        timeout=10,
+    )
+    assert time.monotonic() - started < 3
+    error = _assert_openai_error(response, 504)
+    assert error["type"] == "timeout_error"
+
+
+def test_deadline_mid_stream_ends_with_an_error_event(short_deadline_sessions: Service) -> None:
+    client = OpenAI(base_url=f"{short_deadline_sessions.url}/v1", api_key="unused", max_retries=0, timeout=10)
+    stream = client.chat.completions.create(model="slow-tail", messages=MESSAGES, max_tokens=20, stream=True)
+    received = []
+    with pytest.raises(openai.APIError, match="deadline"):
+        for chunk in stream:
+            received.append(chunk)
+    assert received, "the stream should have started before the deadline"
+
+
+def test_session_manager_down_is_503_and_not_ready(stack: Stack) -> None:
+    lonely = stack.start(
+        "gateway:lonely", env={"AXON_SESSIONS_URL": f"http://127.0.0.1:{free_port()}"}, ready_path="/health"
+    )
+    response = httpx.post(f"{lonely.url}/v1/chat/completions", json={"model": SIM_MODEL, "messages": MESSAGES}, timeout=10)
+    _assert_openai_error(response, 503)
+    assert response.headers["retry-after"]
+    ready = httpx.get(f"{lonely.url}/ready", timeout=10)
+    assert ready.status_code == 503 and "session manager" in ready.json()["reason"]
+
+
+def _cancelled_jobs(worker: Service) -> float:
+    text = httpx.get(f"{worker.url}/metrics", timeout=5).text
+    match = re.search(r'axon_worker_jobs_total\{model="sim-model",outcome="cancelled"\} ([0-9.]+)', text)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_client_disconnect_cancels_generation_on_the_worker(gateway: Service, sim_worker: Service) -> None:
+    before = _cancelled_jobs(sim_worker)
+    body = {"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 4000, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+    deadline = time.monotonic() + 5
+    while _cancelled_jobs(sim_worker) <= before:
+        assert time.monotonic() < deadline, "the worker did not abort the abandoned stream"
+        time.sleep(0.1)

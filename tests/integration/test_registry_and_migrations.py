@@ -1,0 +1,45 @@
+"""Worker registry against the real Redis; migrations against the real PostgreSQL."""
+
+import asyncio
+import time
+import uuid
+
+import asyncpg
+import pytest
+
+from shared.migrations import migrate
+from shared.names import Names
+from shared.registry import WorkerRegistry
+
+
+async def test_heartbeat_makes_a_model_live_until_it_expires(redis_client, namespace) -> None:
+    names = Names(f"{namespace}-reg-{uuid.uuid4().hex[:6]}")
+    registry = WorkerRegistry(redis_client, names)
+    assert await registry.live_models() == {}
+    assert not await registry.is_known("m")
+    await registry.heartbeat(worker_id="w1", model="m", ttl_s=0.5, max_seqs=4)
+    await registry.heartbeat(worker_id="w2", model="m", ttl_s=5, max_seqs=4)
+    assert await registry.live_models() == {"m": 2}
+    await asyncio.sleep(0.7)
+    assert await registry.live_models() == {"m": 1}
+    await registry.remove("w2")
+    assert await registry.live_models() == {}
+    assert await registry.is_known("m")  # once served, a model stays known (503, not 404)
+    await redis_client.delete(names.workers_key, names.models_key)
+
+
+async def test_migrations_are_idempotent_and_safe_to_run_concurrently(run_id) -> None:
+    url = f"postgresql://postgres@127.0.0.1:5432/axon_test_{run_id}_mig"
+    try:
+        results = await asyncio.gather(migrate(url), migrate(url))
+        applied = sorted(results, key=len)
+        assert applied[0] == [] and applied[1] == ["0001_initial"]
+        assert await migrate(url) == []
+        conn = await asyncpg.connect(url)
+        tables = {r["tablename"] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+        await conn.close()
+        assert {"api_keys", "conversations", "messages", "usage", "schema_migrations"} <= tables
+    finally:
+        conn = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/postgres")
+        await conn.execute(f'DROP DATABASE IF EXISTS "axon_test_{run_id}_mig" WITH (FORCE)')
+        await conn.close()
