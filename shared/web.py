@@ -66,7 +66,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Map every exception to OpenAI's error shape; bad input never becomes a bare 500."""
+    """Map Axon, validation and HTTP errors to OpenAI's error shape; bad input never becomes a 500.
+
+    Unexpected exceptions are answered by `RequestContextMiddleware`.
+    """
 
     @app.exception_handler(AxonError)
     async def _axon_error(_request: Request, exc: AxonError) -> Response:
@@ -83,12 +86,6 @@ def install_error_handlers(app: FastAPI) -> None:
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         body = error_body(str(exc.detail), error_type=error_type)
         return ORJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> Response:
-        log.exception("unhandled_error", error=repr(exc))
-        body = error_body("Internal server error.", error_type="server_error", code="internal_error")
-        return ORJSONResponse(body, status_code=500)
 
 
 class RequestContextMiddleware:
@@ -117,12 +114,13 @@ class RequestContextMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         clear_contextvars()
         bind_contextvars(request_id=request_id)
-        status = {"code": 500}
+        status: dict = {"code": 500}
         started = time.perf_counter()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                status["started"] = True
                 headers = list(message.get("headers", []))
                 headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
                 message["headers"] = headers
@@ -130,6 +128,14 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            # Answered here rather than by Starlette's outermost error middleware, so even
+            # a 500 carries the request id and is counted.
+            log.exception("unhandled_error", error=repr(exc))
+            if status.get("started"):
+                raise
+            body = error_body("Internal server error.", error_type="server_error", code="internal_error")
+            await ORJSONResponse(body, status_code=500)(scope, receive, send_with_id)
         finally:
             duration_s = time.perf_counter() - started
             if self.metrics is not None:
@@ -148,7 +154,7 @@ def _incoming_request_id(scope: Scope) -> str | None:
     for name, value in scope.get("headers", ()):
         if name == b"x-request-id":
             text = value.decode("latin-1").strip()
-            if 0 < len(text) <= _MAX_REQUEST_ID_LEN and text.isprintable():
+            if 0 < len(text) <= _MAX_REQUEST_ID_LEN and text.isascii() and text.isprintable():
                 return text
     return None
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -49,6 +50,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         connection = await connect_amqp(settings.amqp_url, timeout_s=settings.connect_timeout_s)
         relay = TokenRelay(
             subscriber,
+            home_channel=names.relay_channel(uuid.uuid4().hex),
             buffer_chunks=settings.stream_buffer_chunks,
             subscribe_timeout_s=settings.subscribe_timeout_s,
         )

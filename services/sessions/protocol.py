@@ -107,6 +107,11 @@ class CompletionRequest(_SamplingFields):
 Kind = Literal["chat", "completion"]
 
 
+def openai_finish_reason(reason: FinishReason | None) -> str | None:
+    """Axon's finish reasons as OpenAI's: a cancelled answer simply stopped."""
+    return "stop" if reason == "cancelled" else reason
+
+
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -132,9 +137,9 @@ class ResponseBuilder:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if finish_reason is not None and not text and not first:
                 delta = {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
             return self._envelope([choice], "chat.completion.chunk")
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
         return self._envelope([choice], "text_completion")
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -151,11 +156,11 @@ class ResponseBuilder:
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": None,
-                "finish_reason": finish_reason,
+                "finish_reason": openai_finish_reason(finish_reason),
             }
             body = self._envelope([choice], "chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
             body = self._envelope([choice], "text_completion")
         body["usage"] = usage_dict(prompt_tokens, completion_tokens)
         return body

@@ -7,7 +7,6 @@ confirmed the subscription, so the job can be published without losing its first
 
 import asyncio
 import contextlib
-import uuid
 
 import redis.asyncio as redis
 
@@ -40,7 +39,9 @@ class TokenStream:
 class TokenRelay:
     """Shared pub/sub subscriber that fans chunks out to per-job queues."""
 
-    def __init__(self, client: redis.Redis, *, buffer_chunks: int, subscribe_timeout_s: float) -> None:
+    def __init__(
+        self, client: redis.Redis, *, home_channel: str, buffer_chunks: int, subscribe_timeout_s: float
+    ) -> None:
         self._redis = client
         self._pubsub = client.pubsub()
         self._buffer_chunks = buffer_chunks
@@ -48,7 +49,7 @@ class TokenRelay:
         self._queues: dict[str, asyncio.Queue[bytes]] = {}
         self._confirmations: dict[str, asyncio.Future[None]] = {}
         # A subscription of our own keeps the connection in subscriber mode while idle.
-        self._home_channel = f"relay:{uuid.uuid4().hex}"
+        self._home_channel = home_channel
         self._reader: asyncio.Task | None = None
 
     async def start(self) -> None:

@@ -209,7 +209,7 @@ class CompletionService:
         usage = last.usage
         return active.builder.response(
             "".join(parts),
-            last.finish_reason if last.finish_reason != "cancelled" else "stop",
+            last.finish_reason or "stop",
             usage.prompt_tokens if usage else 0,
             usage.completion_tokens if usage else 0,
         )

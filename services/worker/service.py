@@ -16,7 +16,7 @@ from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
 from shared.registry import WorkerRegistry
 from shared.schemas import ChunkError, FinishReason, Job, TokenChunk, Usage
-from services.worker.engines import Engine, EngineError, GenerationRequest
+from services.worker.engines import Engine, EngineError, GenerationRequest, InvalidPrompt
 from services.worker.metrics import WorkerMetrics
 
 log = get_logger(__name__)
@@ -144,9 +144,12 @@ class JobRunner:
             await self._engine.abort(job.job_id)
             await publisher.finish_with_error("The request's deadline passed during generation.", "timeout_error")
             return "expired"
+        except InvalidPrompt as exc:
+            await publisher.finish_with_error(str(exc), "invalid_request_error")
+            return "invalid"
         except EngineError as exc:
             log.warning("job_failed", error=str(exc))
-            await publisher.finish_with_error(str(exc), "invalid_request_error")
+            await publisher.finish_with_error(str(exc), "server_error")
             return "error"
 
     async def _generate(self, job: Job, publisher: ChunkPublisher) -> str:

@@ -11,9 +11,11 @@ from tests.conftest import REDIS_URL
 
 
 @pytest.fixture
-async def relay():
+async def relay(namespace):
     subscriber = create_redis(REDIS_URL, timeout_s=5, for_pubsub=True)
-    relay = TokenRelay(subscriber, buffer_chunks=16, subscribe_timeout_s=5)
+    relay = TokenRelay(
+        subscriber, home_channel=f"{namespace}:relay:{uuid.uuid4().hex}", buffer_chunks=16, subscribe_timeout_s=5
+    )
     await relay.start()
     yield relay
     await relay.stop()

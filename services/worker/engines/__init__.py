@@ -1,5 +1,11 @@
 """Inference engines behind one interface, chosen by `AXON_ENGINE`."""
 
-from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest
+from services.worker.engines.base import (
+    Engine,
+    EngineError,
+    EngineOutput,
+    GenerationRequest,
+    InvalidPrompt,
+)
 
-__all__ = ["Engine", "EngineError", "EngineOutput", "GenerationRequest"]
+__all__ = ["Engine", "EngineError", "EngineOutput", "GenerationRequest", "InvalidPrompt"]

@@ -8,7 +8,11 @@ from shared.schemas import FinishReason, Message, Sampling
 
 
 class EngineError(Exception):
-    """The engine failed a request; the message is safe to show the client."""
+    """The engine failed a request (a server fault); the message is safe to show the client."""
+
+
+class InvalidPrompt(EngineError):
+    """The request cannot be served as asked (e.g. the prompt does not fit the context)."""
 
 
 @dataclass(frozen=True, slots=True)

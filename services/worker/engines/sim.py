@@ -39,6 +39,7 @@ class SimEngine(Engine):
         self.max_seqs = max_seqs
         self._ttft_s = ttft_ms / 1000
         self._itl_s = itl_ms / 1000
+        self._running_ids: set[str] = set()
         self._aborted: set[str] = set()
         self._running = False
 
@@ -49,7 +50,8 @@ class SimEngine(Engine):
         self._running = False
 
     async def abort(self, request_id: str) -> None:
-        self._aborted.add(request_id)
+        if request_id in self._running_ids:
+            self._aborted.add(request_id)
 
     async def check_health(self) -> None:
         return None
@@ -60,6 +62,7 @@ class SimEngine(Engine):
         sampling = request.sampling
         stops = StopMatcher(sampling.stop)
         started = time.monotonic()
+        self._running_ids.add(request.request_id)
         try:
             for index in range(sampling.max_tokens):
                 due = started + self._ttft_s + index * self._itl_s
@@ -79,4 +82,5 @@ class SimEngine(Engine):
                     text, 1, prompt_tokens, index + 1, finish_reason="length" if last else None
                 )
         finally:
+            self._running_ids.discard(request.request_id)
             self._aborted.discard(request.request_id)

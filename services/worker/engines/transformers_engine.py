@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from shared.logging import get_logger
-from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest
+from services.worker.engines.base import (
+    Engine,
+    EngineError,
+    EngineOutput,
+    GenerationRequest,
+    InvalidPrompt,
+)
 from services.worker.engines.text import IncrementalDetokenizer, StopMatcher
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -148,7 +154,7 @@ class TransformersEngine(Engine):
         prompt_tokens = len(prompt_ids)
         max_tokens = min(request.sampling.max_tokens, self._context_tokens - prompt_tokens)
         if max_tokens < 1:
-            raise EngineError(
+            raise InvalidPrompt(
                 f"The prompt is {prompt_tokens} tokens, which leaves no room in the model's "
                 f"context of {self._context_tokens} tokens."
             )

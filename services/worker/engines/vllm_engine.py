@@ -108,14 +108,15 @@ class VllmEngine(Engine):
             **sampling_kwargs(request.sampling), output_kind=RequestOutputKind.DELTA
         )
         completion_tokens = 0
+        unsent_tokens = 0
         async for output in self._engine.generate(
             self._prompt(request), params, request.request_id
         ):
             piece = output.outputs[0]
             completion_tokens += len(piece.token_ids)
+            unsent_tokens += len(piece.token_ids)
             prompt_tokens = len(output.prompt_token_ids or ())
             reason = finish_reason(piece.finish_reason) if output.finished else None
             if piece.text or reason is not None:
-                yield EngineOutput(
-                    piece.text, len(piece.token_ids), prompt_tokens, completion_tokens, reason
-                )
+                yield EngineOutput(piece.text, unsent_tokens, prompt_tokens, completion_tokens, reason)
+                unsent_tokens = 0

@@ -1,0 +1,64 @@
+"""shared.names: every resource name is built from the namespace, so stacks never collide."""
+
+import pytest
+
+from shared.names import Names
+
+MODEL = "smollm2"
+JOB_ID = "0f5e3c1a-job"
+
+
+def all_names(names: Names) -> dict[str, str]:
+    """Every name `Names` produces, keyed by what it is."""
+    return {
+        "jobs_exchange": names.jobs_exchange,
+        "jobs_queue": names.jobs_queue(MODEL),
+        "dead_letter_exchange": names.dead_letter_exchange,
+        "dead_letter_queue": names.dead_letter_queue,
+        "tokens_channel": names.tokens_channel(JOB_ID),
+        "cancel_channel": names.cancel_channel,
+        "relay_channel": names.relay_channel("r1"),
+        "workers_key": names.workers_key,
+        "models_key": names.models_key,
+    }
+
+
+def test_all_names_covers_every_public_name() -> None:
+    # Guard for the tests below: a new name added to Names must be added to all_names too.
+    public = {n for n in dir(Names) if not n.startswith("_") and n != "namespace"}
+    assert public == set(all_names(Names("ns")))
+
+
+@pytest.mark.parametrize("namespace", ["axon", "axon_test_1234"])
+def test_every_name_starts_with_the_namespace(namespace: str) -> None:
+    for kind, name in all_names(Names(namespace)).items():
+        assert name.startswith(namespace), kind
+        separator = name[len(namespace)]
+        assert separator in ".:", f"{kind}: {name!r} does not separate the namespace"
+
+
+def test_names_within_one_namespace_are_distinct() -> None:
+    names = list(all_names(Names("axon")).values())
+    assert len(set(names)) == len(names)
+
+
+def test_two_namespaces_never_share_a_name() -> None:
+    # "axon" is a prefix of "axon2": a separator must keep them apart.
+    first = set(all_names(Names("axon")).values())
+    second = set(all_names(Names("axon2")).values())
+    assert first.isdisjoint(second)
+
+
+def test_documented_shapes() -> None:
+    names = Names("ns")
+    assert names.jobs_exchange == "ns.jobs"
+    assert names.jobs_queue(MODEL) == f"ns.jobs.{MODEL}"
+    assert names.dead_letter_queue == "ns.jobs.dead"
+    assert names.tokens_channel(JOB_ID) == f"ns:tokens:{JOB_ID}"
+    assert names.cancel_channel == "ns:cancel"
+
+
+def test_job_channel_and_queue_depend_on_their_argument() -> None:
+    names = Names("ns")
+    assert names.tokens_channel("a") != names.tokens_channel("b")
+    assert names.jobs_queue("m1") != names.jobs_queue("m2")
