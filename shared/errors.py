@@ -64,6 +64,14 @@ class PayloadTooLarge(AxonError):
     default_code = "request_too_large"
 
 
+class RateLimited(AxonError):
+    """A per-key limit is exhausted; the headers say exactly when to come back."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+
 class Unavailable(AxonError):
     """Refused early because nothing can serve the request now; retry after `retry_after_s`."""
 

@@ -56,3 +56,15 @@ class Names:
     def models_key(self) -> str:
         """Set of every model a worker has ever served in this namespace (known models)."""
         return f"{self.namespace}:models"
+
+    def key_cache(self, key_hash_hex: str) -> str:
+        """Cached lookup of an API key by its hash ("-" caches "no such key")."""
+        return f"{self.namespace}:key:{key_hash_hex}"
+
+    def key_touched(self, key_id: str) -> str:
+        """Set while a key's `last_used_at` was written recently, so it is written rarely."""
+        return f"{self.namespace}:key-touched:{key_id}"
+
+    def rate_limit(self, kind: str, key_id: str) -> str:
+        """Limiter state of one key: `rpm`/`tpm` (GCRA arrival time) or `conc` (lease set)."""
+        return f"{self.namespace}:rl:{kind}:{key_id}"

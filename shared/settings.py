@@ -21,5 +21,9 @@ class CommonSettings(BaseSettings):
     log_format: Literal["json", "console"] = "json"
     # Part of the job queue's declaration: every declarer must use the same value.
     max_queued_jobs: int = Field(1000, ge=1)
+    # Limits given to API keys created without explicit ones (CLI and admin API).
+    default_rpm: int = Field(600, ge=1)
+    default_tpm: int = Field(200_000, ge=1)
+    default_max_concurrent: int = Field(32, ge=1)
     # Connect/command timeout for Redis and the broker; every wait has a deadline.
     connect_timeout_s: float = Field(5.0, gt=0)

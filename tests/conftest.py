@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import asyncpg
 import pytest
 
+from shared.keys import KeyLimits, KeyRepository
 from shared.migrations import migrate, split_database_url
 
 REDIS_URL = os.environ.get("AXON_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -56,3 +57,20 @@ async def redis_client() -> AsyncIterator:
     client = create_redis(REDIS_URL, timeout_s=5)
     yield client
     await client.aclose()
+
+
+async def create_key(database_url: str, *, name: str, limits: KeyLimits, tenant: str | None = None) -> str:
+    """Create an API key in the test database; returns the key."""
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
+    try:
+        key, _record = await KeyRepository(pool).create(name=name, limits=limits, tenant=tenant)
+        return key
+    finally:
+        await pool.close()
+
+
+@pytest.fixture(scope="session")
+def api_key(database_url: str) -> str:
+    """A key with limits far above anything the tests send."""
+    limits = KeyLimits(rpm=1_000_000, tpm=100_000_000, max_concurrent=10_000)
+    return asyncio.run(create_key(database_url, name="tests", limits=limits, tenant="tests"))

@@ -8,6 +8,7 @@ from shared.logging import configure_logging
 from shared.migrations import migrate
 from shared.settings import CommonSettings
 from services.cli.checks import HOW_TO_START, check_dependencies
+from services.cli.keys import add_keys_command
 from services.cli.up import run_up
 
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_up)
     commands.add_parser("migrate", help="create the database if missing and apply migrations").set_defaults(func=_migrate)
     commands.add_parser("check", help="check that Redis, RabbitMQ and PostgreSQL are reachable").set_defaults(func=_check)
+    add_keys_command(commands)
     return parser
 
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -10,6 +11,9 @@ from dataclasses import dataclass
 
 import httpx
 
+import asyncpg
+
+from shared.keys import KeyLimits, KeyRepository
 from shared.migrations import migrate
 from shared.settings import CommonSettings
 from services.cli.checks import HOW_TO_START, check_dependencies
@@ -88,20 +92,44 @@ def _stop(processes: dict[str, subprocess.Popen], timeout_s: float) -> None:
             process.kill()
 
 
-def _print_examples(env: dict[str, str]) -> None:
+async def _create_dev_key(settings: CommonSettings) -> str:
+    """A fresh key for this local run (keys are shown once, so each run makes its own)."""
+    pool = await asyncpg.create_pool(settings.database_url, min_size=1, max_size=1, timeout=10)
+    try:
+        limits = KeyLimits(
+            rpm=settings.default_rpm, tpm=settings.default_tpm, max_concurrent=settings.default_max_concurrent
+        )
+        key, _record = await KeyRepository(pool).create(name="axon-up local", limits=limits, tenant="local")
+        return key
+    finally:
+        await pool.close()
+
+
+def _print_examples(env: dict[str, str], key: str, *, admin_token_generated: bool) -> None:
     port = env.get("AXON_GATEWAY_PORT", "8000")
     model = env.get("AXON_MODEL", "SmolLM2-135M-Instruct")
+    admin_note = (
+        f"Admin API token for this run (set AXON_ADMIN_TOKEN to choose your own): {env['AXON_ADMIN_TOKEN']}\n"
+        if admin_token_generated
+        else ""
+    )
     print(
         f"""
-Axon is up. Try it:
+Axon is up. An API key was created for this run (tenant "local"):
+
+  export AXON_API_KEY={key}
+
+Try it:
 
   curl -N http://127.0.0.1:{port}/v1/chat/completions \\
+    -H "Authorization: Bearer $AXON_API_KEY" \\
     -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "stream": true, "temperature": 0,
          "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
-Or with the openai client: OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="unused")
-Press Ctrl+C to stop.
+Or with the openai client: OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key=os.environ["AXON_API_KEY"])
+More keys: .venv/bin/axon keys create --name NAME
+{admin_note}Press Ctrl+C to stop.
 """,
         flush=True,
     )
@@ -115,8 +143,12 @@ def run_up(*, ready_timeout_s: float) -> int:
         return 1
     applied = asyncio.run(migrate(settings.database_url))
     _say(f"database ready ({len(applied)} migration(s) applied)")
+    key = asyncio.run(_create_dev_key(settings))
     env = dict(os.environ)
     env.setdefault("AXON_LOG_FORMAT", "console")
+    admin_token_generated = not env.get("AXON_ADMIN_TOKEN")
+    if admin_token_generated:
+        env["AXON_ADMIN_TOKEN"] = secrets.token_urlsafe(24)
     children = _children(env)
     processes = {
         c.name: subprocess.Popen([sys.executable, "-m", c.module], env=env) for c in children
@@ -132,7 +164,7 @@ def run_up(*, ready_timeout_s: float) -> int:
     try:
         if not _wait_ready(children, processes, ready_timeout_s):
             return 1
-        _print_examples(env)
+        _print_examples(env, key, admin_token_generated=admin_token_generated)
         while not stopping:
             for name, process in processes.items():
                 if process.poll() is not None:

@@ -3,24 +3,42 @@
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import asyncpg
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry
 
+from shared.clients import create_redis
+from shared.keys import KeyRepository
 from shared.logging import get_logger
-from shared.web import ORJSONResponse, HttpMetrics, RequestContextMiddleware, install_error_handlers, metrics_response
-from services.gateway.api.routes import router
-from services.gateway.service import Forwarder
+from shared.names import Names
+from shared.ratelimit import RateLimiter
+from shared.web import ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response
+from services.gateway.api import admin, routes
+from services.gateway.auth import Admitter, Authenticator
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.service import Forwarder, GatewayService
 from services.gateway.settings import GatewaySettings
 
 log = get_logger(__name__)
 
 
+class InsecureConfiguration(RuntimeError):
+    """The gateway refuses to start with this configuration."""
+
+
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
-    """Build the gateway app."""
+    """Build the gateway app.
+
+    Raises:
+        InsecureConfiguration: no admin token, or a short or well-known one.
+    """
     settings = settings or GatewaySettings()
-    registry = CollectorRegistry()
+    problem = settings.admin_token_problem()
+    if problem is not None:
+        raise InsecureConfiguration(f"Refusing to start the admin API: {problem}.")
+    metrics = GatewayMetrics()
+    names = Names(settings.namespace)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -29,11 +47,36 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             max_connections=settings.upstream_max_connections,
             max_keepalive_connections=settings.upstream_max_connections,
         )
-        async with httpx.AsyncClient(base_url=settings.sessions_url, timeout=timeout, limits=limits) as client:
-            app.state.upstream = client
-            app.state.forwarder = Forwarder(client)
-            log.info("gateway_ready", port=settings.gateway_port, sessions_url=settings.sessions_url)
-            yield
+        client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
+        # min_size=0: the gateway starts (and serves cached keys) even while PostgreSQL is down.
+        db = await asyncpg.create_pool(
+            settings.database_url, min_size=0, max_size=10, timeout=settings.connect_timeout_s,
+            command_timeout=settings.connect_timeout_s,
+        )
+        keys = KeyRepository(db)
+        try:
+            async with httpx.AsyncClient(base_url=settings.sessions_url, timeout=timeout, limits=limits) as upstream:
+                app.state.upstream = upstream
+                app.state.redis = client
+                app.state.db = db
+                app.state.keys = keys
+                app.state.names = names
+                app.state.authenticator = Authenticator(
+                    repository=keys, client=client, names=names, metrics=metrics,
+                    local_ttl_s=settings.key_cache_local_ttl_s, redis_ttl_s=settings.key_cache_ttl_s,
+                )  # fmt: skip
+                admitter = Admitter(
+                    limiter=RateLimiter(client, names), metrics=metrics,
+                    fail_open=settings.rate_limit_fail_open, lease_s=settings.concurrency_lease_s,
+                )  # fmt: skip
+                app.state.gateway = GatewayService(
+                    forwarder=Forwarder(upstream), admitter=admitter, max_body_bytes=settings.max_body_bytes
+                )
+                log.info("gateway_ready", port=settings.gateway_port, sessions_url=settings.sessions_url)
+                yield
+        finally:
+            await db.close()
+            await client.aclose()
 
     app = FastAPI(
         title="Axon",
@@ -42,14 +85,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.registry = registry
     install_error_handlers(app)
     app.add_middleware(
         RequestContextMiddleware,
-        metrics=HttpMetrics(registry),
+        metrics=metrics.http,
         quiet_paths=frozenset({"/health", "/ready", "/metrics"}),
     )
-    app.include_router(router)
+    app.include_router(routes.router)
+    app.include_router(admin.router)
 
     @app.get("/health")
     async def health() -> dict:
@@ -58,18 +101,29 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
-        """Readiness: the session manager is ready."""
-        try:
-            upstream = await request.app.state.upstream.get("/ready", timeout=3)
-        except httpx.HTTPError as exc:
-            return ORJSONResponse({"status": "not_ready", "reason": f"session manager unreachable: {exc!r}"}, status_code=503)
-        if upstream.status_code != 200:
-            return ORJSONResponse({"status": "not_ready", "reason": "session manager not ready"}, status_code=503)
+        """Readiness: Redis answers and the session manager is ready."""
+        reason = await _not_ready_reason(request.app)
+        if reason is not None:
+            return ORJSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
         return ORJSONResponse({"status": "ready"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics_endpoint() -> Response:
         """Prometheus metrics."""
-        return metrics_response(registry)
+        return metrics_response(metrics.registry)
 
     return app
+
+
+async def _not_ready_reason(app: FastAPI) -> str | None:
+    try:
+        await app.state.redis.ping()
+    except Exception as exc:  # noqa: BLE001 - any failure means not ready
+        return f"Redis unreachable: {exc!r}"
+    try:
+        upstream = await app.state.upstream.get("/ready", timeout=3)
+    except httpx.HTTPError as exc:
+        return f"session manager unreachable: {exc!r}"
+    if upstream.status_code != 200:
+        return "session manager not ready"
+    return None

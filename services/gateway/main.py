@@ -1,17 +1,24 @@
 """`axon-gateway`: run the public API gateway, configured only by environment."""
 
+import sys
+
 import uvicorn
 
-from shared.logging import configure_logging
-from services.gateway.app import create_app
+from shared.logging import configure_logging, get_logger
+from services.gateway.app import InsecureConfiguration, create_app
 from services.gateway.settings import GatewaySettings
 
 
 def main() -> None:
     settings = GatewaySettings()
     configure_logging(service="gateway", level=settings.log_level, log_format=settings.log_format)
+    try:
+        app = create_app(settings)
+    except InsecureConfiguration as exc:
+        get_logger(__name__).error("refusing_to_start", reason=str(exc))
+        sys.exit(2)
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.gateway_port,
         log_config=None,

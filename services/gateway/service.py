@@ -1,6 +1,9 @@
-"""Forwards public API calls to the session manager and streams its answer back unchanged."""
+"""The gateway's work: check the body, admit the caller, forward to the session manager and
+stream its answer back unchanged."""
 
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import orjson
@@ -9,7 +12,9 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from shared.errors import DeadlineExceeded, InvalidRequest, PayloadTooLarge, Unavailable, error_body
+from shared.keys import KeyRecord
 from shared.logging import get_logger
+from services.gateway.auth import Admission, Admitter
 
 log = get_logger(__name__)
 
@@ -28,20 +33,13 @@ _STREAM_BROKEN_EVENT = (
     )
     + b"\n\ndata: [DONE]\n\n"
 )
+# Rough size of a token in characters, and the per-message overhead of chat templates.
+_CHARS_PER_TOKEN = 4
+_TOKENS_PER_MESSAGE = 4
 
 
-async def _relay_stream(upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """Pass the event stream through; if the upstream dies mid-stream, end with an error event."""
-    try:
-        async for piece in upstream.aiter_raw():
-            yield piece
-    except httpx.HTTPError as exc:
-        log.warning("upstream_stream_broken", error=repr(exc))
-        yield _STREAM_BROKEN_EVENT
-
-
-async def read_json_body(request: Request, *, max_bytes: int) -> bytes:
-    """Read the body, refusing it as soon as it passes `max_bytes`, and check it is a JSON object.
+async def read_json_body(request: Request, *, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
+    """Read the body, refusing it as soon as it passes `max_bytes`; it must be a JSON object.
 
     Raises:
         PayloadTooLarge: the body is larger than `max_bytes`.
@@ -58,10 +56,39 @@ async def read_json_body(request: Request, *, max_bytes: int) -> bytes:
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
-        raise InvalidRequest("The request body is not valid JSON.") from None
+        raise InvalidRequest("The request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(parsed, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    return bytes(body)
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    return bytes(body), parsed
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """Prompt tokens estimated from characters, charged at admission; real usage is settled later."""
+    chars, messages = 0, 0
+    if isinstance(body.get("messages"), list):
+        for message in body["messages"]:
+            messages += 1
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list):
+        chars += sum(len(p) for p in prompt if isinstance(p, str))
+    return math.ceil(chars / _CHARS_PER_TOKEN) + messages * _TOKENS_PER_MESSAGE
+
+
+async def _relay_stream(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """Pass the event stream through; if the upstream dies mid-stream, end with an error event."""
+    try:
+        async for piece in upstream.aiter_raw():
+            yield piece
+    except httpx.HTTPError as exc:
+        log.warning("upstream_stream_broken", error=repr(exc))
+        yield _STREAM_BROKEN_EVENT
 
 
 class Forwarder:
@@ -77,8 +104,10 @@ class Forwarder:
         *,
         body: bytes | None,
         headers: dict[str, str],
+        on_close: Callable[[], Awaitable[None]],
     ) -> Response:
         """Send the request upstream and relay the response; streams stay streams.
+        `on_close` runs once the answer is complete (or abandoned).
 
         Raises:
             Unavailable: the session manager cannot be reached.
@@ -88,20 +117,78 @@ class Forwarder:
         try:
             upstream = await self._client.send(request, stream=True)
         except httpx.TimeoutException as exc:
+            await on_close()
             raise DeadlineExceeded("The session manager did not answer in time.") from exc
         except httpx.TransportError as exc:
+            await on_close()
             log.warning("upstream_unreachable", error=repr(exc))
             raise Unavailable("The session manager is unreachable; try again shortly.", retry_after_s=2) from exc
         response_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+
+            async def close() -> None:
+                await upstream.aclose()
+                await on_close()
+
             return StreamingResponse(
                 _relay_stream(upstream),
                 status_code=upstream.status_code,
                 headers=response_headers,
-                background=BackgroundTask(upstream.aclose),
+                background=BackgroundTask(close),
             )
         try:
             content = await upstream.aread()
         finally:
             await upstream.aclose()
+            await on_close()
         return Response(content, status_code=upstream.status_code, headers=response_headers)
+
+
+class GatewayService:
+    """Admits each call against its key's limits and forwards it."""
+
+    def __init__(self, *, forwarder: Forwarder, admitter: Admitter, max_body_bytes: int) -> None:
+        self._forwarder = forwarder
+        self._admitter = admitter
+        self._max_body_bytes = max_body_bytes
+
+    def _upstream_headers(self, request: Request, record: KeyRecord, *, prompt_estimate: int) -> dict[str, str]:
+        return {
+            "content-type": "application/json",
+            "x-request-id": request.scope["state"]["request_id"],
+            "x-axon-tenant": record.tenant,
+            "x-axon-priority": str(record.limits.priority),
+            "x-axon-key-id": record.id,
+            "x-axon-tpm-limit": str(record.limits.tpm or 0),
+            "x-axon-prompt-estimate": str(prompt_estimate),
+        }
+
+    async def _forward(
+        self, request: Request, record: KeyRecord, *, body: bytes | None, token_cost: int
+    ) -> Response:
+        admission: Admission = await self._admitter.admit(record, token_cost=token_cost)
+
+        async def release() -> None:
+            await self._admitter.release(admission)
+
+        response = await self._forwarder.forward(
+            request.method,
+            request.url.path + (f"?{request.url.query}" if request.url.query else ""),
+            body=body,
+            headers=self._upstream_headers(request, record, prompt_estimate=token_cost),
+            on_close=release,
+        )
+        response.headers.update(admission.headers())
+        return response
+
+    async def completion(self, request: Request, record: KeyRecord) -> Response:
+        """Forward a chat or text completion, charging its estimated prompt tokens."""
+        raw, parsed = await read_json_body(request, max_bytes=self._max_body_bytes)
+        return await self._forward(request, record, body=raw, token_cost=estimate_prompt_tokens(parsed))
+
+    async def call(self, request: Request, record: KeyRecord) -> Response:
+        """Forward any other API call (it counts against the key's request limits)."""
+        raw = None
+        if request.method in {"POST", "PUT", "PATCH"}:
+            raw, _ = await read_json_body(request, max_bytes=self._max_body_bytes)
+        return await self._forward(request, record, body=raw, token_cost=0)

@@ -1,8 +1,14 @@
 """Gateway settings (`AXON_*` environment variables)."""
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from shared.settings import CommonSettings
+
+# Admin tokens that must never protect a real deployment.
+WELL_KNOWN_TOKENS = frozenset(
+    {"admin", "changeme", "change-me", "secret", "password", "token", "test", "axon", "default", "dev"}
+)
+MIN_ADMIN_TOKEN_LEN = 16
 
 
 class GatewaySettings(CommonSettings):
@@ -10,8 +16,29 @@ class GatewaySettings(CommonSettings):
     gateway_port: int = Field(8000, ge=1, le=65535)
     sessions_url: str = "http://127.0.0.1:8001"
     # Request bodies larger than this are refused with 413 before being read whole.
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(1024 * 1024, ge=1024)
     # Waiting for the session manager's response headers (it waits for the first token).
     upstream_timeout_s: float = Field(330.0, gt=0)
     upstream_connect_timeout_s: float = Field(3.0, gt=0)
     upstream_max_connections: int = Field(1000, ge=1)
+
+    # Bearer token of the admin API (/admin/*). Required: the gateway refuses to start
+    # without one, or with a short or well-known one.
+    admin_token: SecretStr | None = None
+    # How long a key lookup is reused in-process; revocation takes effect within this.
+    key_cache_local_ttl_s: float = Field(0.5, ge=0, le=1)
+    # How long a key lookup is cached in Redis (found, and not found).
+    key_cache_ttl_s: int = Field(60, ge=1)
+    # Redis down: admit requests without rate limiting (true) or refuse with 503 (false).
+    rate_limit_fail_open: bool = False
+    # A concurrency lease is dropped after this long even if its gateway died holding it.
+    concurrency_lease_s: float = Field(360.0, gt=0)
+
+    def admin_token_problem(self) -> str | None:
+        """Why the admin token is unacceptable, or None."""
+        token = self.admin_token.get_secret_value() if self.admin_token else ""
+        if not token:
+            return "AXON_ADMIN_TOKEN is not set"
+        if token.lower() in WELL_KNOWN_TOKENS or len(token) < MIN_ADMIN_TOKEN_LEN:
+            return f"AXON_ADMIN_TOKEN is well known or shorter than {MIN_ADMIN_TOKEN_LEN} characters"
+        return None

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from shared.clients import connect_amqp, create_redis
 from shared.logging import get_logger
 from shared.names import Names
+from shared.ratelimit import RateLimiter
 from shared.registry import WorkerRegistry
 from shared.web import ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response
 from services.sessions.api.routes import router
@@ -77,6 +78,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 relay=relay,
                 publisher=publisher,
                 client=client,
+                limiter=RateLimiter(client, names),
                 metrics=metrics,
             )
             log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)

@@ -17,7 +17,8 @@ from pydantic import ValidationError
 from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, UpstreamError
 from shared.logging import bind_contextvars, get_logger
 from shared.names import Names
-from shared.schemas import Job, Sampling, TokenChunk
+from shared.ratelimit import RateLimiter
+from shared.schemas import Job, Sampling, TokenChunk, Usage
 from services.sessions.catalog import ModelCatalog
 from services.sessions.jobs import JobPublisher
 from services.sessions.metrics import SessionsMetrics
@@ -35,10 +36,13 @@ _ERROR_TYPES: dict[str, type[AxonError]] = {
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who is asking, as the gateway vouches for it."""
+    """Who is asking, as the gateway vouches for it, and what its admission was charged."""
 
     tenant: str
     priority: int = 0
+    key_id: str | None = None
+    tpm_limit: int = 0
+    prompt_estimate: int = 0
 
 
 def chunk_error(chunk: TokenChunk) -> AxonError:
@@ -51,12 +55,16 @@ def chunk_error(chunk: TokenChunk) -> AxonError:
 class ActiveJob:
     """A published job whose chunks are being received, deduplicated by `seq`, until its deadline."""
 
-    def __init__(self, *, job: Job, stream: TokenStream, builder: ResponseBuilder, started: float) -> None:
+    def __init__(
+        self, *, job: Job, caller: Caller, stream: TokenStream, builder: ResponseBuilder, started: float
+    ) -> None:
         self.job = job
+        self.caller = caller
         self.stream = stream
         self.builder = builder
         self.started = started
         self.finished = False
+        self.usage: Usage | None = None
         self._next_seq = 0
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
@@ -87,6 +95,8 @@ class ActiveJob:
                 log.warning("chunk_gap", expected=self._next_seq, got=chunk.seq)
             self._next_seq = chunk.seq + 1
             self.finished = chunk.is_final
+            if chunk.usage is not None:
+                self.usage = chunk.usage
             yield chunk
 
 
@@ -101,6 +111,7 @@ class CompletionService:
         relay: TokenRelay,
         publisher: JobPublisher,
         client: redis.Redis,
+        limiter: RateLimiter,
         metrics: SessionsMetrics,
     ) -> None:
         self._settings = settings
@@ -109,6 +120,7 @@ class CompletionService:
         self._relay = relay
         self._publisher = publisher
         self._redis = client
+        self._limiter = limiter
         self._metrics = metrics
         self._background: set[asyncio.Task] = set()
 
@@ -176,7 +188,7 @@ class CompletionService:
         self._metrics.jobs_published.labels(model).inc()
         self._metrics.active_streams.inc()
         builder = ResponseBuilder(kind=kind, job_id=job.job_id, model=body.model)
-        return ActiveJob(job=job, stream=stream, builder=builder, started=started)
+        return ActiveJob(job=job, caller=caller, stream=stream, builder=builder, started=started)
 
     async def first_chunk(self, active: ActiveJob) -> tuple[TokenChunk, AsyncIterator[TokenChunk]]:
         """Wait for the first chunk, so failures before any token get a real status code."""
@@ -266,6 +278,18 @@ class CompletionService:
                 await self._redis.publish(self._names.cancel_channel, active.job.job_id)
             except Exception as exc:  # noqa: BLE001 - best effort: the deadline bounds the work anyway
                 log.warning("cancel_publish_failed", error=repr(exc))
+        await self._settle_tokens(active)
+
+    async def _settle_tokens(self, active: ActiveJob) -> None:
+        """Charge the key's token budget with real usage, correcting the gateway's prompt estimate."""
+        caller, usage = active.caller, active.usage
+        if caller.key_id is None or not caller.tpm_limit or usage is None:
+            return
+        cost = usage.completion_tokens + usage.prompt_tokens - caller.prompt_estimate
+        try:
+            await self._limiter.charge_tokens(caller.key_id, caller.tpm_limit, cost)
+        except Exception as exc:  # noqa: BLE001 - accounting must not fail the answer
+            log.warning("token_charge_failed", error=repr(exc))
 
     def _spawn(self, coro) -> None:
         # Cleanup runs in its own task: the streaming task may itself be cancelled

@@ -46,10 +46,15 @@ def sim_worker(stack: Stack) -> Service:
 
 
 @pytest.fixture
-def client(gateway: Service) -> OpenAI:
-    return OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=30)
+def client(gateway: Service, api_key: str) -> OpenAI:
+    return OpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=30)
 
 
 @pytest.fixture
-def aclient(gateway: Service) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=30)
+def aclient(gateway: Service, api_key: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=30)
+
+
+@pytest.fixture
+def auth(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"}

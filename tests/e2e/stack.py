@@ -13,6 +13,8 @@ import httpx
 
 from tests.conftest import AMQP_URL, REDIS_URL
 
+ADMIN_TOKEN = "e2e-admin-token-0123456789abcdef"
+
 _MODULES = {
     "worker": "services.worker.main",
     "sessions": "services.sessions.main",
@@ -76,6 +78,7 @@ class Stack:
             AXON_DATABASE_URL=self.database_url,
             AXON_LOG_FORMAT="json",
             AXON_LOG_LEVEL="INFO",
+            AXON_ADMIN_TOKEN=ADMIN_TOKEN,
         )
         env.update(extra)
         return env

@@ -14,6 +14,8 @@ from tests.e2e.stack import Service, Stack, free_port
 pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "user", "content": "hello"}]
+# What the gateway adds when it forwards to the (internal) session manager.
+INTERNAL_HEADERS = {"x-axon-tenant": "tests"}
 
 
 def _assert_openai_error(response: httpx.Response, status: int) -> dict:
@@ -42,19 +44,19 @@ def test_unknown_model_is_404_model_not_found(client: OpenAI) -> None:
         (b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
     ],
 )
-def test_invalid_bodies_are_400_in_openai_shape(gateway: Service, body: bytes, param: str | None) -> None:
+def test_invalid_bodies_are_400_in_openai_shape(gateway: Service, auth: dict, body: bytes, param: str | None) -> None:
     response = httpx.post(
         f"{gateway.url}/v1/chat/completions", content=body,
-        headers={"content-type": "application/json"}, timeout=10,
+        headers={"content-type": "application/json", **auth}, timeout=10,
     )
     error = _assert_openai_error(response, 400)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
 
 
-def test_oversized_body_is_413(gateway: Service) -> None:
+def test_oversized_body_is_413(gateway: Service, auth: dict) -> None:
     body = b'{"model": "sim-model", "prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
-    response = httpx.post(f"{gateway.url}/v1/completions", content=body, timeout=30)
+    response = httpx.post(f"{gateway.url}/v1/completions", content=body, headers=auth, timeout=30)
     _assert_openai_error(response, 413)
 
 
@@ -64,7 +66,9 @@ def test_max_tokens_over_the_server_limit_is_400(client: OpenAI) -> None:
     assert caught.value.body["param"] == "max_tokens"
 
 
-def test_killed_worker_leaves_models_within_15s_then_503_fast(stack: Stack, gateway: Service, client: OpenAI) -> None:
+def test_killed_worker_leaves_models_within_15s_then_503_fast(
+    stack: Stack, gateway: Service, client: OpenAI, auth: dict
+) -> None:
     model = "ephemeral-model"
     worker = stack.start("worker:ephemeral", env={"AXON_ENGINE": "sim", "AXON_MODEL": model})
     assert model in [m.id for m in client.models.list().data]
@@ -75,7 +79,7 @@ def test_killed_worker_leaves_models_within_15s_then_503_fast(stack: Stack, gate
         time.sleep(0.5)
     asked_at = time.monotonic()
     response = httpx.post(
-        f"{gateway.url}/v1/chat/completions", json={"model": model, "messages": MESSAGES}, timeout=10
+        f"{gateway.url}/v1/chat/completions", json={"model": model, "messages": MESSAGES}, headers=auth, timeout=10
     )
     assert time.monotonic() - asked_at < 5
     error = _assert_openai_error(response, 503)
@@ -97,6 +101,7 @@ def test_deadline_before_first_token_is_504(short_deadline_sessions: Service, st
     response = httpx.post(
         f"{short_deadline_sessions.url}/v1/chat/completions",
         json={"model": "slow-start", "messages": MESSAGES, "max_tokens": 3, "stream": stream},
+        headers=INTERNAL_HEADERS,
         timeout=10,
     )
     assert time.monotonic() - started < 3
@@ -105,7 +110,10 @@ def test_deadline_before_first_token_is_504(short_deadline_sessions: Service, st
 
 
 def test_deadline_mid_stream_ends_with_an_error_event(short_deadline_sessions: Service) -> None:
-    client = OpenAI(base_url=f"{short_deadline_sessions.url}/v1", api_key="unused", max_retries=0, timeout=10)
+    client = OpenAI(
+        base_url=f"{short_deadline_sessions.url}/v1", api_key="unused", max_retries=0, timeout=10,
+        default_headers=INTERNAL_HEADERS,
+    )
     stream = client.chat.completions.create(model="slow-tail", messages=MESSAGES, max_tokens=20, stream=True)
     received = []
     with pytest.raises(openai.APIError, match="deadline"):
@@ -114,11 +122,13 @@ def test_deadline_mid_stream_ends_with_an_error_event(short_deadline_sessions: S
     assert received, "the stream should have started before the deadline"
 
 
-def test_session_manager_down_is_503_and_not_ready(stack: Stack) -> None:
+def test_session_manager_down_is_503_and_not_ready(stack: Stack, auth: dict) -> None:
     lonely = stack.start(
         "gateway:lonely", env={"AXON_SESSIONS_URL": f"http://127.0.0.1:{free_port()}"}, ready_path="/health"
     )
-    response = httpx.post(f"{lonely.url}/v1/chat/completions", json={"model": SIM_MODEL, "messages": MESSAGES}, timeout=10)
+    response = httpx.post(
+        f"{lonely.url}/v1/chat/completions", json={"model": SIM_MODEL, "messages": MESSAGES}, headers=auth, timeout=10
+    )
     _assert_openai_error(response, 503)
     assert response.headers["retry-after"]
     ready = httpx.get(f"{lonely.url}/ready", timeout=10)
@@ -131,10 +141,10 @@ def _cancelled_jobs(worker: Service) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def test_client_disconnect_cancels_generation_on_the_worker(gateway: Service, sim_worker: Service) -> None:
+def test_client_disconnect_cancels_generation_on_the_worker(gateway: Service, sim_worker: Service, auth: dict) -> None:
     before = _cancelled_jobs(sim_worker)
     body = {"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 4000, "stream": True}
-    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30) as response:
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, headers=auth, timeout=30) as response:
         lines = response.iter_lines()
         for _ in range(5):
             next(lines)

@@ -48,9 +48,9 @@ def test_chat_streaming_matches_non_streaming_and_reports_usage(client: OpenAI) 
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
-def test_stream_ends_with_done_marker(gateway: Service) -> None:
+def test_stream_ends_with_done_marker(gateway: Service, auth: dict) -> None:
     body = {"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 3, "stream": True}
-    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30) as response:
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, headers=auth, timeout=30) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -94,12 +94,12 @@ async def test_sixteen_concurrent_streams_all_complete(aclient: AsyncOpenAI) -> 
     assert results == [(40, "length")] * 16
 
 
-def test_request_id_travels_to_the_worker_and_back(gateway: Service, sim_worker: Service) -> None:
+def test_request_id_travels_to_the_worker_and_back(gateway: Service, sim_worker: Service, auth: dict) -> None:
     request_id = "e2e-trace-4711"
     response = httpx.post(
         f"{gateway.url}/v1/chat/completions",
         json={"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 2},
-        headers={"x-request-id": request_id},
+        headers={"x-request-id": request_id, **auth},
         timeout=30,
     )
     assert response.status_code == 200

@@ -23,8 +23,8 @@ def model_worker(stack: Stack) -> Service:
 
 
 @pytest.fixture
-def model_client(model_worker: Service, gateway: Service) -> OpenAI:
-    return OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def model_client(model_worker: Service, gateway: Service, api_key: str) -> OpenAI:
+    return OpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
 def test_capital_of_france_is_paris_streaming_and_not(model_client: OpenAI) -> None:
@@ -58,8 +58,8 @@ def test_text_completion_continues_the_prompt(model_client: OpenAI) -> None:
     assert response.usage.completion_tokens <= 8
 
 
-async def test_concurrent_requests_all_complete(model_worker: Service, gateway: Service) -> None:
-    client = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)
+async def test_concurrent_requests_all_complete(model_worker: Service, gateway: Service, api_key: str) -> None:
+    client = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=120)
     prompts = [f"Count from {i} to {i + 5}." for i in range(6)]
     responses = await asyncio.gather(*(
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], temperature=0.7, max_tokens=16)

@@ -1,33 +1,45 @@
-"""Request dependencies of the public API.
+"""Request dependencies of the public and admin APIs.
 
-`CallerDep` is the one place that decides who is calling. API keys and rate limits
-plug in here, not in the routes.
+`CallerDep` is the one place that decides who is calling; `AdminDep` guards /admin.
 """
 
-from dataclasses import dataclass
+import hmac
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Header, Request
 
-from services.gateway.service import Forwarder
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """An authenticated caller: its tenant and its job priority (0-9)."""
-
-    tenant: str
-    priority: int = 0
+from shared.errors import Unauthorized
+from shared.keys import KeyRecord, KeyRepository
+from services.gateway.auth import Authenticator
+from services.gateway.service import GatewayService
 
 
-def get_caller() -> Caller:
-    # Until API keys exist every caller is the anonymous tenant.
-    return Caller(tenant="anonymous")
+async def get_caller(
+    request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
+) -> KeyRecord:
+    authenticator: Authenticator = request.app.state.authenticator
+    return await authenticator.authenticate(authorization)
 
 
-def get_forwarder(request: Request) -> Forwarder:
-    return request.app.state.forwarder
+def require_admin(
+    request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
+) -> None:
+    expected = request.app.state.settings.admin_token.get_secret_value()
+    scheme, _, token = (authorization or "").partition(" ")
+    # Constant-time comparison: response timing must not reveal how much of a guess matched.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise Unauthorized("Missing or incorrect admin token.", code="invalid_admin_token")
 
 
-CallerDep = Annotated[Caller, Depends(get_caller)]
-ForwarderDep = Annotated[Forwarder, Depends(get_forwarder)]
+def get_service(request: Request) -> GatewayService:
+    return request.app.state.gateway
+
+
+def get_keys(request: Request) -> KeyRepository:
+    return request.app.state.keys
+
+
+CallerDep = Annotated[KeyRecord, Depends(get_caller)]
+AdminDep = Depends(require_admin)
+ServiceDep = Annotated[GatewayService, Depends(get_service)]
+KeysDep = Annotated[KeyRepository, Depends(get_keys)]

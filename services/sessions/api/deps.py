@@ -17,10 +17,15 @@ def get_service(request: Request) -> CompletionService:
 
 
 def get_caller(
-    tenant: Annotated[str, Header(alias=TENANT_HEADER, max_length=128)] = "anonymous",
+    tenant: Annotated[str, Header(alias=TENANT_HEADER, min_length=1, max_length=128)],
     priority: Annotated[int, Header(alias=PRIORITY_HEADER, ge=0, le=9)] = 0,
+    key_id: Annotated[str | None, Header(alias="x-axon-key-id", max_length=64)] = None,
+    tpm_limit: Annotated[int, Header(alias="x-axon-tpm-limit", ge=0)] = 0,
+    prompt_estimate: Annotated[int, Header(alias="x-axon-prompt-estimate", ge=0)] = 0,
 ) -> Caller:
-    return Caller(tenant=tenant, priority=priority)
+    return Caller(
+        tenant=tenant, priority=priority, key_id=key_id, tpm_limit=tpm_limit, prompt_estimate=prompt_estimate
+    )
 
 
 def get_request_id(request: Request) -> str:

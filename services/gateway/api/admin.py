@@ -1,0 +1,87 @@
+"""Admin API (`/admin/*`), guarded by `AXON_ADMIN_TOKEN`: API keys and usage."""
+
+import datetime as dt
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, Field
+
+from shared.errors import NotFound
+from shared.keys import KeyLimits, KeyRecord, evict_key
+from services.gateway.api.deps import AdminDep, KeysDep
+
+router = APIRouter(prefix="/admin", dependencies=[AdminDep], include_in_schema=False)
+
+
+class KeyCreate(BaseModel):
+    name: str = Field(min_length=1, max_length=200)
+    tenant: str | None = Field(None, min_length=1, max_length=128)
+    rpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)
+    priority: int = Field(0, ge=0, le=9)
+
+
+class KeyCreated(KeyRecord):
+    key: str = Field(description="The API key. Shown this once; only its hash is stored.")
+
+
+@router.post("/keys", status_code=201)
+async def create_key(body: KeyCreate, keys: KeysDep, request: Request) -> KeyCreated:
+    """Create an API key; the response is the only time the key is shown."""
+    defaults = request.app.state.settings
+    limits = KeyLimits(
+        rpm=body.rpm or defaults.default_rpm,
+        tpm=body.tpm or defaults.default_tpm,
+        max_concurrent=body.max_concurrent or defaults.default_max_concurrent,
+        priority=body.priority,
+    )
+    key, record = await keys.create(name=body.name, limits=limits, tenant=body.tenant)
+    return KeyCreated(**record.model_dump(), key=key)
+
+
+@router.get("/keys")
+async def list_keys(keys: KeysDep) -> dict:
+    """List API keys (display form only)."""
+    return {"object": "list", "data": [r.model_dump(mode="json") for r in await keys.list()]}
+
+
+@router.delete("/keys/{key_id}")
+async def revoke_key(key_id: str, keys: KeysDep, request: Request) -> dict:
+    """Revoke an API key; every gateway refuses it within a second."""
+    key_hash = await keys.revoke(key_id)
+    if key_hash is None:
+        raise NotFound(f"No active key with id '{key_id}'.", param="key_id")
+    await evict_key(request.app.state.redis, request.app.state.names, key_hash)
+    return {"id": key_id, "revoked": True}
+
+
+@router.get("/usage")
+async def usage(
+    request: Request,
+    since: Annotated[dt.date | None, Query(description="first day (UTC), default 30 days ago")] = None,
+    key_id: Annotated[str | None, Query(max_length=64)] = None,
+) -> dict:
+    """Usage summed per key and day."""
+    since = since or (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=30))
+    rows = await request.app.state.db.fetch(
+        "SELECT key_id, (created_at AT TIME ZONE 'UTC')::date AS day, count(*) AS requests,"
+        " sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens"
+        " FROM usage WHERE created_at >= $1 AND ($2::text IS NULL OR key_id = $2)"
+        " GROUP BY key_id, day ORDER BY day, key_id",
+        dt.datetime.combine(since, dt.time(), dt.UTC),
+        key_id,
+    )
+    return {
+        "object": "list",
+        "data": [
+            {
+                "key_id": r["key_id"],
+                "day": r["day"].isoformat(),
+                "requests": r["requests"],
+                "prompt_tokens": r["prompt_tokens"],
+                "completion_tokens": r["completion_tokens"],
+            }
+            for r in rows
+        ],
+    }

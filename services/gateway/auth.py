@@ -1,0 +1,184 @@
+"""Who is calling (API key → tenant and limits) and may they call now (rate limits)."""
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import asyncpg
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from shared.errors import InvalidRequest, Unauthorized, Unavailable
+from shared.keys import KEY_PREFIX, KeyRecord, KeyRepository, decode_cached, encode_cached, hash_key
+from shared.logging import get_logger
+from shared.names import Names
+from shared.ratelimit import Decision, RateLimiter, rate_limit_headers, refusal
+from services.gateway.metrics import GatewayMetrics
+
+log = get_logger(__name__)
+
+# last_used_at is written at most this often per key.
+_TOUCH_INTERVAL_S = 60
+
+
+def bearer_key(authorization: str | None) -> str:
+    """The API key from an `Authorization: Bearer <key>` header.
+
+    Raises:
+        Unauthorized: no header, another scheme, or not an Axon key.
+    """
+    if not authorization:
+        raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
+    scheme, _, key = authorization.partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key.startswith(KEY_PREFIX) or len(key) > 256:
+        raise Unauthorized("Incorrect API key provided.")
+    return key
+
+
+class Authenticator:
+    """Looks keys up in-process (briefly), then in Redis, then in PostgreSQL."""
+
+    def __init__(
+        self,
+        *,
+        repository: KeyRepository,
+        client: redis.Redis,
+        names: Names,
+        metrics: GatewayMetrics,
+        local_ttl_s: float,
+        redis_ttl_s: int,
+    ) -> None:
+        self._repository = repository
+        self._redis = client
+        self._names = names
+        self._metrics = metrics
+        self._local_ttl_s = local_ttl_s
+        self._redis_ttl_s = redis_ttl_s
+        self._local: dict[bytes, tuple[float, KeyRecord | None]] = {}
+        self._background: set[asyncio.Task] = set()
+
+    async def authenticate(self, authorization: str | None) -> KeyRecord:
+        """The active key behind the header.
+
+        Raises:
+            Unauthorized: missing, unknown or revoked key.
+        """
+        try:
+            key = bearer_key(authorization)
+        except Unauthorized:
+            self._metrics.auth_failures.labels("malformed" if authorization else "missing").inc()
+            raise
+        key_hash = hash_key(key)
+        cached = self._local.get(key_hash)
+        if cached is not None and cached[0] > time.monotonic():
+            record = cached[1]
+        else:
+            record = await self._lookup(key_hash)
+            if len(self._local) > 100_000:
+                self._local.clear()
+            self._local[key_hash] = (time.monotonic() + self._local_ttl_s, record)
+            if record is not None:
+                self._spawn(self._touch(record.id))
+        if record is None:
+            self._metrics.auth_failures.labels("unknown").inc()
+            raise Unauthorized("Incorrect API key provided.")
+        return record
+
+    async def _lookup(self, key_hash: bytes) -> KeyRecord | None:
+        try:
+            return await self._lookup_cached(key_hash)
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            log.error("key_lookup_failed", error=repr(exc))
+            raise Unavailable("Authentication is unavailable; try again shortly.", retry_after_s=2) from exc
+
+    async def _lookup_cached(self, key_hash: bytes) -> KeyRecord | None:
+        cache_key = self._names.key_cache(key_hash.hex())
+        try:
+            raw = await self._redis.get(cache_key)
+            if raw is not None:
+                return decode_cached(raw)
+        except RedisError as exc:
+            self._metrics.auth_fallbacks.inc()
+            log.warning("key_cache_unavailable", error=repr(exc))
+            return await self._repository.find_by_hash(key_hash)
+        record = await self._repository.find_by_hash(key_hash)
+        try:
+            await self._redis.set(cache_key, encode_cached(record), ex=self._redis_ttl_s)
+        except RedisError as exc:
+            log.warning("key_cache_write_failed", error=repr(exc))
+        return record
+
+    async def _touch(self, key_id: str) -> None:
+        try:
+            if await self._redis.set(self._names.key_touched(key_id), b"1", nx=True, ex=_TOUCH_INTERVAL_S):
+                await self._repository.touch(key_id)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping must never fail a request
+            log.warning("key_touch_failed", error=repr(exc))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+@dataclass
+class Admission:
+    """An admitted request: its limiter state (for headers) and its concurrency lease."""
+
+    record: KeyRecord
+    lease_id: str
+    decision: Decision | None
+
+    def headers(self) -> dict[str, str]:
+        return rate_limit_headers(self.decision) if self.decision else {}
+
+
+class Admitter:
+    """Applies a key's limits to each request."""
+
+    def __init__(self, *, limiter: RateLimiter, metrics: GatewayMetrics, fail_open: bool, lease_s: float) -> None:
+        self._limiter = limiter
+        self._metrics = metrics
+        self._fail_open = fail_open
+        self._lease_s = lease_s
+
+    async def admit(self, record: KeyRecord, *, token_cost: int) -> Admission:
+        """Admit the request or refuse it.
+
+        Raises:
+            RateLimited: a limit is exhausted (429 with accurate Retry-After).
+            InvalidRequest: the request alone is larger than the key's token budget.
+            Unavailable: Redis is unreachable and the limiter fails closed.
+        """
+        lease_id = uuid.uuid4().hex
+        try:
+            decision = await self._limiter.check(
+                record.id, record.limits, token_cost=token_cost, lease_id=lease_id, lease_ttl_s=self._lease_s
+            )
+        except RedisError as exc:
+            log.warning("rate_limiter_unavailable", error=repr(exc))
+            if self._fail_open:
+                self._metrics.limiter_unavailable.labels("open").inc()
+                return Admission(record, lease_id, None)
+            self._metrics.limiter_unavailable.labels("closed").inc()
+            raise Unavailable("Rate limiting is unavailable; try again shortly.", retry_after_s=2) from exc
+        if decision.denied == "too_large":
+            raise InvalidRequest(
+                f"The request needs about {token_cost} tokens, more than this key's limit of "
+                f"{record.limits.tpm} tokens per minute.",
+                code="request_too_large_for_limit",
+            )
+        if decision.denied is not None:
+            self._metrics.rate_limited.labels(decision.denied).inc()
+            raise refusal(decision)
+        return Admission(record, lease_id, decision)
+
+    async def release(self, admission: Admission) -> None:
+        if admission.decision is None or admission.record.limits.max_concurrent is None:
+            return
+        try:
+            await self._limiter.release(admission.record.id, admission.lease_id)
+        except RedisError as exc:
+            log.warning("lease_release_failed", error=repr(exc))
