@@ -58,6 +58,12 @@ class ModelNotFound(NotFound):
     default_code = "model_not_found"
 
 
+class Conflict(AxonError):
+    status_code = 409
+    error_type = "invalid_request_error"
+    default_code = "conflict"
+
+
 class PayloadTooLarge(AxonError):
     status_code = 413
     error_type = "invalid_request_error"

@@ -68,3 +68,30 @@ class Names:
     def rate_limit(self, kind: str, key_id: str) -> str:
         """Limiter state of one key: `rpm`/`tpm` (GCRA arrival time) or `conc` (lease set)."""
         return f"{self.namespace}:rl:{kind}:{key_id}"
+
+    # Sessions and history
+    def session(self, session_id: str) -> str:
+        """Cached session metadata (JSON), or a tombstone once deleted."""
+        return f"{self.namespace}:session:{session_id}"
+
+    def history(self, session_id: str) -> str:
+        """List of a session's most recent messages (JSON), oldest first."""
+        return f"{self.namespace}:history:{session_id}"
+
+    def session_seq(self, session_id: str) -> str:
+        """Counter handing out a session's message sequence numbers."""
+        return f"{self.namespace}:session-seq:{session_id}"
+
+    def session_lock(self, session_id: str) -> str:
+        """Held by the one request currently answering in a session."""
+        return f"{self.namespace}:session-lock:{session_id}"
+
+    @property
+    def outbox(self) -> str:
+        """Redis Stream of rows waiting to be written to PostgreSQL (write-behind)."""
+        return f"{self.namespace}:outbox"
+
+    @property
+    def outbox_group(self) -> str:
+        """Consumer group of the persisters draining the outbox."""
+        return f"{self.namespace}:persisters"

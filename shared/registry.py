@@ -7,6 +7,7 @@ last heartbeat expires. Every model ever served is also remembered, which tells
 """
 
 import time
+from dataclasses import dataclass
 
 import orjson
 import redis.asyncio as redis
@@ -18,6 +19,14 @@ from shared.names import Names
 _SWEEP_GRACE_S = 60.0
 
 
+@dataclass(frozen=True, slots=True)
+class LiveModel:
+    """A model some live worker serves: how many workers, and the smallest context among them."""
+
+    workers: int
+    context_tokens: int
+
+
 class WorkerRegistry:
     """Reads and writes worker heartbeats for one namespace."""
 
@@ -25,9 +34,14 @@ class WorkerRegistry:
         self._redis = client
         self._names = names
 
-    async def heartbeat(self, *, worker_id: str, model: str, ttl_s: float, max_seqs: int) -> None:
+    async def heartbeat(
+        self, *, worker_id: str, model: str, ttl_s: float, max_seqs: int, context_tokens: int
+    ) -> None:
         """Announce that `worker_id` serves `model` for the next `ttl_s` seconds."""
-        entry = {"model": model, "expires_at": time.time() + ttl_s, "max_seqs": max_seqs}
+        entry = {
+            "model": model, "expires_at": time.time() + ttl_s, "max_seqs": max_seqs,
+            "context_tokens": context_tokens,
+        }  # fmt: skip
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(self._names.workers_key, worker_id, orjson.dumps(entry))
             pipe.sadd(self._names.models_key, model)
@@ -37,11 +51,11 @@ class WorkerRegistry:
         """Withdraw a worker at once (clean shutdown)."""
         await self._redis.hdel(self._names.workers_key, worker_id)
 
-    async def live_models(self) -> dict[str, int]:
-        """Return model -> number of live workers, sweeping expired heartbeats."""
+    async def live_models(self) -> dict[str, LiveModel]:
+        """Return the models live workers serve, sweeping long-expired heartbeats."""
         entries = await self._redis.hgetall(self._names.workers_key)
         now = time.time()
-        live: dict[str, int] = {}
+        live: dict[str, LiveModel] = {}
         expired: list[bytes] = []
         for worker_id, raw in entries.items():
             entry = orjson.loads(raw)
@@ -49,7 +63,11 @@ class WorkerRegistry:
                 expired.append(worker_id)
             if entry["expires_at"] < now:
                 continue
-            live[entry["model"]] = live.get(entry["model"], 0) + 1
+            known = live.get(entry["model"])
+            context = entry["context_tokens"]
+            live[entry["model"]] = (
+                LiveModel(known.workers + 1, min(known.context_tokens, context)) if known else LiveModel(1, context)
+            )
         if expired:
             await self._redis.hdel(self._names.workers_key, *expired)
         return live

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -9,13 +10,20 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+import asyncpg
+
 from shared.clients import connect_amqp, create_redis
 from shared.logging import get_logger
 from shared.names import Names
+from shared.outbox import Outbox
 from shared.ratelimit import RateLimiter
 from shared.registry import WorkerRegistry
 from shared.web import ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response
+from services.sessions.api import sessions as sessions_api
 from services.sessions.api.routes import router
+from services.sessions.history import SessionStore
+from services.sessions.persister import Persister
+from services.sessions.turns import Turns
 from services.sessions.catalog import ModelCatalog
 from services.sessions.jobs import JobPublisher
 from services.sessions.metrics import SessionsMetrics
@@ -27,7 +35,11 @@ log = get_logger(__name__)
 
 
 async def _ready_reason(app: FastAPI) -> str | None:
-    """Why this process cannot serve now, or None."""
+    """Why this process cannot serve now, or None.
+
+    PostgreSQL must have been reachable once (schema there, sessions creatable); after
+    that an outage only delays persistence, so it does not take the process out of service.
+    """
     connection = app.state.amqp
     if connection.is_closed:
         return "RabbitMQ connection is closed"
@@ -35,7 +47,27 @@ async def _ready_reason(app: FastAPI) -> str | None:
         await asyncio.wait_for(app.state.redis.ping(), timeout=2)
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         return f"Redis unreachable: {exc!r}"
+    if not app.state.database_seen:
+        try:
+            await asyncio.wait_for(app.state.db.fetchval("SELECT 1"), timeout=2)
+        except Exception as exc:  # noqa: BLE001 - any failure means not ready
+            return f"PostgreSQL unreachable: {exc!r}"
+        app.state.database_seen = True
     return None
+
+
+async def _update_outbox_gauges(app: FastAPI, metrics: SessionsMetrics) -> None:
+    """Outbox length and the age of its oldest entry (stream ids start with their ms timestamp)."""
+    try:
+        names: Names = app.state.names
+        length = await app.state.redis.xlen(names.outbox)
+        oldest = await app.state.redis.xrange(names.outbox, count=1) if length else []
+    except Exception as exc:  # noqa: BLE001 - a scrape must not fail because Redis is down
+        log.warning("outbox_gauges_failed", error=repr(exc))
+        return
+    metrics.outbox_length.set(length)
+    age_s = time.time() - int(oldest[0][0].split(b"-")[0]) / 1000 if oldest else 0.0
+    metrics.outbox_lag.set(max(0.0, age_s))
 
 
 def create_app(settings: SessionsSettings | None = None) -> FastAPI:
@@ -61,6 +93,22 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
             max_queued_jobs=settings.max_queued_jobs,
             publish_timeout_s=settings.publish_timeout_s,
         )
+        # min_size=0: the session manager starts, and chats keep working, while PostgreSQL is down.
+        db = await asyncpg.create_pool(
+            settings.database_url, min_size=0, max_size=10, timeout=settings.connect_timeout_s,
+            command_timeout=settings.connect_timeout_s * 2,
+        )
+        outbox = Outbox(client, names)
+        store = SessionStore(
+            client=client, db=db, names=names, outbox=outbox, metrics=metrics,
+            history_max_messages=settings.history_max_messages, cache_ttl_s=settings.session_cache_ttl_s,
+        )  # fmt: skip
+        persister = Persister(
+            client=client,
+            db=db, names=names, metrics=metrics, batch_size=settings.persist_batch_size,
+            flush_interval_ms=settings.persist_flush_interval_ms, reclaim_after_ms=settings.persist_reclaim_after_ms,
+        )  # fmt: skip
+        persisting = asyncio.create_task(persister.run())
         try:
             await relay.start()
             await publisher.start()
@@ -72,6 +120,11 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
             app.state.redis = client
             app.state.amqp = connection
             app.state.catalog = catalog
+            app.state.db = db
+            app.state.database_seen = False
+            app.state.sessions = store
+            app.state.persister = persister
+            app.state.names = names
             app.state.completions = CompletionService(
                 settings=settings,
                 catalog=catalog,
@@ -79,16 +132,21 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 publisher=publisher,
                 client=client,
                 limiter=RateLimiter(client, names),
+                outbox=outbox,
+                turns=Turns(store, lock_ttl_s=settings.request_timeout_s + 30),
                 metrics=metrics,
             )
             log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)
             yield
         finally:
+            persisting.cancel()
+            await asyncio.gather(persisting, return_exceptions=True)
             await relay.stop()
             with contextlib.suppress(Exception):
                 await connection.close()
             await subscriber.aclose()
             await client.aclose()
+            await db.close()
 
     app = FastAPI(title="Axon session manager", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.metrics = metrics
@@ -99,6 +157,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         quiet_paths=frozenset({"/health", "/ready", "/metrics"}),
     )
     app.include_router(router)
+    app.include_router(sessions_api.router)
 
     @app.get("/health")
     async def health() -> dict:
@@ -114,8 +173,9 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         return ORJSONResponse({"status": "ready"})
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
+    async def metrics_endpoint(request: Request) -> Response:
         """Prometheus metrics."""
+        await _update_outbox_gauges(request.app, metrics)
         return metrics_response(metrics.registry)
 
     return app

@@ -3,7 +3,7 @@
 import time
 
 from shared.errors import ModelNotFound, Unavailable
-from shared.registry import WorkerRegistry
+from shared.registry import LiveModel, WorkerRegistry
 
 # Suggested wait before retrying a model that has no live worker.
 NO_WORKER_RETRY_AFTER_S = 5
@@ -14,11 +14,11 @@ class ModelCatalog:
         self._registry = registry
         self._aliases = aliases
         self._cache_ttl_s = cache_ttl_s
-        self._live: dict[str, int] = {}
+        self._live: dict[str, LiveModel] = {}
         self._fetched_at = float("-inf")
 
-    async def live(self) -> dict[str, int]:
-        """Model -> live workers, at most `cache_ttl_s` old."""
+    async def live(self) -> dict[str, LiveModel]:
+        """Models live workers serve, at most `cache_ttl_s` old."""
         now = time.monotonic()
         if now - self._fetched_at > self._cache_ttl_s:
             self._live = await self._registry.live_models()
@@ -28,16 +28,17 @@ class ModelCatalog:
     def resolve(self, name: str) -> str:
         return self._aliases.get(name, name)
 
-    async def require(self, name: str) -> str:
-        """Return the model `name` refers to, if a live worker serves it.
+    async def require(self, name: str) -> tuple[str, LiveModel]:
+        """Return the model `name` refers to, and its live state, if a live worker serves it.
 
         Raises:
             ModelNotFound: no worker has ever served it.
             Unavailable: it is known but no worker serves it now.
         """
         model = self.resolve(name)
-        if model in await self.live():
-            return model
+        live = (await self.live()).get(model)
+        if live is not None:
+            return model, live
         if await self._registry.is_known(model):
             raise Unavailable(
                 f"No worker is serving model '{model}' right now; try again shortly.",

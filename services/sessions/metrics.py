@@ -33,6 +33,28 @@ class SessionsMetrics:
             "axon_sessions_output_tokens_total", "Tokens relayed to clients.", ["model"],
             registry=self.registry,
         )
+        self.history_cache = Counter(
+            "axon_sessions_history_cache_total", "History reads, by whether Redis had them.", ["result"],
+            registry=self.registry,
+        )
+        self.persisted_rows = Counter(
+            "axon_sessions_persisted_rows_total", "Outbox rows committed to PostgreSQL.", registry=self.registry
+        )
+        self.persist_batch_size = Histogram(
+            "axon_sessions_persist_batch_size", "Rows per persister batch.",
+            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000), registry=self.registry,
+        )
+        self.persist_duration = Histogram(
+            "axon_sessions_persist_batch_duration_seconds", "Time to commit one persister batch.",
+            buckets=LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self.outbox_length = Gauge(
+            "axon_sessions_outbox_length", "Rows waiting in the outbox.", registry=self.registry
+        )
+        self.outbox_lag = Gauge(
+            "axon_sessions_outbox_oldest_age_seconds", "Age of the oldest row waiting in the outbox.",
+            registry=self.registry,
+        )
         self.active_streams = Gauge(
             "axon_sessions_active_streams", "Jobs whose chunks this process is relaying.",
             registry=self.registry,

@@ -132,7 +132,16 @@ class ResponseBuilder:
     def _envelope(self, choices: list[dict[str, Any]], obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def chunk(self, text: str, finish_reason: FinishReason | None, *, first: bool) -> dict[str, Any]:
+    def chunk(
+        self, text: str, finish_reason: FinishReason | None, *, first: bool, usage_field: bool = False
+    ) -> dict[str, Any]:
+        """One streamed chunk; with `usage_field` (include_usage), it carries `"usage": null` as OpenAI's do."""
+        body = self._chunk(text, finish_reason, first=first)
+        if usage_field:
+            body["usage"] = None
+        return body
+
+    def _chunk(self, text: str, finish_reason: FinishReason | None, *, first: bool) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if finish_reason is not None and not text and not first:

@@ -1,10 +1,14 @@
 """Turns a completion request into a job and relays its chunks back.
 
-Order matters: subscribe to the job's token channel, then publish the job, so no
-chunk can be published before someone listens.
+Order matters:
+- subscribe to the job's token channel, then publish the job, so no chunk can be
+  published before someone listens;
+- store the answer (Redis + outbox) before the client sees its end, so an answer a
+  client received is never missing from its history.
 """
 
 import asyncio
+import datetime as dt
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,14 +21,17 @@ from pydantic import ValidationError
 from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, UpstreamError
 from shared.logging import bind_contextvars, get_logger
 from shared.names import Names
+from shared.outbox import Outbox, UsageRow
 from shared.ratelimit import RateLimiter
-from shared.schemas import Job, Sampling, TokenChunk, Usage
+from shared.registry import LiveModel
+from shared.schemas import Job, Message, Sampling, TokenChunk, Usage
 from services.sessions.catalog import ModelCatalog
 from services.sessions.jobs import JobPublisher
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.protocol import ChatCompletionRequest, CompletionRequest, Kind, ResponseBuilder
 from services.sessions.relay import STREAM_LOST, TokenRelay, TokenStream
 from services.sessions.settings import SessionsSettings
+from services.sessions.turns import Turn, Turns
 
 log = get_logger(__name__)
 
@@ -32,6 +39,7 @@ _ERROR_TYPES: dict[str, type[AxonError]] = {
     "timeout_error": DeadlineExceeded,
     "invalid_request_error": InvalidRequest,
 }
+HISTORY_DROPPED_HEADER = "x-axon-history-dropped"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,16 +64,29 @@ class ActiveJob:
     """A published job whose chunks are being received, deduplicated by `seq`, until its deadline."""
 
     def __init__(
-        self, *, job: Job, caller: Caller, stream: TokenStream, builder: ResponseBuilder, started: float
+        self,
+        *,
+        job: Job,
+        caller: Caller,
+        stream: TokenStream,
+        builder: ResponseBuilder,
+        started: float,
+        turn: Turn | None,
     ) -> None:
         self.job = job
         self.caller = caller
         self.stream = stream
         self.builder = builder
         self.started = started
+        self.turn = turn
         self.finished = False
+        self.closed = False
         self.usage: Usage | None = None
+        self.text: list[str] = []
         self._next_seq = 0
+
+    def headers(self) -> dict[str, str]:
+        return {HISTORY_DROPPED_HEADER: str(self.turn.dropped)} if self.turn else {}
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         """Yield chunks in order until the final one.
@@ -95,6 +116,7 @@ class ActiveJob:
                 log.warning("chunk_gap", expected=self._next_seq, got=chunk.seq)
             self._next_seq = chunk.seq + 1
             self.finished = chunk.is_final
+            self.text.append(chunk.text)
             if chunk.usage is not None:
                 self.usage = chunk.usage
             yield chunk
@@ -112,6 +134,8 @@ class CompletionService:
         publisher: JobPublisher,
         client: redis.Redis,
         limiter: RateLimiter,
+        outbox: Outbox,
+        turns: Turns,
         metrics: SessionsMetrics,
     ) -> None:
         self._settings = settings
@@ -121,15 +145,17 @@ class CompletionService:
         self._publisher = publisher
         self._redis = client
         self._limiter = limiter
+        self._outbox = outbox
+        self._turns = turns
         self._metrics = metrics
         self._background: set[asyncio.Task] = set()
 
-    def _sampling(self, body: ChatCompletionRequest | CompletionRequest) -> Sampling:
-        max_tokens = body.requested_max_tokens or self._settings.default_max_tokens
-        if max_tokens > self._settings.max_tokens_limit:
+    def _sampling(self, body: ChatCompletionRequest | CompletionRequest, live: LiveModel) -> Sampling:
+        max_tokens = body.requested_max_tokens or min(self._settings.default_max_tokens, live.context_tokens // 2)
+        limit = min(self._settings.max_tokens_limit, live.context_tokens)
+        if max_tokens > limit:
             raise InvalidRequest(
-                f"max_tokens is {max_tokens}, more than this server allows ({self._settings.max_tokens_limit}).",
-                param="max_tokens",
+                f"max_tokens is {max_tokens}, more than this model allows ({limit}).", param="max_tokens"
             )
         defaults = Sampling()
         return Sampling(
@@ -141,26 +167,11 @@ class CompletionService:
             seed=body.seed,
         )
 
-    def _build_job(self, body: ChatCompletionRequest | CompletionRequest, *, kind: Kind, model: str, caller: Caller) -> Job:
-        job_id = str(uuid.uuid4())
-        if kind == "chat":
-            assert isinstance(body, ChatCompletionRequest)
-            messages = [m.to_message(i) for i, m in enumerate(body.messages)]
-            prompt, session_id = None, body.session_id
-        else:
-            assert isinstance(body, CompletionRequest)
-            messages, prompt, session_id = None, body.prompt_text, None
-        return Job(
-            job_id=job_id,
-            model=model,
-            messages=messages,
-            prompt=prompt,
-            sampling=self._sampling(body),
-            channel=self._names.tokens_channel(job_id),
-            deadline=time.time() + self._settings.request_timeout_s,
-            session_id=session_id,
-            tenant=caller.tenant,
-        )
+    def _check_messages(self, messages: list[Message]) -> None:
+        if len(messages) > self._settings.max_messages:
+            raise InvalidRequest(
+                f"{len(messages)} messages is more than the {self._settings.max_messages} allowed.", param="messages"
+            )
 
     async def start(
         self,
@@ -173,22 +184,50 @@ class CompletionService:
         """Admit the request and publish its job.
 
         Raises:
-            ModelNotFound, Unavailable, InvalidRequest: refused before any work was queued.
+            ModelNotFound, Unavailable, InvalidRequest, NotFound, Conflict: refused before
+            any work was queued.
         """
         started = time.perf_counter()
-        model = await self._catalog.require(body.model)
-        job = self._build_job(body, kind=kind, model=model, caller=caller)
-        bind_contextvars(job_id=job.job_id, tenant=caller.tenant)
-        stream = await self._relay.open(job.channel)
+        model, live = await self._catalog.require(body.model)
+        sampling = self._sampling(body, live)
+        job_id = str(uuid.uuid4())
+        bind_contextvars(job_id=job_id, tenant=caller.tenant)
+        turn: Turn | None = None
+        messages: list[Message] | None = None
+        prompt: str | None = None
+        if isinstance(body, ChatCompletionRequest):
+            messages = [m.to_message(i) for i, m in enumerate(body.messages)]
+            self._check_messages(messages)
+            if body.session_id is not None:
+                turn = await self._turns.begin(
+                    tenant=caller.tenant, session_id=body.session_id, job_id=job_id, new_messages=messages,
+                    budget_tokens=live.context_tokens - sampling.max_tokens,
+                )  # fmt: skip
+                messages = turn.prompt
+        else:
+            prompt = body.prompt_text
+        job = Job(
+            job_id=job_id, model=model, messages=messages, prompt=prompt, sampling=sampling,
+            channel=self._names.tokens_channel(job_id), deadline=time.time() + self._settings.request_timeout_s,
+            session_id=turn.info.id if turn else None, tenant=caller.tenant,
+        )  # fmt: skip
         try:
-            await self._publisher.publish(job, priority=caller.priority, request_id=request_id)
+            stream = await self._relay.open(job.channel)
+            try:
+                await self._publisher.publish(job, priority=caller.priority, request_id=request_id)
+            except BaseException:
+                await stream.close()
+                raise
         except BaseException:
-            await stream.close()
+            if turn is not None:
+                await self._turns.abandon(turn)
             raise
+        if turn is not None:
+            await self._turns.record_question(turn)
         self._metrics.jobs_published.labels(model).inc()
         self._metrics.active_streams.inc()
         builder = ResponseBuilder(kind=kind, job_id=job.job_id, model=body.model)
-        return ActiveJob(job=job, caller=caller, stream=stream, builder=builder, started=started)
+        return ActiveJob(job=job, caller=caller, stream=stream, builder=builder, started=started, turn=turn)
 
     async def first_chunk(self, active: ActiveJob) -> tuple[TokenChunk, AsyncIterator[TokenChunk]]:
         """Wait for the first chunk, so failures before any token get a real status code."""
@@ -204,13 +243,11 @@ class CompletionService:
         return first, chunks
 
     async def collect(self, active: ActiveJob, first: TokenChunk, rest: AsyncIterator[TokenChunk]) -> dict:
-        """Gather the whole answer into one OpenAI response object."""
-        parts = [first.text]
+        """Gather the whole answer into one OpenAI response object (stored before it is returned)."""
         last = first
         try:
             if not first.is_final:
                 async for chunk in rest:
-                    parts.append(chunk.text)
                     last = chunk
             if last.finish_reason == "error":
                 raise chunk_error(last)
@@ -220,7 +257,7 @@ class CompletionService:
         await self.finish(active, outcome=last.finish_reason or "stop")
         usage = last.usage
         return active.builder.response(
-            "".join(parts),
+            "".join(active.text),
             last.finish_reason or "stop",
             usage.prompt_tokens if usage else 0,
             usage.completion_tokens if usage else 0,
@@ -245,8 +282,11 @@ class CompletionService:
             while True:
                 if chunk.finish_reason == "error":
                     raise chunk_error(chunk)
+                if chunk.is_final:
+                    outcome = chunk.finish_reason or "stop"
+                    await self.finish(active, outcome=outcome)  # stored before the client sees the end
                 if chunk.text or chunk.is_final or is_first:
-                    yield _sse(builder.chunk(chunk.text, chunk.finish_reason, first=is_first))
+                    yield _sse(builder.chunk(chunk.text, chunk.finish_reason, first=is_first, usage_field=include_usage))
                     is_first = False
                 if chunk.is_final:
                     break
@@ -257,19 +297,22 @@ class CompletionService:
             if include_usage and chunk.usage is not None:
                 yield _sse(builder.usage_chunk(chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
             yield b"data: [DONE]\n\n"
-            outcome = chunk.finish_reason or "stop"
-            if chunk.usage is not None:
-                self._metrics.output_tokens.labels(model).inc(chunk.usage.completion_tokens)
         except AxonError as exc:
             outcome = "error"
             log.warning("stream_failed", error=exc.message)
+            await self.finish(active, outcome=outcome)
             yield _sse(exc.body())
             yield b"data: [DONE]\n\n"
         finally:
-            self._spawn(self.finish(active, outcome=outcome))
+            if outcome == "disconnected":
+                self._spawn(self.finish(active, outcome=outcome))
 
     async def finish(self, active: ActiveJob, *, outcome: str) -> None:
-        """Stop relaying; if the answer was not complete, tell the workers to stop generating it."""
+        """Stop relaying (once): store the answer and usage, release the session, and if the
+        answer was not complete, tell the workers to stop generating it."""
+        if active.closed:
+            return
+        active.closed = True
         self._metrics.active_streams.dec()
         self._metrics.outcomes.labels(active.job.model, outcome).inc()
         await active.stream.close()
@@ -278,7 +321,27 @@ class CompletionService:
                 await self._redis.publish(self._names.cancel_channel, active.job.job_id)
             except Exception as exc:  # noqa: BLE001 - best effort: the deadline bounds the work anyway
                 log.warning("cancel_publish_failed", error=repr(exc))
-        await self._settle_tokens(active)
+        if active.turn is not None:
+            status = {"stop": "complete", "length": "complete", "cancelled": "cancelled"}.get(outcome, "failed")
+            if outcome == "disconnected":
+                status = "cancelled"
+            await self._turns.record_answer(active.turn, text="".join(active.text), status=status)
+        if active.usage is not None:
+            await self._record_usage(active)
+            await self._settle_tokens(active)
+
+    async def _record_usage(self, active: ActiveJob) -> None:
+        usage = active.usage
+        assert usage is not None
+        row = UsageRow(
+            job_id=active.job.job_id, tenant=active.caller.tenant, key_id=active.caller.key_id,
+            model=active.job.model, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            latency_ms=int((time.perf_counter() - active.started) * 1000), created_at=dt.datetime.now(dt.UTC),
+        )  # fmt: skip
+        try:
+            await self._outbox.append("usage", row)
+        except Exception as exc:  # noqa: BLE001 - accounting must not fail the answer
+            log.warning("usage_record_failed", error=repr(exc))
 
     async def _settle_tokens(self, active: ActiveJob) -> None:
         """Charge the key's token budget with real usage, correcting the gateway's prompt estimate."""

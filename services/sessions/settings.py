@@ -20,3 +20,14 @@ class SessionsSettings(CommonSettings):
     model_aliases: dict[str, str] = Field(default_factory=dict)
     # Chunks buffered per stream before a slow client is cut off.
     stream_buffer_chunks: int = Field(4096, ge=16)
+    # Messages one chat request may carry.
+    max_messages: int = Field(1000, ge=1)
+
+    # Sessions and history
+    history_max_messages: int = Field(200, ge=2, description="recent messages kept in Redis per session")
+    session_cache_ttl_s: int = Field(86_400, ge=60)
+    # Outbox persister (write-behind to PostgreSQL)
+    persist_batch_size: int = Field(500, ge=1)
+    persist_flush_interval_ms: int = Field(100, ge=1)
+    # Entries another persister read but did not acknowledge for this long are taken over.
+    persist_reclaim_after_ms: int = Field(5_000, ge=100)

@@ -200,6 +200,7 @@ class Heartbeat:
                     model=self._engine.model_name,
                     ttl_s=self._ttl_s,
                     max_seqs=self._engine.max_seqs,
+                    context_tokens=self._engine.context_tokens,
                 )
             except EngineError as exc:
                 log.error("engine_unhealthy", error=str(exc))

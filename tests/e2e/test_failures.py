@@ -71,7 +71,10 @@ def test_killed_worker_leaves_models_within_15s_then_503_fast(
 ) -> None:
     model = "ephemeral-model"
     worker = stack.start("worker:ephemeral", env={"AXON_ENGINE": "sim", "AXON_MODEL": model})
-    assert model in [m.id for m in client.models.list().data]
+    listed_by = time.monotonic() + 3  # the session manager reuses the live list for up to 1 s
+    while model not in [m.id for m in client.models.list().data]:
+        assert time.monotonic() < listed_by, "a ready worker's model is not listed"
+        time.sleep(0.1)
     worker.kill()
     killed_at = time.monotonic()
     while model in [m.id for m in client.models.list().data]:

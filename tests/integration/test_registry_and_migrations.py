@@ -9,7 +9,7 @@ import pytest
 
 from shared.migrations import migrate
 from shared.names import Names
-from shared.registry import WorkerRegistry
+from shared.registry import LiveModel, WorkerRegistry
 
 
 async def test_heartbeat_makes_a_model_live_until_it_expires(redis_client, namespace) -> None:
@@ -17,11 +17,11 @@ async def test_heartbeat_makes_a_model_live_until_it_expires(redis_client, names
     registry = WorkerRegistry(redis_client, names)
     assert await registry.live_models() == {}
     assert not await registry.is_known("m")
-    await registry.heartbeat(worker_id="w1", model="m", ttl_s=0.5, max_seqs=4)
-    await registry.heartbeat(worker_id="w2", model="m", ttl_s=5, max_seqs=4)
-    assert await registry.live_models() == {"m": 2}
+    await registry.heartbeat(worker_id="w1", model="m", ttl_s=0.5, max_seqs=4, context_tokens=4096)
+    await registry.heartbeat(worker_id="w2", model="m", ttl_s=5, max_seqs=4, context_tokens=8192)
+    assert await registry.live_models() == {"m": LiveModel(workers=2, context_tokens=4096)}
     await asyncio.sleep(0.7)
-    assert await registry.live_models() == {"m": 1}
+    assert await registry.live_models() == {"m": LiveModel(workers=1, context_tokens=8192)}
     await registry.remove("w2")
     assert await registry.live_models() == {}
     assert await registry.is_known("m")  # once served, a model stays known (503, not 404)
@@ -33,7 +33,7 @@ async def test_migrations_are_idempotent_and_safe_to_run_concurrently(run_id) ->
     try:
         results = await asyncio.gather(migrate(url), migrate(url))
         applied = sorted(results, key=len)
-        assert applied[0] == [] and applied[1] == ["0001_initial"]
+        assert applied[0] == [] and applied[1][0] == "0001_initial"
         assert await migrate(url) == []
         conn = await asyncpg.connect(url)
         tables = {r["tablename"] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}

@@ -24,8 +24,8 @@ async def _complete(
     first, rest = await service.first_chunk(active)
     if body.stream:
         events = service.sse(active, first, rest, include_usage=body.include_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-    return ORJSONResponse(await service.collect(active, first, rest))
+        return StreamingResponse(events, media_type="text/event-stream", headers={**_SSE_HEADERS, **active.headers()})
+    return ORJSONResponse(await service.collect(active, first, rest), headers=active.headers())
 
 
 @router.post("/v1/chat/completions")

@@ -49,6 +49,8 @@ class Engine(ABC):
 
     model_name: str
     max_seqs: int
+    # Prompt plus answer tokens one sequence may hold; known once `start` returned.
+    context_tokens: int
 
     @abstractmethod
     async def start(self) -> None:

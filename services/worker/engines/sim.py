@@ -34,9 +34,12 @@ def sim_word(prompt: str, seed: int | None, index: int) -> str:
 class SimEngine(Engine):
     """Deterministic word generator with configurable latency and concurrency."""
 
-    def __init__(self, *, model_name: str, ttft_ms: float, itl_ms: float, max_seqs: int) -> None:
+    def __init__(
+        self, *, model_name: str, ttft_ms: float, itl_ms: float, max_seqs: int, context_tokens: int = 32768
+    ) -> None:
         self.model_name = model_name
         self.max_seqs = max_seqs
+        self.context_tokens = context_tokens
         self._ttft_s = ttft_ms / 1000
         self._itl_s = itl_ms / 1000
         self._running_ids: set[str] = set()

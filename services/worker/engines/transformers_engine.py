@@ -63,7 +63,7 @@ class TransformersEngine(Engine):
         self._tokenizer: Any = None
         self._eos_ids: set[int] = set()
         self._vocab_size = 0
-        self._context_tokens = 0
+        self.context_tokens = 0
         self._queues: dict[str, asyncio.Queue] = {}
 
     async def start(self) -> None:
@@ -89,7 +89,7 @@ class TransformersEngine(Engine):
         eos = self._tokenizer.eos_token_id
         self._eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
         self._vocab_size = int(model.config.vocab_size)
-        self._context_tokens = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.context_tokens = int(getattr(model.config, "max_position_embeddings", 2048))
         # Defaults only decide which per-request processors exist (a processor is created
         # only for a value that changes the logits); every request passes its own values.
         generation_config = GenerationConfig(
@@ -111,7 +111,7 @@ class TransformersEngine(Engine):
             generation_config=generation_config, continuous_batching_config=cb_config
         )
         self._manager.start()
-        log.info("model_loaded", model=self.model_name, context_tokens=self._context_tokens)
+        log.info("model_loaded", model=self.model_name, context_tokens=self.context_tokens)
 
     async def stop(self) -> None:
         if self._manager is not None:
@@ -152,11 +152,11 @@ class TransformersEngine(Engine):
             raise EngineError("The engine is not started.")
         prompt_ids = self._encode(request)
         prompt_tokens = len(prompt_ids)
-        max_tokens = min(request.sampling.max_tokens, self._context_tokens - prompt_tokens)
+        max_tokens = min(request.sampling.max_tokens, self.context_tokens - prompt_tokens)
         if max_tokens < 1:
             raise InvalidPrompt(
                 f"The prompt is {prompt_tokens} tokens, which leaves no room in the model's "
-                f"context of {self._context_tokens} tokens."
+                f"context of {self.context_tokens} tokens."
             )
         rid = request.request_id
         queue: asyncio.Queue = asyncio.Queue()

@@ -62,6 +62,7 @@ class VllmEngine(Engine):
         }
         self._engine: Any = None
         self._tokenizer: Any = None
+        self.context_tokens = max_model_len or 0
 
     async def start(self) -> None:
         try:
@@ -72,6 +73,7 @@ class VllmEngine(Engine):
         args = AsyncEngineArgs(**{k: v for k, v in self._engine_kwargs.items() if v is not None})
         self._engine = AsyncLLM.from_engine_args(args)
         self._tokenizer = await self._engine.get_tokenizer()
+        self.context_tokens = int(self._engine.model_config.max_model_len)
         log.info("vllm_engine_started", **self._engine_kwargs)
 
     async def stop(self) -> None:

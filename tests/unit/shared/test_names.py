@@ -20,6 +20,15 @@ def all_names(names: Names) -> dict[str, str]:
         "relay_channel": names.relay_channel("r1"),
         "workers_key": names.workers_key,
         "models_key": names.models_key,
+        "key_cache": names.key_cache("ab12"),
+        "key_touched": names.key_touched("key_1"),
+        "rate_limit": names.rate_limit("rpm", "key_1"),
+        "session": names.session("s1"),
+        "history": names.history("s1"),
+        "session_seq": names.session_seq("s1"),
+        "session_lock": names.session_lock("s1"),
+        "outbox": names.outbox,
+        "outbox_group": names.outbox_group,
     }
 
 

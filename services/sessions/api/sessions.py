@@ -1,0 +1,84 @@
+"""Sessions API: conversations owned by the caller's tenant (another tenant gets 404)."""
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.sessions.api.deps import CallerDep
+from services.sessions.history import SessionStore
+
+router = APIRouter(prefix="/v1/sessions")
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    title: str | None = Field(None, max_length=200)
+    system_prompt: str | None = Field(None, max_length=100_000)
+    model: str | None = Field(None, max_length=256)
+
+
+class SessionUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    title: str | None = Field(None, max_length=200)
+
+
+def _store(request: Request) -> SessionStore:
+    return request.app.state.sessions
+
+
+@router.post("", status_code=201)
+async def create_session(body: SessionCreate, caller: CallerDep, request: Request) -> dict:
+    """Create a session (optional title, system prompt and model)."""
+    info = await _store(request).create(
+        caller.tenant, title=body.title, system_prompt=body.system_prompt, model=body.model
+    )
+    return info.public()
+
+
+@router.get("")
+async def list_sessions(
+    caller: CallerDep,
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(max_length=64, description="id of the last session of the previous page")] = None,
+) -> dict:
+    """List the caller's sessions, newest first."""
+    items, has_more = await _store(request).list_sessions(caller.tenant, limit=limit, after=after)
+    return {"object": "list", "data": [i.public() for i in items], "has_more": has_more}
+
+
+@router.get("/{session_id}")
+async def get_session(session_id: str, caller: CallerDep, request: Request) -> dict:
+    """Get one session."""
+    return (await _store(request).get(caller.tenant, session_id)).public()
+
+
+@router.patch("/{session_id}")
+async def update_session(session_id: str, body: SessionUpdate, caller: CallerDep, request: Request) -> dict:
+    """Rename a session."""
+    return (await _store(request).rename(caller.tenant, session_id, title=body.title)).public()
+
+
+@router.delete("/{session_id}")
+async def delete_session(session_id: str, caller: CallerDep, request: Request) -> dict:
+    """Delete a session and all its messages."""
+    await _store(request).delete(caller.tenant, session_id)
+    return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+
+@router.get("/{session_id}/messages")
+async def list_messages(
+    session_id: str,
+    caller: CallerDep,
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    after: Annotated[int, Query(ge=0, description="seq of the last message of the previous page")] = 0,
+) -> dict:
+    """List a session's messages, oldest first."""
+    store = _store(request)
+    info = await store.get(caller.tenant, session_id)
+    items, has_more = await store.page(info, after_seq=after, limit=limit)
+    return {"object": "list", "data": [m.public() for m in items], "has_more": has_more}

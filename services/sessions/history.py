@@ -1,0 +1,244 @@
+"""Sessions and their history: Redis first, PostgreSQL behind it.
+
+Session rows are written to PostgreSQL at once (they are rare); messages go to Redis
+and, through the outbox, to PostgreSQL in batches. Reads take the recent history from
+Redis and fall back to PostgreSQL (then re-cache). Sessions belong to a tenant: another
+tenant gets 404, exactly as for a session that does not exist.
+"""
+
+import datetime as dt
+import uuid
+
+import asyncpg
+import redis.asyncio as redis
+from pydantic import BaseModel
+
+from shared.errors import NotFound
+from shared.names import Names
+from shared.outbox import MessageRow, Outbox
+from services.sessions.metrics import SessionsMetrics
+
+_TOMBSTONE = b"-"
+# Compare-and-delete: only the holder releases a session's lock.
+_UNLOCK = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+_COLUMNS = "id, tenant, title, system_prompt, model, created_at, updated_at"
+
+
+class SessionInfo(BaseModel):
+    id: str
+    tenant: str
+    title: str | None = None
+    system_prompt: str | None = None
+    model: str | None = None
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+    def public(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "session",
+            "title": self.title,
+            "system_prompt": self.system_prompt,
+            "model": self.model,
+            "created_at": int(self.created_at.timestamp()),
+            "updated_at": int(self.updated_at.timestamp()),
+        }
+
+
+class StoredMessage(BaseModel):
+    id: str
+    seq: int
+    role: str
+    content: str
+    status: str = "complete"
+    job_id: str | None = None
+    created_at: dt.datetime
+
+    def public(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "session.message",
+            "seq": self.seq,
+            "role": self.role,
+            "content": self.content,
+            "status": self.status,
+            "created_at": int(self.created_at.timestamp()),
+        }
+
+
+def _session_id(raw: str) -> str:
+    """Normalise a session id; anything that is not a UUID cannot exist (404, not 400)."""
+    try:
+        return str(uuid.UUID(raw))
+    except ValueError:
+        raise NotFound("No such session.", param="session_id", code="session_not_found") from None
+
+
+def _info(row: asyncpg.Record) -> SessionInfo:
+    return SessionInfo(
+        id=str(row["id"]), tenant=row["tenant"], title=row["title"], system_prompt=row["system_prompt"],
+        model=row["model"], created_at=row["created_at"], updated_at=row["updated_at"],
+    )  # fmt: skip
+
+
+class SessionStore:
+    def __init__(
+        self,
+        *,
+        client: redis.Redis,
+        db: asyncpg.Pool,
+        names: Names,
+        outbox: Outbox,
+        metrics: SessionsMetrics,
+        history_max_messages: int,
+        cache_ttl_s: int,
+    ) -> None:
+        self._redis = client
+        self._db = db
+        self._names = names
+        self._outbox = outbox
+        self._metrics = metrics
+        self._history_max = history_max_messages
+        self._ttl_s = cache_ttl_s
+        self._unlock = client.register_script(_UNLOCK)
+
+    # Sessions
+    async def create(self, tenant: str, *, title: str | None, system_prompt: str | None, model: str | None) -> SessionInfo:
+        row = await self._db.fetchrow(
+            f"INSERT INTO conversations (id, tenant, title, system_prompt, model) VALUES ($1, $2, $3, $4, $5)"
+            f" RETURNING {_COLUMNS}",
+            uuid.uuid4(), tenant, title, system_prompt, model,
+        )  # fmt: skip
+        info = _info(row)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._names.session(info.id), info.model_dump_json(), ex=self._ttl_s)
+            pipe.set(self._names.session_seq(info.id), 0)
+            await pipe.execute()
+        return info
+
+    async def get(self, tenant: str, session_id: str) -> SessionInfo:
+        """The tenant's session.
+
+        Raises:
+            NotFound: no such session, or it belongs to another tenant.
+        """
+        session_id = _session_id(session_id)
+        raw = await self._redis.get(self._names.session(session_id))
+        if raw == _TOMBSTONE:
+            info = None
+        elif raw is not None:
+            info = SessionInfo.model_validate_json(raw)
+        else:
+            row = await self._db.fetchrow(f"SELECT {_COLUMNS} FROM conversations WHERE id = $1", uuid.UUID(session_id))
+            info = _info(row) if row else None
+            if info is not None:
+                await self._redis.set(self._names.session(session_id), info.model_dump_json(), ex=self._ttl_s)
+        if info is None or info.tenant != tenant:
+            raise NotFound("No such session.", param="session_id", code="session_not_found")
+        return info
+
+    async def list_sessions(self, tenant: str, *, limit: int, after: str | None) -> tuple[list[SessionInfo], bool]:
+        """The tenant's sessions, newest first, `limit` at a time after the session `after`."""
+        cursor = await self.get(tenant, after) if after else None
+        rows = await self._db.fetch(
+            f"SELECT {_COLUMNS} FROM conversations WHERE tenant = $1"
+            " AND ($2::timestamptz IS NULL OR (created_at, id) < ($2, $3))"
+            " ORDER BY created_at DESC, id DESC LIMIT $4",
+            tenant, cursor.created_at if cursor else None, uuid.UUID(cursor.id) if cursor else None, limit + 1,
+        )  # fmt: skip
+        return [_info(r) for r in rows[:limit]], len(rows) > limit
+
+    async def rename(self, tenant: str, session_id: str, *, title: str | None) -> SessionInfo:
+        info = await self.get(tenant, session_id)
+        row = await self._db.fetchrow(
+            f"UPDATE conversations SET title = $2, updated_at = now() WHERE id = $1 RETURNING {_COLUMNS}",
+            uuid.UUID(info.id), title,
+        )  # fmt: skip
+        updated = _info(row)
+        await self._redis.set(self._names.session(info.id), updated.model_dump_json(), ex=self._ttl_s)
+        return updated
+
+    async def delete(self, tenant: str, session_id: str) -> None:
+        """Remove the session and its messages from PostgreSQL and Redis."""
+        info = await self.get(tenant, session_id)
+        await self._db.execute("DELETE FROM conversations WHERE id = $1", uuid.UUID(info.id))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._names.session(info.id), _TOMBSTONE, ex=self._ttl_s)
+            pipe.delete(self._names.history(info.id), self._names.session_seq(info.id))
+            await pipe.execute()
+
+    # Turn-taking
+    async def lock(self, session_id: str, *, holder: str, ttl_s: float) -> bool:
+        return bool(await self._redis.set(self._names.session_lock(session_id), holder, nx=True, px=int(ttl_s * 1000)))
+
+    async def unlock(self, session_id: str, *, holder: str) -> None:
+        await self._unlock(keys=[self._names.session_lock(session_id)], args=[holder])
+
+    # Messages
+    async def history(self, info: SessionInfo) -> list[StoredMessage]:
+        """The session's recent messages, oldest first (at most the cached length)."""
+        raw = await self._redis.lrange(self._names.history(info.id), 0, -1)
+        if raw:
+            self._metrics.history_cache.labels("hit").inc()
+            return [StoredMessage.model_validate_json(item) for item in raw]
+        self._metrics.history_cache.labels("miss").inc()
+        rows = await self._db.fetch(
+            "SELECT id, seq, role, content, status, job_id, created_at FROM"
+            " (SELECT * FROM messages WHERE conversation_id = $1 ORDER BY seq DESC LIMIT $2) recent ORDER BY seq",
+            uuid.UUID(info.id), self._history_max,
+        )  # fmt: skip
+        messages = [_message(r) for r in rows]
+        if messages:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self._names.history(info.id))
+                pipe.rpush(self._names.history(info.id), *[m.model_dump_json() for m in messages])
+                pipe.expire(self._names.history(info.id), self._ttl_s)
+                await pipe.execute()
+        return messages
+
+    async def page(self, info: SessionInfo, *, after_seq: int, limit: int) -> tuple[list[StoredMessage], bool]:
+        """Messages with `seq` > `after_seq`, oldest first; recent ones not yet persisted come from Redis."""
+        rows = await self._db.fetch(
+            "SELECT id, seq, role, content, status, job_id, created_at FROM messages"
+            " WHERE conversation_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+            uuid.UUID(info.id), after_seq, limit + 1,
+        )  # fmt: skip
+        by_seq = {r["seq"]: _message(r) for r in rows}
+        for message in await self.history(info):
+            if message.seq > after_seq:
+                by_seq.setdefault(message.seq, message)
+        ordered = [by_seq[s] for s in sorted(by_seq)]
+        return ordered[:limit], len(ordered) > limit
+
+    async def _next_seq(self, session_id: str) -> int:
+        key = self._names.session_seq(session_id)
+        if not await self._redis.exists(key):
+            # The counter was lost (cache flushed): continue after what PostgreSQL holds.
+            last = await self._db.fetchval(
+                "SELECT coalesce(max(seq), 0) FROM messages WHERE conversation_id = $1", uuid.UUID(session_id)
+            )
+            await self._redis.set(key, last, nx=True)
+        return int(await self._redis.incr(key))
+
+    async def append(self, info: SessionInfo, *, role: str, content: str, status: str, job_id: str | None) -> StoredMessage:
+        """Store a message: in the Redis history and, in the same round trip, in the outbox."""
+        message = StoredMessage(
+            id=str(uuid.uuid4()), seq=await self._next_seq(info.id), role=role, content=content,
+            status=status, job_id=job_id, created_at=dt.datetime.now(dt.UTC),
+        )  # fmt: skip
+        row = MessageRow(conversation_id=info.id, **message.model_dump())
+        key = self._names.history(info.id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.rpush(key, message.model_dump_json())
+            pipe.ltrim(key, -self._history_max, -1)
+            pipe.expire(key, self._ttl_s)
+            await self._outbox.append("message", row, pipe=pipe)
+            await pipe.execute()
+        return message
+
+
+def _message(row: asyncpg.Record) -> StoredMessage:
+    return StoredMessage(
+        id=str(row["id"]), seq=row["seq"], role=row["role"], content=row["content"], status=row["status"],
+        job_id=str(row["job_id"]) if row["job_id"] else None, created_at=row["created_at"],
+    )  # fmt: skip

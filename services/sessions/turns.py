@@ -1,0 +1,121 @@
+"""One turn of a conversation: lock the session, build the prompt from its history,
+store the user's message and, once it exists, the answer.
+
+Rule for concurrent requests on one session: the second gets 409 while the first is
+being answered (turns never interleave; the client retries or waits).
+"""
+
+import math
+from dataclasses import dataclass
+
+from shared.errors import Conflict
+from shared.schemas import Message
+from services.sessions.history import SessionInfo, SessionStore, StoredMessage
+
+_CHARS_PER_TOKEN = 4
+_TOKENS_PER_MESSAGE = 4
+# Assistant answers that ended like this carry no text worth sending back to the model.
+_SKIPPED_STATUSES = frozenset({"failed"})
+
+
+def estimate_tokens(message: Message) -> int:
+    """A conservative character-based estimate; the session manager has no tokenizer."""
+    return math.ceil(len(message.content) / _CHARS_PER_TOKEN) + _TOKENS_PER_MESSAGE
+
+
+def build_prompt(
+    *,
+    system_prompt: str | None,
+    history: list[StoredMessage],
+    new_messages: list[Message],
+    budget_tokens: int,
+) -> tuple[list[Message], int]:
+    """System prompt + as much recent history as fits + the new messages.
+
+    Returns:
+        The prompt, and how many history messages were left out (oldest first).
+    """
+    head = [Message(role="system", content=system_prompt)] if system_prompt else []
+    usable = [
+        Message(role=m.role, content=m.content)
+        for m in history
+        if m.status not in _SKIPPED_STATUSES and m.role in {"user", "assistant", "system", "tool", "developer"}
+    ]
+    fixed = sum(estimate_tokens(m) for m in head + new_messages)
+    kept: list[Message] = []
+    used = fixed
+    for message in reversed(usable):
+        cost = estimate_tokens(message)
+        if used + cost > budget_tokens:
+            break
+        kept.append(message)
+        used += cost
+    kept.reverse()
+    return head + kept + new_messages, len(usable) - len(kept)
+
+
+@dataclass
+class Turn:
+    """A locked session turn in progress."""
+
+    info: SessionInfo
+    holder: str
+    prompt: list[Message]
+    dropped: int
+    new_messages: list[Message]
+    closed: bool = False
+
+
+class Turns:
+    """Begins and ends session turns against the store."""
+
+    def __init__(self, store: SessionStore, *, lock_ttl_s: float) -> None:
+        self._store = store
+        self._lock_ttl_s = lock_ttl_s
+
+    async def begin(
+        self, *, tenant: str, session_id: str, job_id: str, new_messages: list[Message], budget_tokens: int
+    ) -> Turn:
+        """Lock the session and build the prompt.
+
+        Raises:
+            NotFound: no such session for this tenant.
+            Conflict: another request is being answered in this session.
+        """
+        info = await self._store.get(tenant, session_id)
+        if not await self._store.lock(info.id, holder=job_id, ttl_s=self._lock_ttl_s):
+            raise Conflict(
+                "Another request is being answered in this session; retry when it has finished.",
+                param="session_id",
+                code="session_busy",
+            )
+        try:
+            history = await self._store.history(info)
+        except BaseException:
+            await self._store.unlock(info.id, holder=job_id)
+            raise
+        prompt, dropped = build_prompt(
+            system_prompt=info.system_prompt, history=history, new_messages=new_messages, budget_tokens=budget_tokens
+        )
+        return Turn(info=info, holder=job_id, prompt=prompt, dropped=dropped, new_messages=new_messages)
+
+    async def record_question(self, turn: Turn) -> None:
+        """Store the new messages (after the job was accepted by the broker)."""
+        for message in turn.new_messages:
+            await self._store.append(turn.info, role=message.role, content=message.content, status="complete", job_id=turn.holder)
+
+    async def record_answer(self, turn: Turn, *, text: str, status: str) -> None:
+        """Store the answer (complete, cancelled or failed) and release the session."""
+        if turn.closed:
+            return
+        turn.closed = True
+        try:
+            await self._store.append(turn.info, role="assistant", content=text, status=status, job_id=turn.holder)
+        finally:
+            await self._store.unlock(turn.info.id, holder=turn.holder)
+
+    async def abandon(self, turn: Turn) -> None:
+        """Release the session without storing anything (the job never started)."""
+        if not turn.closed:
+            turn.closed = True
+            await self._store.unlock(turn.info.id, holder=turn.holder)
