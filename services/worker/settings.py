@@ -40,6 +40,7 @@ class WorkerSettings(CommonSettings):
     sim_ttft_ms: float = Field(50.0, ge=0)
     sim_itl_ms: float = Field(10.0, ge=0)
     sim_max_seqs: int = Field(64, ge=1)
+    sim_context_tokens: int = Field(32768, ge=16)
 
     heartbeat_interval_s: float = Field(3.0, gt=0)
     heartbeat_ttl_s: float = Field(10.0, gt=0)

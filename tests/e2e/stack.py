@@ -90,9 +90,10 @@ class Stack:
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 60,
         ready_path: str = "/ready",
+        port: int | None = None,
     ) -> Service:
         kind = name.split(":")[0]
-        port = free_port()
+        port = port or free_port()
         extra = {_PORT_VARS[kind]: str(port), **(env or {})}
         log_path = self.log_dir / f"{name.replace(':', '-')}-{port}.log"
         with log_path.open("wb") as log_file:

@@ -17,6 +17,7 @@ def create_engine(settings: WorkerSettings) -> Engine:
             ttft_ms=settings.sim_ttft_ms,
             itl_ms=settings.sim_itl_ms,
             max_seqs=settings.max_seqs or settings.sim_max_seqs,
+            context_tokens=settings.sim_context_tokens,
         )
     max_seqs = settings.max_seqs or _DEFAULT_MAX_SEQS[settings.engine]
     if settings.engine == "vllm":

@@ -35,7 +35,7 @@ class SimEngine(Engine):
     """Deterministic word generator with configurable latency and concurrency."""
 
     def __init__(
-        self, *, model_name: str, ttft_ms: float, itl_ms: float, max_seqs: int, context_tokens: int = 32768
+        self, *, model_name: str, ttft_ms: float, itl_ms: float, max_seqs: int, context_tokens: int
     ) -> None:
         self.model_name = model_name
         self.max_seqs = max_seqs

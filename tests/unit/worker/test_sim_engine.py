@@ -11,7 +11,7 @@ from shared.schemas import Message, Sampling
 
 @pytest.fixture
 async def engine() -> SimEngine:
-    sim = SimEngine(model_name="sim", ttft_ms=0, itl_ms=0, max_seqs=4)
+    sim = SimEngine(model_name="sim", ttft_ms=0, itl_ms=0, max_seqs=4, context_tokens=4096)
     await sim.start()
     return sim
 
@@ -122,7 +122,7 @@ async def test_abort_mid_stream_ends_with_cancelled(engine: SimEngine) -> None:
 
 
 async def test_abort_from_another_task_affects_only_that_request() -> None:
-    sim = SimEngine(model_name="sim", ttft_ms=0, itl_ms=1, max_seqs=4)
+    sim = SimEngine(model_name="sim", ttft_ms=0, itl_ms=1, max_seqs=4, context_tokens=4096)
     long = asyncio.create_task(collect(sim, request(request_id="victim", max_tokens=10_000, seed=1)))
     other = asyncio.create_task(collect(sim, request(request_id="bystander", max_tokens=20, seed=1)))
     await asyncio.sleep(0.01)

@@ -1,0 +1,70 @@
+"""A TCP proxy a test can cut and restore, to take a dependency 'down' for one process only
+(the shared PostgreSQL server keeps running for everyone else)."""
+
+import asyncio
+import contextlib
+import threading
+
+from tests.e2e.stack import free_port
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:<port> to a target; `cut()` drops every connection and refuses new
+    ones until `restore()`."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.port = free_port()
+        self._target = (target_host, target_port)
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def start(self) -> "TcpProxy":
+        self._thread.start()
+        self._call(self._listen())
+        return self
+
+    def cut(self) -> None:
+        self._call(self._cut())
+
+    def restore(self) -> None:
+        self._call(self._listen())
+
+    def close(self) -> None:
+        self._call(self._cut())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def _call(self, coro) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=10)
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+
+    async def _cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            with contextlib.suppress(Exception):
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self._writers -= {writer, up_writer}
