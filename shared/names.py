@@ -86,6 +86,10 @@ class Names:
         """Held by the one request currently answering in a session."""
         return f"{self.namespace}:session-lock:{session_id}"
 
+    def sessions_instance(self, instance_id: str) -> str:
+        """Exists while that session manager process is alive (its turn locks are valid)."""
+        return f"{self.namespace}:sessions-alive:{instance_id}"
+
     @property
     def outbox(self) -> str:
         """Redis Stream of rows waiting to be written to PostgreSQL (write-behind)."""

@@ -56,6 +56,20 @@ async def _ready_reason(app: FastAPI) -> str | None:
     return None
 
 
+_ALIVE_TTL_S = 10
+_ALIVE_EVERY_S = 3
+
+
+async def _announce_alive(client, key: str) -> None:
+    """Keep this process's liveness key fresh; its session locks are honoured while it exists."""
+    while True:
+        try:
+            await client.set(key, b"1", ex=_ALIVE_TTL_S)
+        except Exception as exc:  # noqa: BLE001 - retried on the next beat
+            log.warning("alive_beat_failed", error=repr(exc))
+        await asyncio.sleep(_ALIVE_EVERY_S)
+
+
 async def _update_outbox_gauges(app: FastAPI, metrics: SessionsMetrics) -> None:
     """Outbox length and the age of its oldest entry (stream ids start with their ms timestamp)."""
     try:
@@ -108,7 +122,9 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
             db=db, names=names, metrics=metrics, batch_size=settings.persist_batch_size,
             flush_interval_ms=settings.persist_flush_interval_ms, reclaim_after_ms=settings.persist_reclaim_after_ms,
         )  # fmt: skip
+        instance_id = uuid.uuid4().hex
         persisting = asyncio.create_task(persister.run())
+        alive = asyncio.create_task(_announce_alive(client, names.sessions_instance(instance_id)))
         try:
             await relay.start()
             await publisher.start()
@@ -133,14 +149,15 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 client=client,
                 limiter=RateLimiter(client, names),
                 outbox=outbox,
-                turns=Turns(store, lock_ttl_s=settings.request_timeout_s + 30),
+                turns=Turns(store, instance_id=instance_id, lock_ttl_s=settings.request_timeout_s + 30),
                 metrics=metrics,
             )
             log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)
             yield
         finally:
             persisting.cancel()
-            await asyncio.gather(persisting, return_exceptions=True)
+            alive.cancel()
+            await asyncio.gather(persisting, alive, return_exceptions=True)
             await relay.stop()
             with contextlib.suppress(Exception):
                 await connection.close()

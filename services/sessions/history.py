@@ -21,6 +21,17 @@ from services.sessions.metrics import SessionsMetrics
 _TOMBSTONE = b"-"
 # Compare-and-delete: only the holder releases a session's lock.
 _UNLOCK = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# Take a lock whose holder's process is gone (its liveness key expired), atomically.
+_STEAL = """
+local holder = redis.call('GET', KEYS[1])
+if not holder then return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 or 0 end
+local instance = string.match(holder, '^([^|]+)|')
+if instance and redis.call('EXISTS', ARGV[3] .. instance) == 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
 _COLUMNS = "id, tenant, title, system_prompt, model, created_at, updated_at"
 
 
@@ -101,6 +112,7 @@ class SessionStore:
         self._history_max = history_max_messages
         self._ttl_s = cache_ttl_s
         self._unlock = client.register_script(_UNLOCK)
+        self._steal = client.register_script(_STEAL)
 
     # Sessions
     async def create(self, tenant: str, *, title: str | None, system_prompt: str | None, model: str | None) -> SessionInfo:
@@ -169,7 +181,16 @@ class SessionStore:
 
     # Turn-taking
     async def lock(self, session_id: str, *, holder: str, ttl_s: float) -> bool:
-        return bool(await self._redis.set(self._names.session_lock(session_id), holder, nx=True, px=int(ttl_s * 1000)))
+        """Take the session's turn lock; `holder` is `<instance id>|<job id>`.
+
+        A lock left by a session manager that died is taken over at once instead of
+        blocking the session until it expires.
+        """
+        key = self._names.session_lock(session_id)
+        if await self._redis.set(key, holder, nx=True, px=int(ttl_s * 1000)):
+            return True
+        prefix = self._names.sessions_instance("")
+        return bool(await self._steal(keys=[key], args=[holder, int(ttl_s * 1000), prefix]))
 
     async def unlock(self, session_id: str, *, holder: str) -> None:
         await self._unlock(keys=[self._names.session_lock(session_id)], args=[holder])

@@ -60,6 +60,7 @@ class Turn:
 
     info: SessionInfo
     holder: str
+    job_id: str
     prompt: list[Message]
     dropped: int
     new_messages: list[Message]
@@ -69,8 +70,9 @@ class Turn:
 class Turns:
     """Begins and ends session turns against the store."""
 
-    def __init__(self, store: SessionStore, *, lock_ttl_s: float) -> None:
+    def __init__(self, store: SessionStore, *, instance_id: str, lock_ttl_s: float) -> None:
         self._store = store
+        self._instance_id = instance_id
         self._lock_ttl_s = lock_ttl_s
 
     async def begin(
@@ -83,7 +85,8 @@ class Turns:
             Conflict: another request is being answered in this session.
         """
         info = await self._store.get(tenant, session_id)
-        if not await self._store.lock(info.id, holder=job_id, ttl_s=self._lock_ttl_s):
+        holder = f"{self._instance_id}|{job_id}"
+        if not await self._store.lock(info.id, holder=holder, ttl_s=self._lock_ttl_s):
             raise Conflict(
                 "Another request is being answered in this session; retry when it has finished.",
                 param="session_id",
@@ -92,17 +95,17 @@ class Turns:
         try:
             history = await self._store.history(info)
         except BaseException:
-            await self._store.unlock(info.id, holder=job_id)
+            await self._store.unlock(info.id, holder=holder)
             raise
         prompt, dropped = build_prompt(
             system_prompt=info.system_prompt, history=history, new_messages=new_messages, budget_tokens=budget_tokens
         )
-        return Turn(info=info, holder=job_id, prompt=prompt, dropped=dropped, new_messages=new_messages)
+        return Turn(info=info, holder=holder, job_id=job_id, prompt=prompt, dropped=dropped, new_messages=new_messages)
 
     async def record_question(self, turn: Turn) -> None:
         """Store the new messages (after the job was accepted by the broker)."""
         for message in turn.new_messages:
-            await self._store.append(turn.info, role=message.role, content=message.content, status="complete", job_id=turn.holder)
+            await self._store.append(turn.info, role=message.role, content=message.content, status="complete", job_id=turn.job_id)
 
     async def record_answer(self, turn: Turn, *, text: str, status: str) -> None:
         """Store the answer (complete, cancelled or failed) and release the session."""
@@ -110,7 +113,7 @@ class Turns:
             return
         turn.closed = True
         try:
-            await self._store.append(turn.info, role="assistant", content=text, status=status, job_id=turn.holder)
+            await self._store.append(turn.info, role="assistant", content=text, status=status, job_id=turn.job_id)
         finally:
             await self._store.unlock(turn.info.id, holder=turn.holder)
 

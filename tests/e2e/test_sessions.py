@@ -253,6 +253,13 @@ def test_kill_9_session_manager_mid_burst_loses_no_answered_message(
             index = contents.index(("user", question))
             assert contents[index + 1] == ("assistant", answer)
     assert time.monotonic() - started < 10
+    # Turn locks the dead process held are taken over once its liveness key expires (10 s).
+    api = Api(gateway.url, api_key)
+    deadline = time.monotonic() + 15
+    for session_id in session_ids:
+        while (status := api.chat(session_id, "after the crash").status_code) != 200:
+            assert status in {409, 502, 503} and time.monotonic() < deadline, status
+            time.sleep(0.5)
 
 
 def test_postgres_down_30s_chats_go_on_and_outbox_drains(stack: Stack, api_key: str, database_url: str) -> None:

@@ -27,6 +27,7 @@ def all_names(names: Names) -> dict[str, str]:
         "history": names.history("s1"),
         "session_seq": names.session_seq("s1"),
         "session_lock": names.session_lock("s1"),
+        "sessions_instance": names.sessions_instance("i1"),
         "outbox": names.outbox,
         "outbox_group": names.outbox_group,
     }
