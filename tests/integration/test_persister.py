@@ -1,0 +1,86 @@
+"""The outbox persister against real Redis and PostgreSQL: idempotent, ordered, reclaiming."""
+
+import asyncio
+import datetime as dt
+import uuid
+
+import asyncpg
+import pytest
+
+from shared.names import Names
+from shared.outbox import MessageRow, Outbox
+from services.sessions.metrics import SessionsMetrics
+from services.sessions.persister import Persister
+
+
+@pytest.fixture
+async def setup(database_url, redis_client, namespace):
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
+    names = Names(f"{namespace}-persist-{uuid.uuid4().hex[:6]}")
+    session = uuid.uuid4()
+    await pool.execute("INSERT INTO conversations (id, tenant) VALUES ($1, 't')", session)
+    yield pool, names, session
+    await redis_client.delete(names.outbox)
+    await pool.close()
+
+
+def _persister(redis_client, pool, names, *, reclaim_after_ms: int = 60_000) -> Persister:
+    return Persister(
+        client=redis_client, db=pool, names=names, metrics=SessionsMetrics(),
+        batch_size=100, flush_interval_ms=50, reclaim_after_ms=reclaim_after_ms,
+    )  # fmt: skip
+
+
+def _row(session: uuid.UUID, seq: int, content: str = "hi") -> MessageRow:
+    return MessageRow(
+        id=str(uuid.uuid4()), conversation_id=str(session), seq=seq, role="user",
+        content=content, status="complete", created_at=dt.datetime.now(dt.UTC),
+    )  # fmt: skip
+
+
+async def _wait_drained(redis_client, names: Names, timeout_s: float = 5) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if await redis_client.xlen(names.outbox) == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("outbox not drained")
+
+
+async def test_duplicates_and_rows_of_deleted_sessions_are_skipped(setup, redis_client) -> None:
+    pool, names, session = setup
+    outbox = Outbox(redis_client, names)
+    tricky = "tab\there, newline\nthere, backslash \\ and unicode é"
+    first = _row(session, 1, tricky)
+    await outbox.append("message", first)
+    await outbox.append("message", first)  # a redelivered entry
+    await outbox.append("message", _row(uuid.uuid4(), 1))  # its session is gone
+    await outbox.append("message", _row(session, 2))
+    persister = _persister(redis_client, pool, names)
+    task = asyncio.create_task(persister.run())
+    try:
+        await _wait_drained(redis_client, names)
+    finally:
+        task.cancel()
+    rows = await pool.fetch("SELECT seq, content FROM messages WHERE conversation_id = $1 ORDER BY seq", session)
+    assert [(r["seq"], r["content"]) for r in rows] == [(1, tricky), (2, "hi")]
+
+
+async def test_entries_left_pending_by_a_dead_persister_are_reclaimed(setup, redis_client) -> None:
+    pool, names, session = setup
+    outbox = Outbox(redis_client, names)
+    dead = _persister(redis_client, pool, names)
+    await dead.ensure_group()
+    for seq in range(1, 6):
+        await outbox.append("message", _row(session, seq))
+    # The dead persister read the entries and died before committing them.
+    taken = await redis_client.xreadgroup(names.outbox_group, dead.consumer, {names.outbox: ">"}, count=10)
+    assert len(taken[0][1]) == 5
+    live = _persister(redis_client, pool, names, reclaim_after_ms=200)
+    await asyncio.sleep(0.3)
+    task = asyncio.create_task(live.run())
+    try:
+        await _wait_drained(redis_client, names)
+    finally:
+        task.cancel()
+    count = await pool.fetchval("SELECT count(*) FROM messages WHERE conversation_id = $1", session)
+    assert count == 5

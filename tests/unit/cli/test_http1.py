@@ -1,0 +1,188 @@
+"""services.cli.http1.Http1Pool against a scripted raw HTTP server: keep-alive reuse, the idle-close
+race, broken responses, unframed bodies and the body sink."""
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from services.cli.http1 import ConnectError, Http1Pool, RemoteProtocolError
+
+
+
+class ThenClose(bytes):
+    """An answer after which the server closes the connection."""
+
+
+# (request number on its connection, request body) -> raw bytes to send, or None to close at once
+Script = Callable[[int, bytes], Awaitable[bytes | None]]
+
+
+@dataclass
+class RawServer:
+    url: str
+    connections: int = 0
+    requests: list[tuple[bytes, bytes]] = field(default_factory=list)  # (head, body)
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0
+    )
+    return head, await reader.readexactly(length)
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Script], Awaitable[RawServer]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(script: Script) -> RawServer:
+        state = RawServer(url="")
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            state.connections += 1
+            try:
+                for number in range(1_000):
+                    head, body = await read_request(reader)
+                    state.requests.append((head, body))
+                    answer = await script(number, body)
+                    if answer is None:
+                        return
+                    writer.write(answer)
+                    await writer.drain()
+                    if isinstance(answer, ThenClose):
+                        return
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        servers.append(server)
+        state.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions?x=1"
+        return state
+
+    yield start
+    for server in servers:
+        server.close()
+        await asyncio.wait_for(server.wait_closed(), 5)
+
+
+def ok(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def chunked(*parts: bytes, status: bytes = b"200 OK") -> bytes:
+    out = b"HTTP/1.1 " + status + b"\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    return out + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+def pool(url: str, **kwargs: object) -> Http1Pool:
+    options = {"headers": {"Authorization": "Bearer k"}, "max_idle_connections": 4, "connect_timeout_s": 5.0}
+    return Http1Pool(url, **{**options, **kwargs})  # type: ignore[arg-type]
+
+
+async def test_posts_reuse_one_keep_alive_connection_and_send_a_proper_request(serve) -> None:  # noqa: ANN001
+    async def echo(_number: int, body: bytes) -> bytes:
+        return ok(body)
+
+    server = await serve(echo)
+    client = pool(server.url)
+    try:
+        for i in range(5):
+            assert await client.post(b'{"n": %d}' % i) == (200, b'{"n": %d}' % i)
+    finally:
+        await client.aclose()
+    assert server.connections == 1
+    head = server.requests[0][0].decode()
+    assert head.startswith("POST /v1/chat/completions?x=1 HTTP/1.1\r\n")
+    assert "Host: 127.0.0.1:" in head and "Authorization: Bearer k" in head and "Content-Length: 8" in head
+
+
+async def test_a_keep_alive_connection_the_server_dropped_is_retried_once(serve) -> None:  # noqa: ANN001
+    async def close_on_second(number: int, body: bytes) -> bytes | None:
+        return None if number == 1 else ok(body)  # as a server whose idle timeout just expired
+
+    server = await serve(close_on_second)
+    client = pool(server.url)
+    try:
+        assert await client.post(b"a") == (200, b"a")
+        assert await client.post(b"b") == (200, b"b")
+    finally:
+        await client.aclose()
+    assert server.connections == 2
+
+
+@pytest.mark.parametrize("cut_at", [0, 40, -10])
+async def test_a_response_cut_short_is_a_protocol_error(serve, cut_at: int) -> None:  # noqa: ANN001
+    async def cut(_number: int, _body: bytes) -> bytes | None:
+        return ThenClose(chunked(b"data: 1\n\n")[:cut_at]) if cut_at else None
+
+    server = await serve(cut)
+    received: list[bytes] = []
+    client = pool(server.url)
+    try:
+        with pytest.raises(RemoteProtocolError, match="closed the connection before the response ended"):
+            await asyncio.wait_for(client.post(b"x", sink=lambda data, _t: received.append(data)), 5)
+    finally:
+        await client.aclose()
+    assert server.connections == 1  # a fresh connection is not retried
+
+
+async def test_garbage_is_a_protocol_error(serve) -> None:  # noqa: ANN001
+    async def garbage(_number: int, _body: bytes) -> bytes:
+        return ThenClose(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    server = await serve(garbage)
+    client = pool(server.url)
+    try:
+        with pytest.raises(RemoteProtocolError, match="invalid HTTP response"):
+            await asyncio.wait_for(client.post(b"x"), 5)
+    finally:
+        await client.aclose()
+
+
+async def test_sink_gets_a_200_body_as_it_arrives_but_not_an_error_body(serve) -> None:  # noqa: ANN001
+    async def answer(_number: int, body: bytes) -> bytes:
+        if body == b"bad":
+            return chunked(b'{"error": {"message": "slow down"}}', status=b"429 Too Many Requests")
+        return chunked(b"data: 1\n\n", b"data: 2\n\n")
+
+    server = await serve(answer)
+    received: list[bytes] = []
+    client = pool(server.url)
+    try:
+        assert await client.post(b"good", sink=lambda data, _t: received.append(data)) == (200, b"")
+        assert b"".join(received) == b"data: 1\n\ndata: 2\n\n"
+        received.clear()
+        status, body = await client.post(b"bad", sink=lambda data, _t: received.append(data))
+    finally:
+        await client.aclose()
+    assert (status, body, received) == (429, b'{"error": {"message": "slow down"}}', [])
+
+
+async def test_an_unframed_body_ends_when_the_server_closes(serve) -> None:  # noqa: ANN001
+    async def unframed(_number: int, _body: bytes) -> bytes:
+        return ThenClose(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+
+    server = await serve(unframed)
+    client = pool(server.url)
+    try:
+        assert await asyncio.wait_for(client.post(b"x"), 5) == (200, b"all of it")
+    finally:
+        await client.aclose()
+
+
+async def test_connection_refused_is_a_connect_error() -> None:
+    client = pool("http://127.0.0.1:9/v1/completions")
+    with pytest.raises(ConnectError):
+        await client.post(b"x")
+
+
+def test_only_plain_http_urls_are_supported() -> None:
+    assert Http1Pool.supports("http://127.0.0.1:8000/v1/completions")
+    assert not Http1Pool.supports("https://api.example.com/v1/completions")
+    with pytest.raises(ValueError):
+        pool("https://api.example.com/v1")
