@@ -18,22 +18,30 @@ from shared.names import Names
 MAX_JOB_PRIORITY = 9
 
 
-def create_redis(url: str, *, timeout_s: float, for_pubsub: bool = False) -> redis.Redis:
+def create_redis(
+    url: str, *, timeout_s: float, for_pubsub: bool = False, max_connections: int = 256
+) -> redis.Redis:
     """Return a Redis client whose every command times out after `timeout_s`.
 
     Args:
         url: `redis://` URL.
-        timeout_s: connect and per-command timeout.
+        timeout_s: connect and per-command timeout; also how long a command waits for a
+            free pooled connection under a burst (instead of failing at once).
         for_pubsub: a subscriber blocks on reads by design, so it gets no read timeout.
+        max_connections: pool size.
     """
-    return redis.Redis.from_url(
+    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3)
+    pool = redis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         socket_timeout=None if for_pubsub else timeout_s,
         health_check_interval=0 if for_pubsub else 30,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
+        retry=retry,
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
+    return redis.Redis(connection_pool=pool)
 
 
 async def connect_amqp(url: str, *, timeout_s: float) -> AbstractRobustConnection:

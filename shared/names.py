@@ -47,6 +47,27 @@ class Names:
         return f"{self.namespace}:cancel"
 
     # Redis keys
+    def job_progress(self, job_id: str) -> str:
+        """Hash of a running job's progress: next `seq`, tokens so far (for failover)."""
+        return f"{self.namespace}:progress:{job_id}"
+
+    def job_progress_text(self, job_id: str) -> str:
+        """Text a running job has published so far."""
+        return f"{self.namespace}:progress-text:{job_id}"
+
+    def job_progress_tokens(self, job_id: str) -> str:
+        """Token ids a running job has generated so far (engines that expose them)."""
+        return f"{self.namespace}:progress-tokens:{job_id}"
+
+    def job_deliveries(self, job_id: str) -> str:
+        """How many times a job was redelivered (poison-job detection)."""
+        return f"{self.namespace}:deliveries:{job_id}"
+
+    @property
+    def aliases_key(self) -> str:
+        """Hash: public model name -> served model."""
+        return f"{self.namespace}:aliases"
+
     @property
     def workers_key(self) -> str:
         """Hash: worker id -> JSON heartbeat (model, expiry)."""

@@ -11,14 +11,26 @@ from typing import Literal
 
 import orjson
 import redis.asyncio as redis
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from shared.names import Names
 
 RowKind = Literal["message", "usage"]
 
 
+def postgres_text(value: str | None) -> str | None:
+    """`value` as PostgreSQL can store it: its text type cannot hold U+0000, which becomes U+FFFD.
+
+    One row PostgreSQL refuses would stop its whole batch, and so every later row, from persisting.
+    """
+    if value is None or "\x00" not in value:
+        return value
+    return value.replace("\x00", "\ufffd")
+
+
 class MessageRow(BaseModel):
+    """A message as PostgreSQL stores it (the Redis history keeps the text exactly as it was)."""
+
     id: str
     conversation_id: str
     seq: int
@@ -27,6 +39,11 @@ class MessageRow(BaseModel):
     status: str
     job_id: str | None = None
     created_at: dt.datetime
+
+    @field_validator("role", "content", "status")
+    @classmethod
+    def _storable(cls, value: str) -> str:
+        return postgres_text(value)
 
 
     def copy_line(self) -> bytes:
@@ -57,6 +74,11 @@ class UsageRow(BaseModel):
     completion_tokens: int
     latency_ms: int
     created_at: dt.datetime
+
+    @field_validator("tenant", "key_id", "model")
+    @classmethod
+    def _storable(cls, value: str | None) -> str | None:
+        return postgres_text(value)
 
 
 class Outbox:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import orjson
 import redis.asyncio as redis
 
+from shared.errors import Conflict, InvalidRequest
 from shared.names import Names
 
 # An entry is deleted only long after it expired, so a sweep never races a live
@@ -75,3 +76,29 @@ class WorkerRegistry:
     async def is_known(self, model: str) -> bool:
         """True if any worker has ever served `model` in this namespace."""
         return bool(await self._redis.sismember(self._names.models_key, model))
+
+    async def aliases(self) -> dict[str, str]:
+        """Public model name -> the served model it points at."""
+        raw = await self._redis.hgetall(self._names.aliases_key)
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def set_alias(self, alias: str, target: str) -> None:
+        """Point `alias` at `target` in one atomic write; requests already running finish on the
+        old target, new ones go to the new one.
+
+        Raises:
+            Conflict: no live worker serves `target` (switching to it would fail requests).
+            InvalidRequest: `alias` is itself a served model's name.
+        """
+        live = await self.live_models()
+        if target not in live:
+            raise Conflict(
+                f"No live worker serves '{target}'; an alias can only point at a served model.",
+                param="target", code="alias_target_unavailable",
+            )  # fmt: skip
+        if alias in live:
+            raise InvalidRequest(f"'{alias}' is a served model's name, not an alias.", param="alias")
+        await self._redis.hset(self._names.aliases_key, alias, target)
+
+    async def remove_alias(self, alias: str) -> bool:
+        return bool(await self._redis.hdel(self._names.aliases_key, alias))

@@ -1,8 +1,10 @@
 """FastAPI pieces every HTTP service shares: error mapping, request context, JSON and metrics responses."""
 
+import asyncio
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -15,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from shared.errors import AxonError, error_body
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 
+T = TypeVar("T")
 REQUEST_ID_HEADER = "x-request-id"
 _MAX_REQUEST_ID_LEN = 128
 
@@ -80,6 +83,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message, param = _validation_message(exc)
         body = error_body(message, error_type="invalid_request_error", param=param, code="invalid_request")
         return ORJSONResponse(body, status_code=400)
+
+    app.add_exception_handler(ClientGone, client_gone_handler)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
@@ -157,6 +162,36 @@ def _incoming_request_id(scope: Scope) -> str | None:
             if 0 < len(text) <= _MAX_REQUEST_ID_LEN and text.isascii() and text.isprintable():
                 return text
     return None
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; nobody is left to answer."""
+
+
+async def client_gone_handler(_request: Request, _exc: Exception) -> Response:
+    # 499 ("client closed request"): never seen by the client, but counted and logged as such.
+    return Response(status_code=499)
+
+
+_DISCONNECT_POLL_S = 0.5
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client goes away (a non-streaming client that gave up),
+    so the cancellation travels upstream and the generation stops.
+
+    Raises:
+        ClientGone: the client disconnected first.
+    """
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone
 
 
 def metrics_response(registry: CollectorRegistry) -> Response:

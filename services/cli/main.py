@@ -10,6 +10,7 @@ from shared.settings import CommonSettings
 from services.cli.bench import add_bench_command
 from services.cli.checks import HOW_TO_START, check_dependencies
 from services.cli.keys import add_keys_command
+from services.cli.models import add_models_command
 from services.cli.up import run_up
 
 
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("migrate", help="create the database if missing and apply migrations").set_defaults(func=_migrate)
     commands.add_parser("check", help="check that Redis, RabbitMQ and PostgreSQL are reachable").set_defaults(func=_check)
     add_keys_command(commands)
+    add_models_command(commands)
     add_bench_command(commands)
     return parser
 

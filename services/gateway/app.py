@@ -23,6 +23,9 @@ from services.gateway.settings import GatewaySettings
 log = get_logger(__name__)
 
 
+UPSTREAM_KEEPALIVE_S = 2.0
+
+
 class InsecureConfiguration(RuntimeError):
     """The gateway refuses to start with this configuration."""
 
@@ -43,9 +46,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         timeout = httpx.Timeout(settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s)
+        # Idle upstream connections are dropped before the session manager's keep-alive
+        # timeout, so the gateway never reuses one the other side is closing.
         limits = httpx.Limits(
             max_connections=settings.upstream_max_connections,
             max_keepalive_connections=settings.upstream_max_connections,
+            keepalive_expiry=UPSTREAM_KEEPALIVE_S,
         )
         client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
         # min_size=0: the gateway starts (and serves cached keys) even while PostgreSQL is down.

@@ -4,16 +4,19 @@ stream its answer back unchanged."""
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import quote, quote_from_bytes
 
 import httpx
 import orjson
 from fastapi import Request
+from fastapi.routing import APIRoute
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from shared.errors import DeadlineExceeded, InvalidRequest, PayloadTooLarge, Unavailable, error_body
 from shared.keys import KeyRecord
 from shared.logging import get_logger
+from shared.web import unless_disconnected
 from services.gateway.auth import Admission, Admitter
 
 log = get_logger(__name__)
@@ -72,7 +75,8 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
             if isinstance(content, str):
                 chars += len(content)
             elif isinstance(content, list):
-                chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+                # Any shape may arrive here: the session manager, not the gateway, validates bodies.
+                chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         chars += len(prompt)
@@ -89,6 +93,33 @@ async def _relay_stream(upstream: httpx.Response) -> AsyncIterator[bytes]:
     except httpx.HTTPError as exc:
         log.warning("upstream_stream_broken", error=repr(exc))
         yield _STREAM_BROKEN_EVENT
+
+
+def upstream_target(request: Request) -> str:
+    """The path and query to forward, with the client's escapes kept.
+
+    The route's own path with each path parameter percent-encoded again: a session id like
+    `%2F`, `%0A` or `..` stays one parameter, never a new path segment, an invalid URL or a
+    path the HTTP client normalises away. The query string is forwarded as received, with any
+    byte that may not appear in a URL percent-encoded.
+    """
+    route = request.scope.get("route")
+    path = request.url.path
+    if request.path_params and isinstance(route, APIRoute):
+        path = route.path_format.format_map({name: _segment(str(value)) for name, value in request.path_params.items()})
+    query = request.scope.get("query_string", b"")
+    return path + ("?" + quote_from_bytes(query, safe=_QUERY_SAFE) if query else "")
+
+
+# What a query string may carry as is (RFC 3986 sub-delims, ':', '@', '/', '?', unreserved, and
+# '%' so that the client's escapes stay escapes); everything else is percent-encoded.
+_QUERY_SAFE = "!$&'()*+,;=:@/?%-._~"
+
+
+def _segment(value: str) -> str:
+    if value in {".", ".."}:
+        return value.replace(".", "%2E")
+    return quote(value, safe="")
 
 
 class Forwarder:
@@ -171,12 +202,15 @@ class GatewayService:
         async def release() -> None:
             await self._admitter.release(admission)
 
-        response = await self._forwarder.forward(
-            request.method,
-            request.url.path + (f"?{request.url.query}" if request.url.query else ""),
-            body=body,
-            headers=self._upstream_headers(request, record, prompt_estimate=token_cost),
-            on_close=release,
+        response = await unless_disconnected(
+            request,
+            self._forwarder.forward(
+                request.method,
+                upstream_target(request),
+                body=body,
+                headers=self._upstream_headers(request, record, prompt_estimate=token_cost),
+                on_close=release,
+            ),
         )
         response.headers.update(admission.headers())
         return response

@@ -19,14 +19,15 @@ from shared.outbox import Outbox
 from shared.ratelimit import RateLimiter
 from shared.registry import WorkerRegistry
 from shared.web import ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response
+from services.sessions.active_sessions import CountedTurns
 from services.sessions.api import sessions as sessions_api
 from services.sessions.api.routes import router
 from services.sessions.history import SessionStore
 from services.sessions.persister import Persister
-from services.sessions.turns import Turns
 from services.sessions.catalog import ModelCatalog
 from services.sessions.jobs import JobPublisher
 from services.sessions.metrics import SessionsMetrics
+from services.sessions.queue_depth import QueueDepthPoller
 from services.sessions.relay import TokenRelay
 from services.sessions.service import CompletionService
 from services.sessions.settings import SessionsSettings
@@ -125,14 +126,16 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         instance_id = uuid.uuid4().hex
         persisting = asyncio.create_task(persister.run())
         alive = asyncio.create_task(_announce_alive(client, names.sessions_instance(instance_id)))
+        polling: asyncio.Task | None = None
         try:
             await relay.start()
             await publisher.start()
             catalog = ModelCatalog(
                 WorkerRegistry(client, names),
-                aliases=settings.model_aliases,
                 cache_ttl_s=settings.models_cache_ttl_s,
             )
+            poller = QueueDepthPoller(connection=connection, catalog=catalog, client=client, names=names, metrics=metrics)
+            polling = asyncio.create_task(poller.run())
             app.state.redis = client
             app.state.amqp = connection
             app.state.catalog = catalog
@@ -149,15 +152,19 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 client=client,
                 limiter=RateLimiter(client, names),
                 outbox=outbox,
-                turns=Turns(store, instance_id=instance_id, lock_ttl_s=settings.request_timeout_s + 30),
+                turns=CountedTurns(
+                    store, instance_id=instance_id, lock_ttl_s=settings.request_timeout_s + 30,
+                    gauge=metrics.active_sessions,
+                ),  # fmt: skip
                 metrics=metrics,
             )
             log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)
             yield
         finally:
-            persisting.cancel()
-            alive.cancel()
-            await asyncio.gather(persisting, alive, return_exceptions=True)
+            background = [t for t in (persisting, alive, polling) if t is not None]
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await relay.stop()
             with contextlib.suppress(Exception):
                 await connection.close()

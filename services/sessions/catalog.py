@@ -10,22 +10,27 @@ NO_WORKER_RETRY_AFTER_S = 5
 
 
 class ModelCatalog:
-    def __init__(self, registry: WorkerRegistry, *, aliases: dict[str, str], cache_ttl_s: float) -> None:
+    def __init__(self, registry: WorkerRegistry, *, cache_ttl_s: float) -> None:
         self._registry = registry
-        self._aliases = aliases
         self._cache_ttl_s = cache_ttl_s
         self._live: dict[str, LiveModel] = {}
+        self._aliases: dict[str, str] = {}
         self._fetched_at = float("-inf")
 
-    async def live(self) -> dict[str, LiveModel]:
-        """Models live workers serve, at most `cache_ttl_s` old."""
+    async def _refresh(self) -> None:
         now = time.monotonic()
         if now - self._fetched_at > self._cache_ttl_s:
             self._live = await self._registry.live_models()
+            self._aliases = await self._registry.aliases()
             self._fetched_at = now
+
+    async def live(self) -> dict[str, LiveModel]:
+        """Models live workers serve, at most `cache_ttl_s` old."""
+        await self._refresh()
         return self._live
 
-    def resolve(self, name: str) -> str:
+    async def resolve(self, name: str) -> str:
+        await self._refresh()
         return self._aliases.get(name, name)
 
     async def require(self, name: str) -> tuple[str, LiveModel]:
@@ -35,7 +40,7 @@ class ModelCatalog:
             ModelNotFound: no worker has ever served it.
             Unavailable: it is known but no worker serves it now.
         """
-        model = self.resolve(name)
+        model = await self.resolve(name)
         live = (await self.live()).get(model)
         if live is not None:
             return model, live
@@ -50,5 +55,5 @@ class ModelCatalog:
     async def listing(self) -> list[dict]:
         """OpenAI `/v1/models` entries: live models and the aliases that point at them."""
         live = await self.live()
-        names = sorted(live) + sorted(a for a, target in self._aliases.items() if target in live)
+        names = sorted(live) + sorted(a for a, target in self._aliases.items() if target in live and a not in live)
         return [{"id": n, "object": "model", "created": 0, "owned_by": "axon"} for n in names]

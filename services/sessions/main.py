@@ -17,6 +17,8 @@ def main() -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,
+        # Longer than the gateway's idle-connection expiry (2 s): the gateway closes first.
+        timeout_keep_alive=30,
     )
 
 

@@ -59,3 +59,32 @@ class SessionsMetrics:
             "axon_sessions_active_streams", "Jobs whose chunks this process is relaying.",
             registry=self.registry,
         )
+        self.active_sessions = Gauge(
+            "axon_sessions_active_sessions", "Sessions with a turn this process is answering now.",
+            registry=self.registry,
+        )
+        self.completion_requests = Counter(
+            "axon_sessions_completion_requests_total",
+            "Completion requests by route, model and the HTTP status they were answered with "
+            "(200 for a stream, even if it later ends with an error event; see axon_sessions_requests_total).",
+            ["route", "model", "status"], registry=self.registry,
+        )
+        # Polled every few seconds (queue_depth.py); every session manager reports the same
+        # values, so dashboards take max by (model).
+        self.queue_depth = Gauge(
+            "axon_sessions_queue_depth", "Jobs ready in the model's RabbitMQ queue, not yet delivered to a worker.",
+            ["model"], registry=self.registry,
+        )
+        self.queue_consumers = Gauge(
+            "axon_sessions_queue_consumers", "Consumers (worker processes) on the model's RabbitMQ queue.",
+            ["model"], registry=self.registry,
+        )
+        self.live_workers = Gauge(
+            "axon_sessions_live_workers",
+            "Workers with a live heartbeat, for every model ever served in the namespace (0: none now).",
+            ["model"], registry=self.registry,
+        )
+        self.queue_poll_errors = Counter(
+            "axon_sessions_queue_poll_errors_total", "Queue depth polls that failed (RabbitMQ or Redis unreachable).",
+            registry=self.registry,
+        )

@@ -108,7 +108,7 @@ class ActiveJob:
             try:
                 chunk = TokenChunk.model_validate_json(raw)
             except ValidationError:
-                log.error("chunk_invalid", raw=raw[:200])
+                log.error("chunk_invalid", size_bytes=len(raw))
                 continue
             if chunk.seq < self._next_seq:
                 continue  # already relayed: a redelivered job repeats its chunks
@@ -236,6 +236,9 @@ class CompletionService:
             first = await anext(chunks)
             if first.finish_reason == "error":
                 raise chunk_error(first)
+        except asyncio.CancelledError:
+            await asyncio.shield(self.finish(active, outcome="disconnected"))
+            raise
         except BaseException:
             await self.finish(active, outcome="error")
             raise
@@ -251,6 +254,9 @@ class CompletionService:
                     last = chunk
             if last.finish_reason == "error":
                 raise chunk_error(last)
+        except asyncio.CancelledError:
+            await asyncio.shield(self.finish(active, outcome="disconnected"))
+            raise
         except BaseException:
             await self.finish(active, outcome="error")
             raise
@@ -327,6 +333,7 @@ class CompletionService:
                 status = "cancelled"
             await self._turns.record_answer(active.turn, text="".join(active.text), status=status)
         if active.usage is not None:
+            self._metrics.output_tokens.labels(active.job.model).inc(active.usage.completion_tokens)
             await self._record_usage(active)
             await self._settle_tokens(active)
 

@@ -16,8 +16,6 @@ class SessionsSettings(CommonSettings):
     subscribe_timeout_s: float = Field(5.0, gt=0)
     # How long the list of live models may be reused before asking Redis again.
     models_cache_ttl_s: float = Field(1.0, ge=0)
-    # Alternative model names: {"alias": "model"}, as JSON.
-    model_aliases: dict[str, str] = Field(default_factory=dict)
     # Chunks buffered per stream before a slow client is cut off.
     stream_buffer_chunks: int = Field(4096, ge=16)
     # Messages one chat request may carry.

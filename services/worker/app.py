@@ -7,7 +7,8 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -37,8 +38,14 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.redis = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
         self.registry = WorkerRegistry(self.redis, self.names)
-        self.runner = JobRunner(engine=engine, client=self.redis, metrics=self.metrics)
+        self.runner = JobRunner(
+            engine=engine, client=self.redis, names=self.names, metrics=self.metrics,
+            max_deliveries=settings.max_deliveries, dead_letter=self._dead_letter,
+        )  # fmt: skip
         self.not_ready_reason: str | None = "starting"
+        # Why the process must exit non-zero (the engine failed), so an orchestrator restarts it.
+        self.fatal: str | None = None
+        self._drained = False
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
@@ -52,9 +59,13 @@ class Worker:
             await self.engine.start()
         except Exception as exc:
             log.exception("engine_start_failed", error=str(exc))
-            os.kill(os.getpid(), signal.SIGTERM)
+            self.fail(f"engine failed to start: {exc}")
             return
-        self.metrics.max_seqs.labels(self.engine.model_name).set(self.engine.max_seqs)
+        self.metrics.observe_engine(
+            model=self.engine.model_name, max_seqs=self.engine.max_seqs,
+            in_flight=lambda: self.runner.in_flight, generating=lambda: self.runner.generating,
+            kv_cache_usage=self.engine.kv_cache_usage if self.engine.reports_kv_cache else None,
+        )  # fmt: skip
         await self._connect_until_up()
         heartbeat = Heartbeat(
             self.registry,
@@ -62,6 +73,7 @@ class Worker:
             engine=self.engine,
             interval_s=self.settings.heartbeat_interval_s,
             ttl_s=self.settings.heartbeat_ttl_s,
+            on_engine_failure=self.fail,
         )
         self._tasks += [
             asyncio.create_task(heartbeat.run()),
@@ -74,6 +86,28 @@ class Worker:
         self._heartbeat = heartbeat
         self.not_ready_reason = None
         log.info("worker_ready", model=self.engine.model_name, max_seqs=self.engine.max_seqs)
+
+    def fail(self, reason: str) -> None:
+        """Stop serving and exit non-zero: the engine cannot be trusted any more."""
+        self.fatal = reason
+        self.not_ready_reason = f"engine failed: {reason}"
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    async def _dead_letter(self, message: AbstractIncomingMessage, reason: str) -> None:
+        """Move a job to the dead-letter queue with the reason in its headers."""
+        assert self._channel is not None
+        exchange = await self._channel.get_exchange(self.names.dead_letter_exchange, ensure=False)
+        await exchange.publish(
+            aio_pika.Message(
+                body=message.body,
+                headers={**(message.headers or {}), "x-axon-dead-reason": reason},
+                message_id=message.message_id,
+                content_type=message.content_type,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key="",
+        )
+        await message.ack()
 
     async def _connect_until_up(self) -> None:
         while True:
@@ -93,14 +127,22 @@ class Worker:
                 log.warning("worker_connect_failed", error=repr(exc))
                 await asyncio.sleep(_RETRY_DELAY_S)
 
-    async def shutdown(self) -> None:
-        """Stop taking jobs, let in-flight ones finish (bounded), hand the rest back, exit."""
+    async def drain(self) -> None:
+        """Stop taking jobs (readiness goes false), let in-flight ones finish within
+        `drain_timeout_s`, hand the rest back to the queue. Runs once."""
+        if self._drained:
+            return
+        self._drained = True
         self.not_ready_reason = "shutting down"
         if self._queue is not None and self._consumer_tag is not None:
             with contextlib.suppress(Exception):
                 await self._queue.cancel(self._consumer_tag)
         left = await self.runner.drain(self.settings.drain_timeout_s)
         log.info("worker_drained", handed_back=left)
+
+    async def shutdown(self) -> None:
+        """Drain, withdraw from the registry, release everything."""
+        await self.drain()
         if getattr(self, "_heartbeat", None) is not None:
             with contextlib.suppress(Exception):
                 await self._heartbeat.withdraw()
@@ -130,6 +172,7 @@ def create_app(settings: WorkerSettings | None = None, engine: Engine | None = N
             await worker.shutdown()
 
     app = FastAPI(title="Axon inference worker", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.worker = worker
     install_error_handlers(app)
     app.add_middleware(
         RequestContextMiddleware,

@@ -1,8 +1,13 @@
 """Prometheus metrics of one worker process (its own registry, built in the app factory)."""
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from shared.logging import get_logger
 from shared.web import LATENCY_BUCKETS_S, HttpMetrics
+
+log = get_logger(__name__)
 
 
 class WorkerMetrics:
@@ -37,3 +42,49 @@ class WorkerMetrics:
             "axon_worker_job_duration_seconds", "From taking a job to its final chunk.", ["model"],
             buckets=LATENCY_BUCKETS_S, registry=self.registry,
         )
+
+    def observe_engine(
+        self,
+        *,
+        model: str,
+        max_seqs: int,
+        in_flight: Callable[[], int],
+        generating: Callable[[], int],
+        kv_cache_usage: Callable[[], float | None] | None,
+    ) -> None:
+        """Gauges read at scrape time: waiting sequences, batch utilization, KV cache (engines
+        that report it), GPU memory (where a GPU exists)."""
+        self.max_seqs.labels(model).set(max_seqs)
+        Gauge(
+            "axon_worker_waiting_sequences", "Jobs taken from the queue but not yet generating.", ["model"],
+            registry=self.registry,
+        ).labels(model).set_function(lambda: max(0, in_flight() - generating()))
+        Gauge(
+            "axon_worker_batch_utilization", "Running sequences / the most the engine runs at once.", ["model"],
+            registry=self.registry,
+        ).labels(model).set_function(lambda: generating() / max_seqs)
+        if kv_cache_usage is not None:
+            Gauge(
+                "axon_worker_kv_cache_usage_ratio", "Fraction of the engine's KV cache in use.", ["model"],
+                registry=self.registry,
+            ).labels(model).set_function(lambda: kv_cache_usage() or 0.0)
+        self._observe_gpu_memory()
+
+    def _observe_gpu_memory(self) -> None:
+        """GPU memory in use per device, through NVML, only where a GPU and NVML exist."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+        except Exception:  # noqa: BLE001 - no GPU, no driver or no NVML: nothing to report
+            return
+        gauge = Gauge(
+            "axon_worker_gpu_memory_used_bytes", "GPU memory in use (all processes), per device.", ["device"],
+            registry=self.registry,
+        )
+        for index in range(count):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            gauge.labels(str(index)).set_function(lambda h=handle: pynvml.nvmlDeviceGetMemoryInfo(h).used)
+        log.info("gpu_metrics_enabled", devices=count)
+

@@ -7,6 +7,7 @@ mid-job leaves it to be redelivered.
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as redis
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
@@ -15,9 +16,10 @@ from pydantic import ValidationError
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
 from shared.registry import WorkerRegistry
-from shared.schemas import ChunkError, FinishReason, Job, TokenChunk, Usage
-from services.worker.engines import Engine, EngineError, GenerationRequest, InvalidPrompt
+from shared.schemas import FinishReason, Job
+from services.worker.engines import Engine, EngineError, EngineOutput, GenerationRequest, InvalidPrompt, Resume
 from services.worker.metrics import WorkerMetrics
+from services.worker.progress import Coalescer, JobStream
 
 log = get_logger(__name__)
 
@@ -25,23 +27,7 @@ log = get_logger(__name__)
 _CANCELLED_MEMORY = 10_000
 
 
-class ChunkPublisher:
-    """Numbers a job's chunks from 0 and publishes them on the job's channel."""
-
-    def __init__(self, client: redis.Redis, channel: str) -> None:
-        self._redis = client
-        self._channel = channel
-        self.seq = 0
-
-    async def publish(self, chunk_fields: dict) -> None:
-        chunk = TokenChunk(seq=self.seq, **chunk_fields)
-        await self._redis.publish(self._channel, chunk.model_dump_json(exclude_none=True))
-        self.seq += 1
-
-    async def finish_with_error(self, message: str, error_type: str) -> None:
-        await self.publish(
-            {"finish_reason": "error", "error": ChunkError(message=message, type=error_type)}
-        )
+DeadLetter = Callable[[AbstractIncomingMessage, str], Awaitable[None]]
 
 
 class JobRunner:
@@ -52,16 +38,24 @@ class JobRunner:
         *,
         engine: Engine,
         client: redis.Redis,
+        names: Names,
         metrics: WorkerMetrics,
+        max_deliveries: int,
+        dead_letter: DeadLetter,
     ) -> None:
         self._engine = engine
         self._redis = client
+        self._names = names
         self._metrics = metrics
+        self._max_deliveries = max_deliveries
+        self._dead_letter = dead_letter
         self._tasks: set[asyncio.Task] = set()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self.generating = 0
 
     @property
     def in_flight(self) -> int:
+        """Jobs taken from the queue and not yet finished (generating or about to)."""
         return len(self._tasks)
 
     async def on_message(self, message: AbstractIncomingMessage) -> None:
@@ -77,10 +71,10 @@ class JobRunner:
         await self._engine.abort(job_id)
 
     async def drain(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for in-flight jobs; cancel the rest (they are redelivered).
+        """Wait up to `timeout_s` for in-flight jobs; hand the rest back to the queue.
 
         Returns:
-            How many jobs were still running at the deadline.
+            How many jobs were handed back.
         """
         if not self._tasks:
             return 0
@@ -95,106 +89,169 @@ class JobRunner:
         try:
             job = Job.model_validate_json(message.body)
         except ValidationError as exc:
-            log.error("job_invalid", error=str(exc)[:500], message_id=message.message_id)
-            await message.reject(requeue=False)
+            # Only the fields at fault, never their values (which may hold prompt text).
+            fields = sorted({".".join(str(p) for p in e["loc"]) for e in exc.errors()})
+            log.error("job_invalid", fields=fields, message_id=message.message_id)
+            await self._dead_letter(message, f"invalid job: bad fields {', '.join(fields)}")
             return
         headers = message.headers or {}
-        bind_contextvars(job_id=job.job_id, tenant=job.tenant, request_id=headers.get("x-request-id"))
-        publisher = ChunkPublisher(self._redis, job.channel)
+        bind_contextvars(
+            job_id=job.job_id, tenant=job.tenant, session_id=job.session_id, request_id=headers.get("x-request-id")
+        )
+        stream = JobStream(self._redis, self._names, job_id=job.job_id, channel=job.channel, deadline=job.deadline)
         started = time.perf_counter()
         try:
-            outcome = await self._run(job, publisher)
+            if message.redelivered and await self._poisoned(job, stream, message):
+                return
+            outcome = await self._run(job, stream, redelivered=message.redelivered)
+        except asyncio.CancelledError:
+            # Draining: the job goes back to the queue; its progress lets the next worker resume.
+            await asyncio.shield(message.nack(requeue=True))
+            self._metrics.jobs.labels(job.model, "handed_back").inc()
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure must end the client's stream
             log.exception("job_crashed", error=repr(exc))
-            self._metrics.jobs.labels(job.model, "crashed").inc()
-            await self._fail(publisher, message)
+            self._metrics.jobs.labels(job.model, "failed").inc()
+            await message.nack(requeue=True)  # counted on redelivery; dead-lettered past the limit
             return
         self._metrics.jobs.labels(job.model, outcome).inc()
+        if stream.resumed:
+            self._metrics.jobs.labels(job.model, "resumed").inc()
         await message.ack()
         log.info(
             "job_finished",
             outcome=outcome,
-            chunks=publisher.seq,
-            redelivered=message.redelivered,
+            chunks=stream.seq,
+            resumed=stream.resumed,
             duration_ms=round((time.perf_counter() - started) * 1000, 1),
         )
 
-    async def _fail(self, publisher: ChunkPublisher, message: AbstractIncomingMessage) -> None:
-        """Requeue a crashed job once; a second crash dead-letters it and tells the client."""
-        if not message.redelivered:
-            await message.nack(requeue=True)
-            return
-        try:
-            await publisher.finish_with_error("The worker failed while generating.", "server_error")
-        finally:
-            await message.reject(requeue=False)
+    async def _poisoned(self, job: Job, stream: JobStream, message: AbstractIncomingMessage) -> bool:
+        """Count a redelivery; past `max_deliveries`, dead-letter the job and tell its client."""
+        deliveries = int(await self._redis.incr(self._names.job_deliveries(job.job_id))) + 1
+        await self._redis.expire(self._names.job_deliveries(job.job_id), max(1, int(job.deadline - time.time()) + 60))
+        if deliveries <= self._max_deliveries:
+            return False
+        reason = f"delivered {deliveries} times without finishing (AXON_MAX_DELIVERIES={self._max_deliveries})"
+        log.error("job_dead_lettered", reason=reason)
+        await stream.load()
+        await stream.finish_with_error(f"The request could not be completed: it was {reason}.", "server_error")
+        await self._dead_letter(message, reason)
+        self._metrics.jobs.labels(job.model, "dead_lettered").inc()
+        return True
 
-    async def _run(self, job: Job, publisher: ChunkPublisher) -> str:
+    async def _run(self, job: Job, stream: JobStream, *, redelivered: bool) -> str:
         if job.job_id in self._cancelled:
-            await publisher.publish({"finish_reason": "cancelled"})
+            await stream.finish_cancelled()
             return "cancelled"
         remaining_s = job.deadline - time.time()
         if remaining_s <= 0:
-            await publisher.finish_with_error("The request's deadline passed before it started.", "timeout_error")
+            await stream.finish_with_error("The request's deadline passed before it started.", "timeout_error")
             return "expired"
+        resume = await stream.load() if redelivered else None
         try:
             async with asyncio.timeout(remaining_s):
-                return await self._generate(job, publisher)
+                return await self._generate(job, stream, resume)
         except TimeoutError:
             await self._engine.abort(job.job_id)
-            await publisher.finish_with_error("The request's deadline passed during generation.", "timeout_error")
+            await stream.finish_with_error("The request's deadline passed during generation.", "timeout_error")
             return "expired"
         except InvalidPrompt as exc:
-            await publisher.finish_with_error(str(exc), "invalid_request_error")
+            await stream.finish_with_error(str(exc), "invalid_request_error")
             return "invalid"
         except EngineError as exc:
             log.warning("job_failed", error=str(exc))
-            await publisher.finish_with_error(str(exc), "server_error")
-            return "error"
+            await stream.finish_with_error(str(exc), "server_error")
+            return "failed"
 
-    async def _generate(self, job: Job, publisher: ChunkPublisher) -> str:
+    async def _generate(self, job: Job, stream: JobStream, resume: Resume | None) -> str:
+        sampling = job.sampling
+        if resume is not None:
+            log.info("job_resumed", seq=stream.seq, completion_tokens=resume.completion_tokens)
+            remaining = sampling.max_tokens - resume.completion_tokens
+            if remaining < 1:
+                await stream.publish(EngineOutput("", 0, stream.prompt_tokens, 0, finish_reason="length"))
+                return "completed"
+            sampling = sampling.model_copy(update={"max_tokens": remaining})
         request = GenerationRequest(
-            request_id=job.job_id, sampling=job.sampling, messages=job.messages, prompt=job.prompt
+            request_id=job.job_id, sampling=sampling, messages=job.messages, prompt=job.prompt, resume=resume
         )
         model = job.model
         started = time.perf_counter()
-        reason: FinishReason | None = None
+        outputs = Coalescer()
+        pump = asyncio.create_task(self._pump(outputs, stream, model=model, started=started))
         self._metrics.running.labels(model).inc()
+        self.generating += 1
+        engine_error: EngineError | None = None
         try:
-            async for out in self._engine.generate(request):
-                if publisher.seq == 0:
-                    self._metrics.ttft.labels(model).observe(time.perf_counter() - started)
-                fields: dict = {"text": out.text, "n_tokens": out.n_tokens, "finish_reason": out.finish_reason}
-                if out.finish_reason is not None:
-                    reason = out.finish_reason
-                    fields["usage"] = Usage(
-                        prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens
-                    )
-                    self._metrics.output_tokens.labels(model).inc(out.completion_tokens)
-                    self._metrics.prompt_tokens.labels(model).inc(out.prompt_tokens)
-                await publisher.publish(fields)
+            try:
+                async for out in self._engine.generate(request):
+                    if pump.done():
+                        break  # publishing failed: stop generating, the error surfaces below
+                    outputs.add(out)
+            except EngineError as exc:
+                engine_error = exc  # publish what was generated first, then report it
+            outputs.close()
+            reason = await pump
         finally:
             self._metrics.running.labels(model).dec()
+            self.generating -= 1
+            if not pump.done():
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+        if engine_error is not None:
+            raise engine_error
         if reason is None:
             raise EngineError("The engine ended the answer without a finish reason.")
         self._metrics.job_duration.labels(model).observe(time.perf_counter() - started)
+        return "cancelled" if reason == "cancelled" else "completed"
+
+    async def _pump(self, outputs: Coalescer, stream: JobStream, *, model: str, started: float) -> FinishReason | None:
+        """Publish what the engine produced, merging whatever piled up during the last publish."""
+        reason: FinishReason | None = None
+        first = True
+        while (out := await outputs.take()) is not None:
+            if first:
+                self._metrics.ttft.labels(model).observe(time.perf_counter() - started)
+                first = False
+            await stream.publish(out)
+            self._metrics.output_tokens.labels(model).inc(out.n_tokens)
+            if out.finish_reason is not None:
+                reason = out.finish_reason
+                self._metrics.prompt_tokens.labels(model).inc(stream.prompt_tokens)
         return reason
 
 
 class Heartbeat:
-    """Keeps this worker's entry in the registry fresh while it can take jobs."""
+    """Keeps this worker's entry in the registry fresh while its engine is healthy."""
 
-    def __init__(self, registry: WorkerRegistry, *, worker_id: str, engine: Engine, interval_s: float, ttl_s: float) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        *,
+        worker_id: str,
+        engine: Engine,
+        interval_s: float,
+        ttl_s: float,
+        on_engine_failure: Callable[[str], None],
+    ) -> None:
         self._registry = registry
         self._worker_id = worker_id
         self._engine = engine
         self._interval_s = interval_s
         self._ttl_s = ttl_s
+        self._on_engine_failure = on_engine_failure
 
     async def run(self) -> None:
         while True:
             try:
                 await self._engine.check_health()
+            except EngineError as exc:
+                log.error("engine_unhealthy", error=str(exc))
+                await self.withdraw()
+                self._on_engine_failure(str(exc))
+                return
+            try:
                 await self._registry.heartbeat(
                     worker_id=self._worker_id,
                     model=self._engine.model_name,
@@ -202,14 +259,15 @@ class Heartbeat:
                     max_seqs=self._engine.max_seqs,
                     context_tokens=self._engine.context_tokens,
                 )
-            except EngineError as exc:
-                log.error("engine_unhealthy", error=str(exc))
             except Exception as exc:  # noqa: BLE001 - a failed beat must not end the loop
                 log.warning("heartbeat_failed", error=repr(exc))
             await asyncio.sleep(self._interval_s)
 
     async def withdraw(self) -> None:
-        await self._registry.remove(self._worker_id)
+        try:
+            await self._registry.remove(self._worker_id)
+        except Exception as exc:  # noqa: BLE001 - the entry expires on its own anyway
+            log.warning("withdraw_failed", error=repr(exc))
 
 
 async def listen_for_cancellations(client: redis.Redis, names: Names, runner: JobRunner) -> None:

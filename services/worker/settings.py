@@ -41,7 +41,12 @@ class WorkerSettings(CommonSettings):
     sim_itl_ms: float = Field(10.0, ge=0)
     sim_max_seqs: int = Field(64, ge=1)
     sim_context_tokens: int = Field(32768, ge=16)
+    # Fault injection for platform tests: the simulated engine reports itself dead this
+    # many seconds after start (0: never).
+    sim_fail_after_s: float = Field(0.0, ge=0)
 
     heartbeat_interval_s: float = Field(3.0, gt=0)
     heartbeat_ttl_s: float = Field(10.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)
+    # A job redelivered more often than this (it keeps killing workers) is dead-lettered.
+    max_deliveries: int = Field(3, ge=1)

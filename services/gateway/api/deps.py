@@ -10,6 +10,7 @@ from fastapi import Depends, Header, Request
 
 from shared.errors import Unauthorized
 from shared.keys import KeyRecord, KeyRepository
+from shared.logging import bind_contextvars
 from services.gateway.auth import Authenticator
 from services.gateway.service import GatewayService
 
@@ -18,7 +19,10 @@ async def get_caller(
     request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
 ) -> KeyRecord:
     authenticator: Authenticator = request.app.state.authenticator
-    return await authenticator.authenticate(authorization)
+    record = await authenticator.authenticate(authorization)
+    # The key's id and tenant (never the key) on every later log line of the request.
+    bind_contextvars(tenant=record.tenant, key_id=record.id)
+    return record
 
 
 def require_admin(
@@ -31,7 +35,7 @@ def require_admin(
         raise Unauthorized("Missing or incorrect admin token.", code="invalid_admin_token")
 
 
-def get_service(request: Request) -> GatewayService:
+async def get_service(request: Request) -> GatewayService:
     return request.app.state.gateway
 
 

@@ -1,62 +1,90 @@
-"""Public API routes: the caller is authenticated by `CallerDep`; the service admits and forwards."""
+"""Public API routes: the caller is authenticated by `CallerDep`; the service admits and forwards.
 
-from fastapi import APIRouter, Request
+The routes read bodies raw and forward them; `api/openapi.py` describes them for the OpenAPI schema.
+"""
+
+from fastapi import APIRouter, Request, Security
 from fastapi.responses import Response
 
 from services.gateway.api.deps import CallerDep, ServiceDep
+from services.gateway.api.openapi import (
+    CHAT_COMPLETION_REQUEST,
+    COMPLETION_REQUEST,
+    COMPLETION_RESPONSES,
+    SESSION_CREATE,
+    SESSION_UPDATE,
+    bearer_scheme,
+    error_responses,
+    json_body,
+    query,
+)
 
-router = APIRouter()
+# The bearer scheme only documents the key in the schema; `CallerDep` checks it.
+router = APIRouter(dependencies=[Security(bearer_scheme)])
+
+_PAGE_SESSIONS = [
+    query("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}, "Sessions per page."),
+    query("after", {"type": "string", "maxLength": 64}, "Id of the last session of the previous page."),
+]
+_PAGE_MESSAGES = [
+    query("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 100}, "Messages per page."),
+    query("after", {"type": "integer", "minimum": 0, "default": 0}, "`seq` of the last message of the previous page."),
+]
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=COMPLETION_RESPONSES, openapi_extra=json_body(CHAT_COMPLETION_REQUEST))
 async def chat_completions(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Create a chat completion (OpenAI-compatible; `stream: true` for server-sent events)."""
     return await service.completion(request, caller)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=COMPLETION_RESPONSES, openapi_extra=json_body(COMPLETION_REQUEST))
 async def completions(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Create a text completion (OpenAI-compatible; `stream: true` for server-sent events)."""
     return await service.completion(request, caller)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=error_responses())
 async def list_models(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """List the models that live workers serve."""
     return await service.call(request, caller)
 
 
-@router.post("/v1/sessions", status_code=201)
+@router.post("/v1/sessions", status_code=201, responses=error_responses(400, 413), openapi_extra=json_body(SESSION_CREATE))
 async def create_session(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Create a session (optional `title`, `system_prompt`, `model`)."""
     return await service.call(request, caller)
 
 
-@router.get("/v1/sessions")
+@router.get("/v1/sessions", responses=error_responses(400), openapi_extra={"parameters": _PAGE_SESSIONS})
 async def list_sessions(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """List your sessions, newest first (`limit`, `after`)."""
     return await service.call(request, caller)
 
 
-@router.get("/v1/sessions/{session_id}")
+@router.get("/v1/sessions/{session_id}", responses=error_responses(404))
 async def get_session(session_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Get one of your sessions."""
     return await service.call(request, caller)
 
 
-@router.patch("/v1/sessions/{session_id}")
+@router.patch("/v1/sessions/{session_id}", responses=error_responses(400, 404, 413), openapi_extra=json_body(SESSION_UPDATE))
 async def update_session(session_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Rename one of your sessions (`title`)."""
     return await service.call(request, caller)
 
 
-@router.delete("/v1/sessions/{session_id}")
+@router.delete("/v1/sessions/{session_id}", responses=error_responses(404))
 async def delete_session(session_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Delete one of your sessions and all its messages."""
     return await service.call(request, caller)
 
 
-@router.get("/v1/sessions/{session_id}/messages")
+@router.get(
+    "/v1/sessions/{session_id}/messages",
+    responses=error_responses(400, 404),
+    openapi_extra={"parameters": _PAGE_MESSAGES},
+)
 async def list_session_messages(session_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """List a session's messages, oldest first (`limit`, `after`)."""
     return await service.call(request, caller)

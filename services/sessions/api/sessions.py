@@ -2,13 +2,28 @@
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.logging import bind_contextvars
 from services.sessions.api.deps import CallerDep
 from services.sessions.history import SessionStore
 
-router = APIRouter(prefix="/v1/sessions")
+
+async def _bind_session_id(request: Request) -> None:
+    """Put the session id on every log line of the request (an async dependency runs in its task)."""
+    if session_id := request.path_params.get("session_id"):
+        bind_contextvars(session_id=session_id)
+
+
+router = APIRouter(prefix="/v1/sessions", dependencies=[Depends(_bind_session_id)])
+
+
+def _no_nul(value: str | None) -> str | None:
+    # PostgreSQL's text cannot hold U+0000: refuse it here rather than fail the INSERT (a 500).
+    if value is not None and "\x00" in value:
+        raise ValueError("must not contain NUL (U+0000) characters")
+    return value
 
 
 class SessionCreate(BaseModel):
@@ -18,11 +33,21 @@ class SessionCreate(BaseModel):
     system_prompt: str | None = Field(None, max_length=100_000)
     model: str | None = Field(None, max_length=256)
 
+    @field_validator("title", "system_prompt", "model")
+    @classmethod
+    def _storable(cls, value: str | None) -> str | None:
+        return _no_nul(value)
+
 
 class SessionUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     title: str | None = Field(None, max_length=200)
+
+    @field_validator("title")
+    @classmethod
+    def _storable(cls, value: str | None) -> str | None:
+        return _no_nul(value)
 
 
 def _store(request: Request) -> SessionStore:

@@ -6,6 +6,7 @@ from services.worker.engines.base import (
     EngineOutput,
     GenerationRequest,
     InvalidPrompt,
+    Resume,
 )
 
-__all__ = ["Engine", "EngineError", "EngineOutput", "GenerationRequest", "InvalidPrompt"]
+__all__ = ["Engine", "EngineError", "EngineOutput", "GenerationRequest", "InvalidPrompt", "Resume"]

@@ -16,13 +16,27 @@ class InvalidPrompt(EngineError):
 
 
 @dataclass(frozen=True, slots=True)
+class Resume:
+    """Where a job stopped on a worker that died: the answer continues from here."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """What an engine needs to generate one answer."""
+    """What an engine needs to generate one answer (or the rest of one, with `resume`).
+
+    With `resume`, `sampling.max_tokens` is the remaining budget and outputs count only
+    the new tokens.
+    """
 
     request_id: str
     sampling: Sampling
     messages: list[Message] | None = None
     prompt: str | None = None
+    resume: Resume | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +52,8 @@ class EngineOutput:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: FinishReason | None = None
+    # The new tokens' ids, from engines that expose them (resumption is then exact).
+    token_ids: tuple[int, ...] = ()
 
 
 class Engine(ABC):
@@ -71,3 +87,10 @@ class Engine(ABC):
     @abstractmethod
     async def check_health(self) -> None:
         """Raise `EngineError` if the engine cannot serve requests."""
+
+    # Engines that can say how full their KV cache is set this and override `kv_cache_usage`.
+    reports_kv_cache = False
+
+    def kv_cache_usage(self) -> float | None:
+        """Fraction of the KV cache in use (None while unknown)."""
+        return None

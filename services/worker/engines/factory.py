@@ -18,6 +18,7 @@ def create_engine(settings: WorkerSettings) -> Engine:
             itl_ms=settings.sim_itl_ms,
             max_seqs=settings.max_seqs or settings.sim_max_seqs,
             context_tokens=settings.sim_context_tokens,
+            fail_after_s=settings.sim_fail_after_s,
         )
     max_seqs = settings.max_seqs or _DEFAULT_MAX_SEQS[settings.engine]
     if settings.engine == "vllm":

@@ -10,7 +10,7 @@ import hashlib
 import time
 from collections.abc import AsyncIterator
 
-from services.worker.engines.base import Engine, EngineOutput, GenerationRequest
+from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest
 from services.worker.engines.text import StopMatcher
 
 _WORDS = (
@@ -35,7 +35,14 @@ class SimEngine(Engine):
     """Deterministic word generator with configurable latency and concurrency."""
 
     def __init__(
-        self, *, model_name: str, ttft_ms: float, itl_ms: float, max_seqs: int, context_tokens: int
+        self,
+        *,
+        model_name: str,
+        ttft_ms: float,
+        itl_ms: float,
+        max_seqs: int,
+        context_tokens: int,
+        fail_after_s: float = 0.0,
     ) -> None:
         self.model_name = model_name
         self.max_seqs = max_seqs
@@ -45,9 +52,12 @@ class SimEngine(Engine):
         self._running_ids: set[str] = set()
         self._aborted: set[str] = set()
         self._running = False
+        self._fail_after_s = fail_after_s
+        self._started_at = 0.0
 
     async def start(self) -> None:
         self._running = True
+        self._started_at = time.monotonic()
 
     async def stop(self) -> None:
         self._running = False
@@ -56,8 +66,15 @@ class SimEngine(Engine):
         if request_id in self._running_ids:
             self._aborted.add(request_id)
 
+    reports_kv_cache = True
+
+    def kv_cache_usage(self) -> float | None:
+        # The simulator's "cache" holds one slot per running sequence.
+        return len(self._running_ids) / self.max_seqs
+
     async def check_health(self) -> None:
-        return None
+        if self._fail_after_s and time.monotonic() - self._started_at > self._fail_after_s:
+            raise EngineError("simulated engine failure (AXON_SIM_FAIL_AFTER_S)")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
         prompt = prompt_text(request)
@@ -65,24 +82,26 @@ class SimEngine(Engine):
         sampling = request.sampling
         stops = StopMatcher(sampling.stop)
         started = time.monotonic()
+        offset = request.resume.completion_tokens if request.resume else 0
         self._running_ids.add(request.request_id)
         try:
-            for index in range(sampling.max_tokens):
-                due = started + self._ttft_s + index * self._itl_s
+            for count in range(sampling.max_tokens):
+                due = started + self._ttft_s + count * self._itl_s
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
                 if request.request_id in self._aborted:
-                    yield EngineOutput("", 0, prompt_tokens, index, finish_reason="cancelled")
+                    yield EngineOutput("", 0, prompt_tokens, count, finish_reason="cancelled")
                     return
+                index = offset + count
                 word = sim_word(prompt, sampling.seed, index)
                 text = stops.feed(word if index == 0 else " " + word)
                 if stops.stopped:
-                    yield EngineOutput(text, 1, prompt_tokens, index + 1, finish_reason="stop")
+                    yield EngineOutput(text, 1, prompt_tokens, count + 1, finish_reason="stop")
                     return
-                last = index == sampling.max_tokens - 1
+                last = count == sampling.max_tokens - 1
                 if last:
                     text += stops.flush()
                 yield EngineOutput(
-                    text, 1, prompt_tokens, index + 1, finish_reason="length" if last else None
+                    text, 1, prompt_tokens, count + 1, finish_reason="length" if last else None
                 )
         finally:
             self._running_ids.discard(request.request_id)

@@ -2,6 +2,11 @@
 
 from collections.abc import Callable, Sequence
 
+# Tokens before the read point decoded again, so a token whose text depends on its left
+# neighbour (a leading space, a multi-byte character) decodes right after a resume.
+_CONTEXT_TOKENS = 5
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, never splitting a UTF-8 character.
 
@@ -10,10 +15,12 @@ class IncrementalDetokenizer:
     character.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], *, prefix_len: int = 0) -> None:
+        """`prefix_len`: tokens at the start of every sequence passed to `step` whose text was
+        already emitted (a resumed answer); a few of them are decoded again for context."""
         self._decode = decode
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._prefix_offset = max(0, prefix_len - _CONTEXT_TOKENS)
+        self._read_offset = prefix_len
 
     def step(self, token_ids: Sequence[int]) -> str:
         """Return the new text that `token_ids` (the whole sequence so far) adds."""

@@ -122,6 +122,15 @@ class TransformersEngine(Engine):
         if self._manager is None or not self._manager.is_running():
             raise EngineError("The generation loop is not running.")
 
+    reports_kv_cache = True
+
+    def kv_cache_usage(self) -> float | None:
+        processor = getattr(self._manager, "batch_processor", None)
+        cache = getattr(processor, "cache", None)
+        if cache is None:
+            return None
+        return 1.0 - float(cache.compute_free_capacity(relative=True))
+
     async def abort(self, request_id: str) -> None:
         queue = self._queues.get(request_id)
         if queue is not None:
@@ -147,15 +156,23 @@ class TransformersEngine(Engine):
         top_k = sampling.top_k if sampling.top_k > 0 else self._vocab_size
         return {"temperature": float(sampling.temperature), "top_k": int(top_k), "top_p": float(sampling.top_p)}
 
+    def _resumed_ids(self, request: GenerationRequest) -> list[int]:
+        resume = request.resume
+        if resume is None:
+            return []
+        if resume.token_ids:
+            return list(resume.token_ids)
+        return list(self._tokenizer.encode(resume.text, add_special_tokens=False)) if resume.text else []
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
         if self._manager is None:
             raise EngineError("The engine is not started.")
         prompt_ids = self._encode(request)
-        prompt_tokens = len(prompt_ids)
-        max_tokens = min(request.sampling.max_tokens, self.context_tokens - prompt_tokens)
+        resumed = self._resumed_ids(request)
+        max_tokens = min(request.sampling.max_tokens, self.context_tokens - len(prompt_ids) - len(resumed))
         if max_tokens < 1:
             raise InvalidPrompt(
-                f"The prompt is {prompt_tokens} tokens, which leaves no room in the model's "
+                f"The prompt is {len(prompt_ids)} tokens, which leaves no room in the model's "
                 f"context of {self.context_tokens} tokens."
             )
         rid = request.request_id
@@ -163,7 +180,7 @@ class TransformersEngine(Engine):
         self._queues[rid] = queue
         self._manager.register_result_handler(rid, queue.put_nowait)
         added = self._manager.add_request(
-            prompt_ids,
+            prompt_ids + resumed,
             request_id=rid,
             max_new_tokens=max_tokens,
             streaming=True,
@@ -173,43 +190,42 @@ class TransformersEngine(Engine):
             self._queues.pop(rid, None)
             raise EngineError("The engine is not accepting requests.")
         try:
-            async for output in self._outputs(rid, queue, prompt_tokens, request.sampling.stop):
+            async for output in self._outputs(rid, queue, len(prompt_ids), request.sampling.stop, resumed):
                 yield output
         finally:
             self._queues.pop(rid, None)
             self._forget_handler(rid)
 
     async def _outputs(
-        self, rid: str, queue: asyncio.Queue, prompt_tokens: int, stop: list[str]
+        self, rid: str, queue: asyncio.Queue, prompt_tokens: int, stop: list[str], resumed: list[int]
     ) -> AsyncIterator[EngineOutput]:
-        detokenizer = IncrementalDetokenizer(self._decode)
+        detokenizer = IncrementalDetokenizer(self._decode, prefix_len=len(resumed))
         stops = StopMatcher(stop)
-        sent_tokens = 0
+        sent = 0  # generated tokens already reported
         while True:
             result = await queue.get()
             if result is _CANCELLED:
-                yield EngineOutput("", 0, prompt_tokens, sent_tokens, finish_reason="cancelled")
+                yield EngineOutput("", 0, prompt_tokens, sent, finish_reason="cancelled")
                 return
             if result.error:
                 raise EngineError(f"Generation failed: {result.error}")
             tokens = result.generated_tokens
             finished = result.is_finished()
             ended_by_eos = finished and bool(tokens) and tokens[-1] in self._eos_ids
-            text = stops.feed(detokenizer.step(tokens[:-1] if ended_by_eos else tokens))
-            new_tokens, sent_tokens = len(tokens) - sent_tokens, len(tokens)
+            text = stops.feed(detokenizer.step(resumed + (tokens[:-1] if ended_by_eos else tokens)))
+            new_ids = tuple(tokens[sent:])
             if stops.stopped:
                 self._manager.cancel_request(rid)
-                yield EngineOutput(text, new_tokens, prompt_tokens, sent_tokens, finish_reason="stop")
+                yield EngineOutput(text, len(new_ids), prompt_tokens, len(tokens), "stop", new_ids)
                 return
             if finished:
                 text += stops.flush()
                 reason = "stop" if ended_by_eos else "length"
-                yield EngineOutput(text, new_tokens, prompt_tokens, sent_tokens, finish_reason=reason)
+                yield EngineOutput(text, len(new_ids), prompt_tokens, len(tokens), reason, new_ids)
                 return
             if text:
-                yield EngineOutput(text, new_tokens, prompt_tokens, sent_tokens)
-            else:
-                sent_tokens -= new_tokens  # count them with the next non-empty piece
+                sent = len(tokens)
+                yield EngineOutput(text, len(new_ids), prompt_tokens, sent, None, new_ids)
 
     def _forget_handler(self, rid: str) -> None:
         # transformers drops a result handler only when its request finishes; a cancelled

@@ -94,12 +94,13 @@ class VllmEngine(Engine):
             await self._engine.abort(request_id)
 
     def _prompt(self, request: GenerationRequest) -> str:
+        """The prompt text; a resumed answer continues after the text already published."""
         if request.messages is not None:
             messages = [m.model_dump() for m in request.messages]
-            return self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        return request.prompt or ""
+            prompt = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            prompt = request.prompt or ""
+        return prompt + (request.resume.text if request.resume else "")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -111,6 +112,7 @@ class VllmEngine(Engine):
         )
         completion_tokens = 0
         unsent_tokens = 0
+        unsent_ids: tuple[int, ...] = ()
         async for output in self._engine.generate(
             self._prompt(request), params, request.request_id
         ):
@@ -119,6 +121,7 @@ class VllmEngine(Engine):
             unsent_tokens += len(piece.token_ids)
             prompt_tokens = len(output.prompt_token_ids or ())
             reason = finish_reason(piece.finish_reason) if output.finished else None
+            unsent_ids += tuple(piece.token_ids)
             if piece.text or reason is not None:
-                yield EngineOutput(piece.text, unsent_tokens, prompt_tokens, completion_tokens, reason)
-                unsent_tokens = 0
+                yield EngineOutput(piece.text, unsent_tokens, prompt_tokens, completion_tokens, reason, unsent_ids)
+                unsent_tokens, unsent_ids = 0, ()

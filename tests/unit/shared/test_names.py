@@ -29,6 +29,11 @@ def all_names(names: Names) -> dict[str, str]:
         "session_lock": names.session_lock("s1"),
         "sessions_instance": names.sessions_instance("i1"),
         "outbox": names.outbox,
+        "job_progress": names.job_progress("j1"),
+        "job_progress_text": names.job_progress_text("j1"),
+        "job_progress_tokens": names.job_progress_tokens("j1"),
+        "job_deliveries": names.job_deliveries("j1"),
+        "aliases_key": names.aliases_key,
         "outbox_group": names.outbox_group,
     }
 

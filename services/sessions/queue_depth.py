@@ -1,0 +1,111 @@
+"""Polls, every few seconds, how many jobs wait in each model's queue and how many workers serve it.
+
+RabbitMQ reports a queue's ready messages and consumers in the answer to a passive declare,
+which needs no management plugin (Amazon MQ has no Prometheus endpoint). Every session manager
+polls and exports the same values, so dashboards and alerts take `max by (model)`.
+"""
+
+import asyncio
+import contextlib
+
+import redis.asyncio as redis
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+from aiormq.exceptions import ChannelNotFoundEntity
+
+from shared.logging import get_logger
+from shared.names import Names
+from services.sessions.catalog import ModelCatalog
+from services.sessions.metrics import SessionsMetrics
+
+log = get_logger(__name__)
+
+POLL_INTERVAL_S = 5.0
+_DECLARE_TIMEOUT_S = 5.0
+
+
+class QueueDepthPoller:
+    """Keeps `axon_sessions_queue_depth`, `_queue_consumers` and `_live_workers` current.
+
+    Models polled: every model some worker has ever served in the namespace (`<ns>:models`)
+    and every live one, so a model that lost its workers reports 0 live workers and its backlog.
+    """
+
+    def __init__(
+        self,
+        *,
+        connection: AbstractRobustConnection,
+        catalog: ModelCatalog,
+        client: redis.Redis,
+        names: Names,
+        metrics: SessionsMetrics,
+        interval_s: float = POLL_INTERVAL_S,
+    ) -> None:
+        self._connection = connection
+        self._catalog = catalog
+        self._redis = client
+        self._names = names
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self._channel: AbstractChannel | None = None
+        self._reported: set[str] = set()
+
+    async def run(self) -> None:
+        """Poll until cancelled; a failed poll is counted and logged, never fatal."""
+        try:
+            while True:
+                try:
+                    await self.poll()
+                except Exception as exc:  # noqa: BLE001 - retried on the next tick
+                    self._metrics.queue_poll_errors.inc()
+                    log.warning("queue_poll_failed", error=repr(exc))
+                    await self._drop_channel()
+                await asyncio.sleep(self._interval_s)
+        finally:
+            await self._drop_channel()
+
+    async def poll(self) -> None:
+        """Read live workers per model from heartbeats, then each model queue's depth."""
+        live = await self._catalog.live()
+        known = {m.decode() if isinstance(m, bytes) else m for m in await self._redis.smembers(self._names.models_key)}
+        models = known | set(live)
+        for model in models:
+            self._metrics.live_workers.labels(model).set(live[model].workers if model in live else 0)
+        for model in sorted(models):
+            await self._poll_queue(model)
+        for gone in self._reported - models:
+            self._forget(gone)
+        self._reported = models
+
+    async def _poll_queue(self, model: str) -> None:
+        channel = await self._ensure_channel()
+        try:
+            # robust=False: a robust channel caches passively declared queues, with their counts.
+            queue = await channel.declare_queue(
+                self._names.jobs_queue(model), passive=True, robust=False, timeout=_DECLARE_TIMEOUT_S
+            )
+        except ChannelNotFoundEntity:
+            # No queue yet (no job published, no worker started): nothing waits. The broker
+            # closed the channel; the next model gets a new one.
+            await self._drop_channel()
+            self._metrics.queue_depth.labels(model).set(0)
+            self._metrics.queue_consumers.labels(model).set(0)
+            return
+        result = queue.declaration_result
+        self._metrics.queue_depth.labels(model).set(result.message_count or 0)
+        self._metrics.queue_consumers.labels(model).set(result.consumer_count or 0)
+
+    def _forget(self, model: str) -> None:
+        for gauge in (self._metrics.queue_depth, self._metrics.queue_consumers, self._metrics.live_workers):
+            with contextlib.suppress(KeyError):
+                gauge.remove(model)
+
+    async def _ensure_channel(self) -> AbstractChannel:
+        if self._channel is None or self._channel.is_closed:
+            self._channel = await self._connection.channel()
+        return self._channel
+
+    async def _drop_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None and not channel.is_closed:
+            with contextlib.suppress(Exception):
+                await channel.close()

@@ -1,0 +1,138 @@
+"""A job's stream of chunks and its progress in Redis, written in the same round trip.
+
+With every chunk the worker records the next `seq`, the text (and token ids) so far, so
+a worker that takes over a redelivered job resumes exactly where the dead one stopped.
+"""
+
+import asyncio
+import time
+
+import orjson
+import redis.asyncio as redis
+
+from shared.names import Names
+from shared.schemas import ChunkError, TokenChunk, Usage
+from services.worker.engines import EngineOutput, Resume
+
+# Progress outlives the job's deadline by this much, then Redis forgets it.
+_PROGRESS_GRACE_S = 60
+
+
+class JobStream:
+    """Publishes one job's chunks, numbered on from where any earlier attempt stopped."""
+
+    def __init__(self, client: redis.Redis, names: Names, *, job_id: str, channel: str, deadline: float) -> None:
+        self._redis = client
+        self._job_id = job_id
+        self._channel = channel
+        self._deadline = deadline
+        self._keys = (names.job_progress(job_id), names.job_progress_text(job_id), names.job_progress_tokens(job_id))
+        self.seq = 0
+        self.completion_tokens = 0
+        self.prompt_tokens = 0
+        self.resumed = False
+        self._expiry_set = False
+
+    async def load(self) -> Resume | None:
+        """Read what an earlier attempt published, if any (one round trip)."""
+        progress_key, text_key, tokens_key = self._keys
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(progress_key)
+            pipe.get(text_key)
+            pipe.lrange(tokens_key, 0, -1)
+            progress, text, token_ids = await pipe.execute()
+        if not progress:
+            return None
+        self.seq = int(progress[b"seq"])
+        self.completion_tokens = int(progress[b"completion_tokens"])
+        self.prompt_tokens = int(progress[b"prompt_tokens"])
+        self.resumed = True
+        return Resume(
+            text=(text or b"").decode(),
+            token_ids=tuple(int(t) for t in token_ids),
+            completion_tokens=self.completion_tokens,
+        )
+
+    async def publish(self, out: EngineOutput) -> None:
+        """Publish the engine's output as the next chunk and record the progress atomically."""
+        self.completion_tokens += out.n_tokens
+        if not self.resumed or self.prompt_tokens == 0:
+            self.prompt_tokens = out.prompt_tokens
+        chunk = TokenChunk(seq=self.seq, text=out.text, n_tokens=out.n_tokens, finish_reason=out.finish_reason)
+        if out.finish_reason is not None:
+            chunk.usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
+        progress_key, text_key, tokens_key = self._keys
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.publish(self._channel, chunk.model_dump_json(exclude_none=True))
+            if out.finish_reason is not None:
+                pipe.delete(*self._keys)
+            else:
+                pipe.hset(progress_key, mapping={
+                    "seq": self.seq + 1, "completion_tokens": self.completion_tokens, "prompt_tokens": self.prompt_tokens,
+                })  # fmt: skip
+                if out.text:
+                    pipe.append(text_key, out.text)
+                if out.token_ids:
+                    pipe.rpush(tokens_key, *out.token_ids)
+                if not self._expiry_set:
+                    expire_s = max(1, int(self._deadline - time.time()) + _PROGRESS_GRACE_S)
+                    for key in self._keys:
+                        pipe.expire(key, expire_s)
+                    self._expiry_set = True
+            await pipe.execute()
+        self.seq += 1
+
+    async def finish_with_error(self, message: str, error_type: str) -> None:
+        chunk = TokenChunk(seq=self.seq, finish_reason="error", error=ChunkError(message=message, type=error_type))
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.publish(self._channel, chunk.model_dump_json(exclude_none=True))
+            pipe.delete(*self._keys)
+            await pipe.execute()
+        self.seq += 1
+
+    async def finish_cancelled(self) -> None:
+        chunk = TokenChunk(seq=self.seq, finish_reason="cancelled")
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.publish(self._channel, orjson.dumps(chunk.model_dump(exclude_none=True)))
+            pipe.delete(*self._keys)
+            await pipe.execute()
+        self.seq += 1
+
+
+class Coalescer:
+    """Collects engine outputs while the previous chunk is being published, so that under
+    load one chunk carries several tokens instead of per-message overhead capping throughput.
+    At low load every output goes out on its own, as soon as it exists."""
+
+    def __init__(self) -> None:
+        self._pending: list[EngineOutput] = []
+        self._ready = asyncio.Event()
+        self.closed = False
+
+    def add(self, out: EngineOutput) -> None:
+        self._pending.append(out)
+        self._ready.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+    async def take(self) -> EngineOutput | None:
+        """Everything added since the last take, merged; None once closed and empty."""
+        while not self._pending:
+            if self.closed:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        pending, self._pending = self._pending, []
+        if len(pending) == 1:
+            return pending[0]
+        last = pending[-1]
+        return EngineOutput(
+            text="".join(p.text for p in pending),
+            n_tokens=sum(p.n_tokens for p in pending),
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            finish_reason=last.finish_reason,
+            token_ids=tuple(t for p in pending for t in p.token_ids),
+        )
