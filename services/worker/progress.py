@@ -11,11 +11,30 @@ import orjson
 import redis.asyncio as redis
 
 from shared.names import Names
-from shared.schemas import ChunkError, TokenChunk, Usage
+from shared.schemas import ChunkError, TokenChunk
 from services.worker.engines import EngineOutput, Resume
 
 # Progress outlives the job's deadline by this much, then Redis forgets it.
 _PROGRESS_GRACE_S = 60
+
+# KEYS: progress hash, text, token ids.
+# ARGV: channel, chunk JSON, final (0/1), next seq, completion tokens, prompt tokens, new text,
+#       expiry in seconds (0: leave as is), new token ids...
+_PUBLISH_WITH_PROGRESS = """
+redis.call('PUBLISH', ARGV[1], ARGV[2])
+if ARGV[3] == '1' then
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+  return 1
+end
+redis.call('HSET', KEYS[1], 'seq', ARGV[4], 'completion_tokens', ARGV[5], 'prompt_tokens', ARGV[6])
+if ARGV[7] ~= '' then redis.call('APPEND', KEYS[2], ARGV[7]) end
+if #ARGV > 8 then redis.call('RPUSH', KEYS[3], unpack(ARGV, 9)) end
+local ttl = tonumber(ARGV[8])
+if ttl > 0 then
+  for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ttl) end
+end
+return 1
+"""
 
 
 class JobStream:
@@ -27,6 +46,7 @@ class JobStream:
         self._channel = channel
         self._deadline = deadline
         self._keys = (names.job_progress(job_id), names.job_progress_text(job_id), names.job_progress_tokens(job_id))
+        self._publish_script = client.register_script(_PUBLISH_WITH_PROGRESS)
         self.seq = 0
         self.completion_tokens = 0
         self.prompt_tokens = 0
@@ -54,32 +74,27 @@ class JobStream:
         )
 
     async def publish(self, out: EngineOutput) -> None:
-        """Publish the engine's output as the next chunk and record the progress atomically."""
+        """Publish the engine's output as the next chunk and record the progress atomically
+        (one script call: one round trip, and no half-recorded chunk if the worker dies)."""
         self.completion_tokens += out.n_tokens
         if not self.resumed or self.prompt_tokens == 0:
             self.prompt_tokens = out.prompt_tokens
-        chunk = TokenChunk(seq=self.seq, text=out.text, n_tokens=out.n_tokens, finish_reason=out.finish_reason)
-        if out.finish_reason is not None:
-            chunk.usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
-        progress_key, text_key, tokens_key = self._keys
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.publish(self._channel, chunk.model_dump_json(exclude_none=True))
-            if out.finish_reason is not None:
-                pipe.delete(*self._keys)
-            else:
-                pipe.hset(progress_key, mapping={
-                    "seq": self.seq + 1, "completion_tokens": self.completion_tokens, "prompt_tokens": self.prompt_tokens,
-                })  # fmt: skip
-                if out.text:
-                    pipe.append(text_key, out.text)
-                if out.token_ids:
-                    pipe.rpush(tokens_key, *out.token_ids)
-                if not self._expiry_set:
-                    expire_s = max(1, int(self._deadline - time.time()) + _PROGRESS_GRACE_S)
-                    for key in self._keys:
-                        pipe.expire(key, expire_s)
-                    self._expiry_set = True
-            await pipe.execute()
+        chunk: dict = {"seq": self.seq, "text": out.text, "n_tokens": out.n_tokens}
+        final = out.finish_reason is not None
+        if final:
+            chunk["finish_reason"] = out.finish_reason
+            chunk["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        expire_s = 0
+        if not final and not self._expiry_set:
+            expire_s = max(1, int(self._deadline - time.time()) + _PROGRESS_GRACE_S)
+            self._expiry_set = True
+        await self._publish_script(
+            keys=self._keys,
+            args=[
+                self._channel, orjson.dumps(chunk), int(final), self.seq + 1, self.completion_tokens,
+                self.prompt_tokens, out.text, expire_s, *out.token_ids,
+            ],
+        )  # fmt: skip
         self.seq += 1
 
     async def finish_with_error(self, message: str, error_type: str) -> None:
