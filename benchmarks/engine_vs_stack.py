@@ -1,16 +1,24 @@
-"""Time to first token and output tokens/s: the engine driven directly in this process,
-then the same engine behind the whole platform (gateway -> session manager -> RabbitMQ ->
-worker -> Redis -> back), at each concurrency level, in one run so the ratios compare.
+"""Time to first token, inter-token latency and output tokens/s: the engine driven directly
+in this process, then the same engine class behind the whole platform (gateway -> session
+manager -> RabbitMQ -> worker -> Redis -> back), at each concurrency level, in one run so the
+ratios compare.
 
-Run against a platform started with `make up` (CPU engine, bundled SmolLM2):
+CPU engine, against a platform started with `make up` (it prints AXON_API_KEY):
 
-    .venv/bin/python benchmarks/engine_vs_stack.py --concurrency 1 16
+    AXON_API_KEY=axk_... .venv/bin/python benchmarks/engine_vs_stack.py --concurrency 1 16
 
-The direct engine is loaded by this script; the platform's worker sits idle meanwhile.
+Simulator, against a platform whose worker runs `AXON_ENGINE=sim AXON_SIM_ITL_MS=20
+AXON_SIM_TTFT_MS=50 AXON_MODEL=sim` (the same values are passed here):
+
+    AXON_API_KEY=axk_... .venv/bin/python benchmarks/engine_vs_stack.py --engine sim \
+        --model sim --sim-ttft-ms 50 --sim-itl-ms 20 --concurrency 64 --max-tokens 128
+
+The direct engine is created by this script; the platform's worker sits idle meanwhile.
 """
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 import uuid
@@ -19,10 +27,10 @@ from dataclasses import dataclass
 from openai import AsyncOpenAI
 
 from shared.schemas import Message, Sampling
-from services.worker.engines.base import GenerationRequest
+from services.worker.engines.base import Engine, GenerationRequest
+from services.worker.engines.sim import SimEngine
 from services.worker.engines.transformers_engine import TransformersEngine, bundled_gguf_path
 
-MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["dragons", "the sea", "a robot", "a lighthouse", "winter", "a city", "bees", "the moon"]
 
 
@@ -31,42 +39,55 @@ class Result:
     ttft_s: float
     tokens: int
     duration_s: float
+    gaps_s: list[float]
 
 
 def prompt(i: int) -> str:
     return f"Write a long story about {TOPICS[i % len(TOPICS)]}."
 
 
-async def direct_one(engine: TransformersEngine, i: int, max_tokens: int) -> Result:
+async def direct_one(engine: Engine, i: int, max_tokens: int) -> Result:
     request = GenerationRequest(
         request_id=str(uuid.uuid4()),
         sampling=Sampling(max_tokens=max_tokens, temperature=0.7),
         messages=[Message(role="user", content=prompt(i))],
     )
-    started = time.perf_counter()
+    started = last = time.perf_counter()
     ttft = None
     tokens = 0
+    gaps = []
     async for out in engine.generate(request):
-        if ttft is None and out.text:
-            ttft = time.perf_counter() - started
+        now = time.perf_counter()
+        if out.text:
+            if ttft is None:
+                ttft = now - started
+            else:
+                gaps.append(now - last)
+            last = now
         tokens = out.completion_tokens
-    return Result(ttft or 0.0, tokens, time.perf_counter() - started)
+    return Result(ttft or 0.0, tokens, time.perf_counter() - started, gaps)
 
 
-async def stack_one(client: AsyncOpenAI, i: int, max_tokens: int) -> Result:
-    started = time.perf_counter()
+async def stack_one(client: AsyncOpenAI, model: str, i: int, max_tokens: int) -> Result:
+    started = last = time.perf_counter()
     ttft = None
     tokens = 0
+    gaps = []
     stream = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": prompt(i)}], max_tokens=max_tokens,
+        model=model, messages=[{"role": "user", "content": prompt(i)}], max_tokens=max_tokens,
         temperature=0.7, stream=True, stream_options={"include_usage": True},
     )
     async for chunk in stream:
-        if ttft is None and chunk.choices and chunk.choices[0].delta.content:
-            ttft = time.perf_counter() - started
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            if ttft is None:
+                ttft = now - started
+            else:
+                gaps.append(now - last)
+            last = now
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    return Result(ttft or 0.0, tokens, time.perf_counter() - started)
+    return Result(ttft or 0.0, tokens, time.perf_counter() - started, gaps)
 
 
 async def level(run_one, concurrency: int, requests: int) -> dict:
@@ -80,9 +101,12 @@ async def level(run_one, concurrency: int, requests: int) -> dict:
     results = await asyncio.gather(*(guarded(i) for i in range(requests)))
     wall = time.perf_counter() - started
     ttfts = sorted(r.ttft_s for r in results)
+    gaps = sorted(g for r in results for g in r.gaps_s) or [0.0]
     return {
         "ttft_p50_ms": statistics.median(ttfts) * 1000,
+        "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] * 1000,
         "ttft_max_ms": ttfts[-1] * 1000,
+        "itl_p50_ms": gaps[len(gaps) // 2] * 1000,
         "tokens": sum(r.tokens for r in results),
         "output_tok_s": sum(r.tokens for r in results) / wall,
     }
@@ -94,12 +118,24 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="requests per level = rounds x concurrency")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--api-key", default=os.environ.get("AXON_API_KEY", ""))
+    parser.add_argument("--engine", choices=["transformers", "sim"], default="transformers")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name the platform serves")
+    parser.add_argument("--sim-ttft-ms", type=float, default=50.0)
+    parser.add_argument("--sim-itl-ms", type=float, default=20.0)
     args = parser.parse_args()
 
-    engine = TransformersEngine(
-        model_name=MODEL, gguf_path=bundled_gguf_path(), max_seqs=max(args.concurrency),
-        kv_cache_blocks=64, max_batch_tokens=512, threads=None,
-    )
+    engine: Engine
+    if args.engine == "sim":
+        engine = SimEngine(
+            model_name=args.model, ttft_ms=args.sim_ttft_ms, itl_ms=args.sim_itl_ms,
+            max_seqs=max(args.concurrency), context_tokens=32768,
+        )
+    else:
+        engine = TransformersEngine(
+            model_name=args.model, gguf_path=bundled_gguf_path(), max_seqs=max(args.concurrency),
+            kv_cache_blocks=64, max_batch_tokens=512, threads=None,
+        )
     await engine.start()
     rows = []
     await direct_one(engine, 0, 4)  # warm-up
@@ -107,19 +143,24 @@ async def main() -> None:
         rows.append(("direct engine", c, await level(lambda i: direct_one(engine, i, args.max_tokens), c, c * args.rounds)))
     await engine.stop()
 
-    client = AsyncOpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=600)
-    await stack_one(client, 0, 4)  # warm-up
+    client = AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=600)
+    await stack_one(client, args.model, 0, 4)  # warm-up
     for c in args.concurrency:
-        rows.append(("full stack", c, await level(lambda i: stack_one(client, i, args.max_tokens), c, c * args.rounds)))
+        run = lambda i: stack_one(client, args.model, i, args.max_tokens)  # noqa: E731
+        rows.append(("full stack", c, await level(run, c, c * args.rounds)))
 
-    print(f"\n{'path':<14} {'streams':>7} {'tokens':>7} {'TTFT p50 ms':>12} {'TTFT max ms':>12} {'output tok/s':>13}")
+    print(f"\n{'path':<14} {'streams':>7} {'tokens':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
+          f"{'ITL p50 ms':>11} {'output tok/s':>13}")
     for name, c, r in rows:
-        print(f"{name:<14} {c:>7} {r['tokens']:>7} {r['ttft_p50_ms']:>12.1f} {r['ttft_max_ms']:>12.1f} {r['output_tok_s']:>13.1f}")
+        print(f"{name:<14} {c:>7} {r['tokens']:>7} {r['ttft_p50_ms']:>12.1f} {r['ttft_p99_ms']:>12.1f} "
+              f"{r['itl_p50_ms']:>11.2f} {r['output_tok_s']:>13.1f}")
     by = {(n, c): r for n, c, r in rows}
     for c in args.concurrency:
         d, s = by[("direct engine", c)], by[("full stack", c)]
         print(f"streams={c}: stack/direct output tok/s = {s['output_tok_s'] / d['output_tok_s']:.3f}, "
-              f"TTFT p50 added = {s['ttft_p50_ms'] - d['ttft_p50_ms']:+.1f} ms")
+              f"TTFT added p50 {s['ttft_p50_ms'] - d['ttft_p50_ms']:+.1f} ms, "
+              f"p99 {s['ttft_p99_ms'] - d['ttft_p99_ms']:+.1f} ms, "
+              f"ITL added p50 {s['itl_p50_ms'] - d['itl_p50_ms']:+.2f} ms")
 
 
 if __name__ == "__main__":
