@@ -6,15 +6,17 @@ import uuid
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
+import asyncpg
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared.errors import AxonError, error_body
+from shared.errors import AxonError, Unavailable, error_body
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 
 T = TypeVar("T")
@@ -85,6 +87,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return ORJSONResponse(body, status_code=400)
 
     app.add_exception_handler(ClientGone, client_gone_handler)
+
+    @app.exception_handler(RedisError)
+    @app.exception_handler(asyncpg.PostgresConnectionError)
+    @app.exception_handler(asyncpg.InterfaceError)
+    @app.exception_handler(ConnectionError)
+    @app.exception_handler(TimeoutError)
+    async def _dependency_down(_request: Request, exc: Exception) -> Response:
+        # A store is unreachable: the client can do nothing but come back, so say when.
+        log.warning("dependency_unavailable", error=repr(exc))
+        return error_response(Unavailable("A storage service is unavailable; try again shortly.", retry_after_s=2))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:

@@ -42,8 +42,8 @@ async def _ready_reason(app: FastAPI) -> str | None:
     that an outage only delays persistence, so it does not take the process out of service.
     """
     connection = app.state.amqp
-    if connection.is_closed:
-        return "RabbitMQ connection is closed"
+    if connection.is_closed or not connection.connected.is_set():
+        return "RabbitMQ is not connected (reconnecting)"
     try:
         await asyncio.wait_for(app.state.redis.ping(), timeout=2)
     except Exception as exc:  # noqa: BLE001 - any failure means not ready

@@ -5,6 +5,7 @@ mid-job leaves it to be redelivered.
 """
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from services.worker.progress import Coalescer, JobStream
 
 log = get_logger(__name__)
 
+_RESUBSCRIBE_DELAY_S = 1.0
 # How many cancelled job ids to remember, so a job cancelled while still queued is skipped.
 _CANCELLED_MEMORY = 10_000
 
@@ -271,16 +273,26 @@ class Heartbeat:
 
 
 async def listen_for_cancellations(client: redis.Redis, names: Names, runner: JobRunner) -> None:
-    """Abort jobs whose client went away, as their ids arrive on the cancel channel."""
-    pubsub = client.pubsub(ignore_subscribe_messages=True)
-    await pubsub.subscribe(names.cancel_channel)
-    try:
-        while True:
-            message = await pubsub.get_message(timeout=1.0)
-            if message is not None and message["type"] == "message":
-                await runner.cancel(message["data"].decode())
-    finally:
-        await pubsub.aclose()
+    """Abort jobs whose client went away, as their ids arrive on the cancel channel.
+
+    Survives Redis outages: the subscription is made again once Redis is back.
+    """
+    while True:
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(names.cancel_channel)
+            while True:
+                message = await pubsub.get_message(timeout=1.0)
+                if message is not None and message["type"] == "message":
+                    await runner.cancel(message["data"].decode())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - resubscribe after any failure
+            log.warning("cancel_listener_failed", error=repr(exc))
+            await asyncio.sleep(_RESUBSCRIBE_DELAY_S)
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
 
 
 async def consume(queue: AbstractQueue, runner: JobRunner) -> str:

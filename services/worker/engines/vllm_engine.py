@@ -9,7 +9,7 @@ from typing import Any
 
 from shared.logging import get_logger
 from shared.schemas import FinishReason, Sampling
-from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest
+from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest, InvalidPrompt
 
 log = get_logger(__name__)
 
@@ -110,12 +110,18 @@ class VllmEngine(Engine):
         params = SamplingParams(
             **sampling_kwargs(request.sampling), output_kind=RequestOutputKind.DELTA
         )
+        prompt = self._prompt(request)
         completion_tokens = 0
         unsent_tokens = 0
         unsent_ids: tuple[int, ...] = ()
-        async for output in self._engine.generate(
-            self._prompt(request), params, request.request_id
-        ):
+        try:
+            outputs = self._engine.generate(prompt, params, request.request_id)
+            first = await anext(outputs)
+        except ValueError as exc:  # vLLM refuses prompts it cannot take (e.g. longer than the context)
+            raise InvalidPrompt(str(exc)) from exc
+        except StopAsyncIteration:
+            raise EngineError("vLLM ended the request without output.") from None
+        async for output in _chain(first, outputs):
             piece = output.outputs[0]
             completion_tokens += len(piece.token_ids)
             unsent_tokens += len(piece.token_ids)
@@ -125,3 +131,9 @@ class VllmEngine(Engine):
             if piece.text or reason is not None:
                 yield EngineOutput(piece.text, unsent_tokens, prompt_tokens, completion_tokens, reason, unsent_ids)
                 unsent_tokens, unsent_ids = 0, ()
+
+
+async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
