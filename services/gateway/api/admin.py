@@ -14,12 +14,16 @@ from services.gateway.api.deps import AdminDep, KeysDep
 router = APIRouter(prefix="/admin", dependencies=[AdminDep], include_in_schema=False)
 
 
+# The limit columns of `api_keys` are PostgreSQL integers: a larger limit is a 400, not a failed INSERT.
+_MAX_LIMIT = 2**31 - 1
+
+
 class KeyCreate(BaseModel):
     name: str = Field(min_length=1, max_length=200)
     tenant: str | None = Field(None, min_length=1, max_length=128)
-    rpm: int | None = Field(None, ge=1)
-    tpm: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=1)
+    rpm: int | None = Field(None, ge=1, le=_MAX_LIMIT)
+    tpm: int | None = Field(None, ge=1, le=_MAX_LIMIT)
+    max_concurrent: int | None = Field(None, ge=1, le=_MAX_LIMIT)
     priority: int = Field(0, ge=0, le=9)
 
 

@@ -4,7 +4,7 @@ parameters, the bearer key and the OpenAI error shape.
 The public routes take the raw body and forward it unchanged; the session manager validates it
 against its pydantic models (`services/sessions/protocol.py`, `services/sessions/api/sessions.py`).
 Services do not import each other, so the bodies are described here as JSON Schema, documentation
-only: nothing in the gateway validates against them. `tests/unit/gateway/test_openapi.py` fails
+only: nothing in the gateway validates against them. `tests/unit/gateway/test_gateway_openapi.py` fails
 when they drift from the session manager's models.
 """
 
@@ -41,7 +41,7 @@ _SAMPLING = {
     "temperature": _nullable({"maximum": 2.0, "minimum": 0.0, "type": "number"}),
     "top_p": _nullable({"exclusiveMinimum": 0.0, "maximum": 1.0, "type": "number"}),
     "top_k": _nullable({"minimum": -1, "type": "integer"}),
-    "stop": _nullable({**_STRINGS}, description="Up to 4 stop strings."),
+    "stop": {"anyOf": [*_STRINGS["anyOf"], {"type": "null"}], "default": None, "description": "Up to 4 stop strings."},
     "seed": _nullable({"type": "integer"}),
     "n": {"default": 1, "maximum": 1, "minimum": 1, "type": "integer", "description": "Only one choice per request is supported."},
     "stream": {"default": False, "type": "boolean", "description": "Answer as server-sent events."},

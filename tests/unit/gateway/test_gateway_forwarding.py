@@ -1,0 +1,62 @@
+"""What the gateway forwards: the upstream path of a request, and its prompt-token estimate,
+whatever the client sent."""
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+
+from services.gateway.service import estimate_prompt_tokens, upstream_target
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    app = FastAPI()
+
+    @app.get("/v1/sessions")
+    @app.get("/v1/sessions/{session_id}")
+    @app.get("/v1/sessions/{session_id}/messages")
+    async def target(request: Request) -> dict:
+        return {"target": upstream_target(request)}
+
+    return TestClient(app)
+
+
+@pytest.mark.parametrize(
+    ("sent", "forwarded"),
+    [
+        ("/v1/sessions", "/v1/sessions"),
+        ("/v1/sessions?limit=5&after=abc", "/v1/sessions?limit=5&after=abc"),
+        ("/v1/sessions/3f1c9a2e-0000-4000-8000-000000000000", "/v1/sessions/3f1c9a2e-0000-4000-8000-000000000000"),
+        # A control character stays escaped (it used to make an invalid upstream URL: a 500).
+        ("/v1/sessions/%0F", "/v1/sessions/%0F"),
+        ("/v1/sessions/%0A%C2%85/messages", "/v1/sessions/%0A%C2%85/messages"),
+        # `..` and `.` stay one parameter (they used to be normalised into another upstream path).
+        ("/v1/sessions/%2E%2E/messages", "/v1/sessions/%2E%2E/messages"),
+        ("/v1/sessions/%2E", "/v1/sessions/%2E"),
+        ("/v1/sessions/a%25b%20c", "/v1/sessions/a%25b%20c"),
+        ("/v1/sessions/%C3%A9?after=%C3%A9&x=%0A", "/v1/sessions/%C3%A9?after=%C3%A9&x=%0A"),
+    ],
+)
+def test_upstream_target_keeps_each_parameter_one_escaped_segment(client: TestClient, sent: str, forwarded: str) -> None:
+    assert client.get(sent).json()["target"] == forwarded
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 1.5}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": ["a"]}, "part", None]}]},
+        {"messages": ["not a message", None, {"content": {"a": 1}}]},
+        {"messages": {"role": "user"}, "prompt": [1, None, "abcd"]},
+        {"prompt": 12},
+    ],
+)
+def test_prompt_estimate_takes_any_shape(body: dict) -> None:
+    """The gateway does not validate bodies (the session manager does); its estimate must not
+    crash on shapes the session manager will refuse (it used to: a 500)."""
+    assert estimate_prompt_tokens(body) >= 0
+
+
+def test_prompt_estimate_counts_text() -> None:
+    body = {"messages": [{"role": "user", "content": "x" * 40}, {"role": "user", "content": [{"type": "text", "text": "y" * 8}]}]}
+    assert estimate_prompt_tokens(body) == 12 + 2 * 4
