@@ -217,3 +217,20 @@ def test_redis_unreachable_auth_falls_back_and_limiter_follows_setting(
     else:
         assert response.status_code == 503 and response.headers["retry-after"]
         assert 'axon_gateway_rate_limiter_unavailable_total{mode="closed"} 1.0' in metrics
+
+
+def test_usage_is_recorded_per_key_and_summed_by_day(gateway: Service, database_url: str) -> None:
+    key = asyncio.run(create_key(database_url, name="usage", limits=KeyLimits(), tenant="usage-tenant"))
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0, timeout=30)
+    answers = [client.chat.completions.create(model=SIM_MODEL, messages=MESSAGES, max_tokens=n) for n in (3, 5)]
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    key_id = next(k["id"] for k in httpx.get(f"{gateway.url}/admin/keys", headers=admin, timeout=10).json()["data"] if k["name"] == "usage")
+    deadline = time.monotonic() + 10
+    while True:
+        rows = httpx.get(f"{gateway.url}/admin/usage", params={"key_id": key_id}, headers=admin, timeout=10).json()["data"]
+        if rows and rows[0]["requests"] == 2:
+            break
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.2)
+    assert rows[0]["completion_tokens"] == 8
+    assert rows[0]["prompt_tokens"] == sum(a.usage.prompt_tokens for a in answers)
