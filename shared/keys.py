@@ -7,6 +7,7 @@ bytes, so a fast hash is enough (a slow KDF protects low-entropy passwords, not 
 import datetime as dt
 import hashlib
 import secrets
+from typing import Protocol
 
 import asyncpg
 import orjson
@@ -26,6 +27,29 @@ class KeyLimits(BaseModel):
     tpm: int | None = Field(None, ge=1)
     max_concurrent: int | None = Field(None, ge=1)
     priority: int = Field(0, ge=0, le=9)
+
+
+def limits_with_defaults(
+    *,
+    rpm: int | None,
+    tpm: int | None,
+    max_concurrent: int | None,
+    priority: int,
+    defaults: "KeyDefaults",
+) -> KeyLimits:
+    """A new key's limits: what was asked for, the configured defaults for the rest."""
+    return KeyLimits(
+        rpm=rpm or defaults.default_rpm,
+        tpm=tpm or defaults.default_tpm,
+        max_concurrent=max_concurrent or defaults.default_max_concurrent,
+        priority=priority,
+    )
+
+
+class KeyDefaults(Protocol):
+    default_rpm: int
+    default_tpm: int
+    default_max_concurrent: int
 
 
 class KeyRecord(BaseModel):

@@ -6,7 +6,7 @@ import asyncio
 import asyncpg
 
 from shared.clients import create_redis
-from shared.keys import KeyLimits, KeyRepository, evict_key
+from shared.keys import KeyRepository, evict_key, limits_with_defaults
 from shared.names import Names
 from shared.settings import CommonSettings
 
@@ -22,11 +22,8 @@ async def _with_repository(action):
 
 def _create(args: argparse.Namespace) -> int:
     async def action(repository: KeyRepository, settings: CommonSettings) -> str:
-        limits = KeyLimits(
-            rpm=args.rpm or settings.default_rpm,
-            tpm=args.tpm or settings.default_tpm,
-            max_concurrent=args.max_concurrent or settings.default_max_concurrent,
-            priority=args.priority,
+        limits = limits_with_defaults(
+            rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent, priority=args.priority, defaults=settings
         )
         key, record = await repository.create(name=args.name, limits=limits, tenant=args.tenant)
         print(f"created {record.id} ({record.name}) tenant={record.tenant} rpm={limits.rpm} tpm={limits.tpm} "

@@ -1,6 +1,5 @@
 """Who is calling (API key → tenant and limits) and may they call now (rate limits)."""
 
-import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from shared.keys import KEY_PREFIX, KeyRecord, KeyRepository, decode_cached, enc
 from shared.logging import get_logger
 from shared.names import Names
 from shared.ratelimit import Decision, RateLimiter, rate_limit_headers, refusal
+from shared.tasks import BackgroundTasks
 from services.gateway.metrics import GatewayMetrics
 
 log = get_logger(__name__)
@@ -57,7 +57,7 @@ class Authenticator:
         self._local_ttl_s = local_ttl_s
         self._redis_ttl_s = redis_ttl_s
         self._local: dict[bytes, tuple[float, KeyRecord | None]] = {}
-        self._background: set[asyncio.Task] = set()
+        self._background = BackgroundTasks()
 
     async def authenticate(self, authorization: str | None) -> KeyRecord:
         """The active key behind the header.
@@ -80,7 +80,7 @@ class Authenticator:
                 self._local.clear()
             self._local[key_hash] = (time.monotonic() + self._local_ttl_s, record)
             if record is not None:
-                self._spawn(self._touch(record.id))
+                self._background.spawn(self._touch(record.id))
         if record is None:
             self._metrics.auth_failures.labels("unknown").inc()
             raise Unauthorized("Incorrect API key provided.")
@@ -116,11 +116,6 @@ class Authenticator:
                 await self._repository.touch(key_id)
         except Exception as exc:  # noqa: BLE001 - bookkeeping must never fail a request
             log.warning("key_touch_failed", error=repr(exc))
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from shared.outbox import Outbox, UsageRow
 from shared.ratelimit import RateLimiter
 from shared.registry import LiveModel
 from shared.schemas import Job, Message, Sampling, TokenChunk, Usage
+from shared.tasks import BackgroundTasks
 from services.sessions.catalog import ModelCatalog
 from services.sessions.jobs import JobPublisher
 from services.sessions.metrics import SessionsMetrics
@@ -148,7 +149,7 @@ class CompletionService:
         self._outbox = outbox
         self._turns = turns
         self._metrics = metrics
-        self._background: set[asyncio.Task] = set()
+        self._background = BackgroundTasks()
 
     def _sampling(self, body: ChatCompletionRequest | CompletionRequest, live: LiveModel) -> Sampling:
         max_tokens = body.requested_max_tokens or min(self._settings.default_max_tokens, live.context_tokens // 2)
@@ -311,7 +312,9 @@ class CompletionService:
             yield b"data: [DONE]\n\n"
         finally:
             if outcome == "disconnected":
-                self._spawn(self.finish(active, outcome=outcome))
+                # In its own task: this one may itself be cancelled (client gone), and the
+                # cancel notice must still go out.
+                self._background.spawn(self.finish(active, outcome=outcome))
 
     async def finish(self, active: ActiveJob, *, outcome: str) -> None:
         """Stop relaying (once): store the answer and usage, release the session, and if the
@@ -360,13 +363,6 @@ class CompletionService:
             await self._limiter.charge_tokens(caller.key_id, caller.tpm_limit, cost)
         except Exception as exc:  # noqa: BLE001 - accounting must not fail the answer
             log.warning("token_charge_failed", error=repr(exc))
-
-    def _spawn(self, coro) -> None:
-        # Cleanup runs in its own task: the streaming task may itself be cancelled
-        # (client gone), and the cancel notice must still go out.
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
 
 def _sse(payload: dict) -> bytes:

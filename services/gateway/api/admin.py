@@ -7,7 +7,7 @@ from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, Field
 
 from shared.errors import NotFound
-from shared.keys import KeyLimits, KeyRecord, evict_key
+from shared.keys import KeyRecord, evict_key, limits_with_defaults
 from shared.registry import WorkerRegistry
 from services.gateway.api.deps import AdminDep, KeysDep
 
@@ -34,12 +34,9 @@ class KeyCreated(KeyRecord):
 @router.post("/keys", status_code=201)
 async def create_key(body: KeyCreate, keys: KeysDep, request: Request) -> KeyCreated:
     """Create an API key; the response is the only time the key is shown."""
-    defaults = request.app.state.settings
-    limits = KeyLimits(
-        rpm=body.rpm or defaults.default_rpm,
-        tpm=body.tpm or defaults.default_tpm,
-        max_concurrent=body.max_concurrent or defaults.default_max_concurrent,
-        priority=body.priority,
+    limits = limits_with_defaults(
+        rpm=body.rpm, tpm=body.tpm, max_concurrent=body.max_concurrent, priority=body.priority,
+        defaults=request.app.state.settings,
     )
     key, record = await keys.create(name=body.name, limits=limits, tenant=body.tenant)
     return KeyCreated(**record.model_dump(), key=key)
