@@ -4,7 +4,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import asyncpg
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -45,13 +45,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        timeout = httpx.Timeout(settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=settings.upstream_connect_timeout_s, sock_read=settings.upstream_timeout_s
+        )
         # Idle upstream connections are dropped before the session manager's keep-alive
         # timeout, so the gateway never reuses one the other side is closing.
-        limits = httpx.Limits(
-            max_connections=settings.upstream_max_connections,
-            max_keepalive_connections=settings.upstream_max_connections,
-            keepalive_expiry=UPSTREAM_KEEPALIVE_S,
+        connector = aiohttp.TCPConnector(
+            limit=settings.upstream_max_connections, keepalive_timeout=UPSTREAM_KEEPALIVE_S
         )
         client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
         # min_size=0: the gateway starts (and serves cached keys) even while PostgreSQL is down.
@@ -61,7 +61,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         )
         keys = KeyRepository(db)
         try:
-            async with httpx.AsyncClient(base_url=settings.sessions_url, timeout=timeout, limits=limits) as upstream:
+            # Bodies pass through unchanged: no decompression, no added headers.
+            async with aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding")
+            ) as upstream:
                 app.state.upstream = upstream
                 app.state.redis = client
                 app.state.db = db
@@ -76,7 +79,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                     fail_open=settings.rate_limit_fail_open, lease_s=settings.concurrency_lease_s,
                 )  # fmt: skip
                 app.state.gateway = GatewayService(
-                    forwarder=Forwarder(upstream), admitter=admitter, max_body_bytes=settings.max_body_bytes
+                    forwarder=Forwarder(upstream, settings.sessions_url, timeout=timeout),
+                    admitter=admitter, max_body_bytes=settings.max_body_bytes,
                 )
                 log.info("gateway_ready", port=settings.gateway_port, sessions_url=settings.sessions_url)
                 yield
@@ -126,10 +130,12 @@ async def _not_ready_reason(app: FastAPI) -> str | None:
         await app.state.redis.ping()
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         return f"Redis unreachable: {exc!r}"
+    url = f"{app.state.settings.sessions_url.rstrip('/')}/ready"
     try:
-        upstream = await app.state.upstream.get("/ready", timeout=3)
-    except httpx.HTTPError as exc:
+        async with app.state.upstream.get(url, timeout=aiohttp.ClientTimeout(total=3)) as upstream:
+            status = upstream.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
         return f"session manager unreachable: {exc!r}"
-    if upstream.status_code != 200:
+    if status != 200:
         return "session manager not ready"
     return None

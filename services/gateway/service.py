@@ -6,8 +6,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import quote, quote_from_bytes
 
-import httpx
+import aiohttp
 import orjson
+from yarl import URL
 from fastapi import Request
 from fastapi.routing import APIRoute
 from fastapi.responses import Response, StreamingResponse
@@ -85,12 +86,12 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     return math.ceil(chars / _CHARS_PER_TOKEN) + messages * _TOKENS_PER_MESSAGE
 
 
-async def _relay_stream(upstream: httpx.Response) -> AsyncIterator[bytes]:
+async def _relay_stream(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     """Pass the event stream through; if the upstream dies mid-stream, end with an error event."""
     try:
-        async for piece in upstream.aiter_raw():
+        async for piece in upstream.content.iter_any():
             yield piece
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         log.warning("upstream_stream_broken", error=repr(exc))
         yield _STREAM_BROKEN_EVENT
 
@@ -123,10 +124,13 @@ def _segment(value: str) -> str:
 
 
 class Forwarder:
-    """HTTP client to the session manager, one connection pool per process."""
+    """HTTP client to the session manager, one connection pool per process (aiohttp: its C
+    response parser keeps the relay cheap; httpx cost about half the gateway's CPU)."""
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self._client = client
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, *, timeout: aiohttp.ClientTimeout) -> None:
+        self._session = session
+        self._base_url = base_url.rstrip("/")
+        self._timeout = timeout
 
     async def forward(
         self,
@@ -144,13 +148,13 @@ class Forwarder:
             Unavailable: the session manager cannot be reached.
             DeadlineExceeded: it did not answer in time.
         """
-        request = self._client.build_request(method, path, content=body, headers=headers)
+        url = URL(self._base_url + path, encoded=True)  # `path` is already escaped: keep it as is
         try:
-            upstream = await self._client.send(request, stream=True)
-        except httpx.TimeoutException as exc:
+            upstream = await self._session.request(method, url, data=body, headers=headers, timeout=self._timeout)
+        except TimeoutError as exc:
             await on_close()
             raise DeadlineExceeded("The session manager did not answer in time.") from exc
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             await on_close()
             log.warning("upstream_unreachable", error=repr(exc))
             raise Unavailable("The session manager is unreachable; try again shortly.", retry_after_s=2) from exc
@@ -158,21 +162,23 @@ class Forwarder:
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
 
             async def close() -> None:
-                await upstream.aclose()
+                upstream.close()
                 await on_close()
 
             return StreamingResponse(
                 _relay_stream(upstream),
-                status_code=upstream.status_code,
+                status_code=upstream.status,
                 headers=response_headers,
                 background=BackgroundTask(close),
             )
         try:
-            content = await upstream.aread()
+            content = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise Unavailable("The session manager's answer was cut off; try again.", retry_after_s=1) from exc
         finally:
-            await upstream.aclose()
+            upstream.release()
             await on_close()
-        return Response(content, status_code=upstream.status_code, headers=response_headers)
+        return Response(content, status_code=upstream.status, headers=response_headers)
 
 
 class GatewayService:

@@ -7,7 +7,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from tests.e2e.stack import Service, Stack
-from tests.e2e.test_workers import holder
+from tests.e2e.test_workers import holder, wait_listed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -26,7 +26,9 @@ def model_worker(stack: Stack) -> Service:
 
 @pytest.fixture
 def model_client(model_worker: Service, gateway: Service, api_key: str) -> OpenAI:
-    return OpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+    wait_listed(client, MODEL)  # the session manager reuses its live-model list for up to 1 s
+    return client
 
 
 def test_capital_of_france_is_paris_streaming_and_not(model_client: OpenAI) -> None:
@@ -60,7 +62,7 @@ def test_text_completion_continues_the_prompt(model_client: OpenAI) -> None:
     assert response.usage.completion_tokens <= 8
 
 
-async def test_concurrent_requests_all_complete(model_worker: Service, gateway: Service, api_key: str) -> None:
+async def test_concurrent_requests_all_complete(model_client: OpenAI, gateway: Service, api_key: str) -> None:
     client = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=120)
     prompts = [f"Count from {i} to {i + 5}." for i in range(6)]
     responses = await asyncio.gather(*(
