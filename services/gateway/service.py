@@ -1,7 +1,6 @@
 """The gateway's work: check the body, admit the caller, forward to the session manager and
 stream its answer back unchanged."""
 
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import quote, quote_from_bytes
@@ -17,6 +16,7 @@ from starlette.background import BackgroundTask
 from shared.errors import DeadlineExceeded, InvalidRequest, PayloadTooLarge, Unavailable, error_body
 from shared.keys import KeyRecord
 from shared.logging import get_logger
+from shared.tokens import estimate_tokens
 from shared.web import unless_disconnected
 from services.gateway.auth import Admission, Admitter
 
@@ -37,9 +37,6 @@ _STREAM_BROKEN_EVENT = (
     )
     + b"\n\ndata: [DONE]\n\n"
 )
-# Rough size of a token in characters, and the per-message overhead of chat templates.
-_CHARS_PER_TOKEN = 4
-_TOKENS_PER_MESSAGE = 4
 
 
 async def read_json_body(request: Request, *, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
@@ -83,7 +80,7 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
         chars += len(prompt)
     elif isinstance(prompt, list):
         chars += sum(len(p) for p in prompt if isinstance(p, str))
-    return math.ceil(chars / _CHARS_PER_TOKEN) + messages * _TOKENS_PER_MESSAGE
+    return estimate_tokens(chars=chars, messages=messages)
 
 
 async def _relay_stream(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

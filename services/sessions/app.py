@@ -142,7 +142,6 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
             app.state.db = db
             app.state.database_seen = False
             app.state.sessions = store
-            app.state.persister = persister
             app.state.names = names
             app.state.completions = CompletionService(
                 settings=settings,

@@ -64,7 +64,6 @@ class Persister:
         self._flush_interval_ms = flush_interval_ms
         self._reclaim_after_ms = reclaim_after_ms
         self.consumer = f"persister-{uuid.uuid4().hex[:12]}"
-        self.healthy = True
 
     async def ensure_group(self) -> None:
         try:
@@ -85,7 +84,6 @@ class Persister:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep draining once the dependency is back
-                self.healthy = False
                 log.warning("persister_failed", error=repr(exc))
                 await asyncio.sleep(_RETRY_DELAY_S)
 
@@ -100,7 +98,6 @@ class Persister:
                     entries += await self._reclaim()
                     next_reclaim = time.monotonic() + self._reclaim_after_ms / 1000 / 2
                 await self._drain(entries)
-                self.healthy = True
         finally:
             reading.cancel()
             await asyncio.gather(reading, return_exceptions=True)

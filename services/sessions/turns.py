@@ -5,22 +5,19 @@ Rule for concurrent requests on one session: the second gets 409 while the first
 being answered (turns never interleave; the client retries or waits).
 """
 
-import math
 from dataclasses import dataclass
 
 from shared.errors import Conflict
 from shared.schemas import Message
+from shared.tokens import estimate_tokens
 from services.sessions.history import SessionInfo, SessionStore, StoredMessage
 
-_CHARS_PER_TOKEN = 4
-_TOKENS_PER_MESSAGE = 4
 # Assistant answers that ended like this carry no text worth sending back to the model.
 _SKIPPED_STATUSES = frozenset({"failed"})
 
 
-def estimate_tokens(message: Message) -> int:
-    """A conservative character-based estimate; the session manager has no tokenizer."""
-    return math.ceil(len(message.content) / _CHARS_PER_TOKEN) + _TOKENS_PER_MESSAGE
+def message_tokens(message: Message) -> int:
+    return estimate_tokens(chars=len(message.content), messages=1)
 
 
 def build_prompt(
@@ -41,11 +38,11 @@ def build_prompt(
         for m in history
         if m.status not in _SKIPPED_STATUSES and m.role in {"user", "assistant", "system", "tool", "developer"}
     ]
-    fixed = sum(estimate_tokens(m) for m in head + new_messages)
+    fixed = sum(message_tokens(m) for m in head + new_messages)
     kept: list[Message] = []
     used = fixed
     for message in reversed(usable):
-        cost = estimate_tokens(message)
+        cost = message_tokens(message)
         if used + cost > budget_tokens:
             break
         kept.append(message)

@@ -11,7 +11,6 @@ import orjson
 import redis.asyncio as redis
 
 from shared.names import Names
-from shared.schemas import ChunkError, TokenChunk
 from services.worker.engines import EngineOutput, Resume
 
 # Progress outlives the job's deadline by this much, then Redis forgets it.
@@ -74,16 +73,26 @@ class JobStream:
         )
 
     async def publish(self, out: EngineOutput) -> None:
-        """Publish the engine's output as the next chunk and record the progress atomically
-        (one script call: one round trip, and no half-recorded chunk if the worker dies)."""
+        """Publish the engine's output as the next chunk and record the progress atomically."""
         self.completion_tokens += out.n_tokens
         if not self.resumed or self.prompt_tokens == 0:
             self.prompt_tokens = out.prompt_tokens
         chunk: dict = {"seq": self.seq, "text": out.text, "n_tokens": out.n_tokens}
-        final = out.finish_reason is not None
-        if final:
+        if out.finish_reason is not None:
             chunk["finish_reason"] = out.finish_reason
             chunk["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        await self._send(chunk, text=out.text, token_ids=out.token_ids)
+
+    async def finish_with_error(self, message: str, error_type: str) -> None:
+        await self._send({"seq": self.seq, "finish_reason": "error", "error": {"message": message, "type": error_type}})
+
+    async def finish_cancelled(self) -> None:
+        await self._send({"seq": self.seq, "finish_reason": "cancelled"})
+
+    async def _send(self, chunk: dict, *, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
+        """One script call: publish the chunk and record the progress (or, for a final chunk,
+        forget it), so a worker dying in between never leaves half a record."""
+        final = "finish_reason" in chunk
         expire_s = 0
         if not final and not self._expiry_set:
             expire_s = max(1, int(self._deadline - time.time()) + _PROGRESS_GRACE_S)
@@ -91,26 +100,10 @@ class JobStream:
         await self._publish_script(
             keys=self._keys,
             args=[
-                self._channel, orjson.dumps(chunk), int(final), self.seq + 1, self.completion_tokens,
-                self.prompt_tokens, out.text, expire_s, *out.token_ids,
+                self._channel, orjson.dumps(chunk),
+                int(final), self.seq + 1, self.completion_tokens, self.prompt_tokens, text, expire_s, *token_ids,
             ],
         )  # fmt: skip
-        self.seq += 1
-
-    async def finish_with_error(self, message: str, error_type: str) -> None:
-        chunk = TokenChunk(seq=self.seq, finish_reason="error", error=ChunkError(message=message, type=error_type))
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.publish(self._channel, chunk.model_dump_json(exclude_none=True))
-            pipe.delete(*self._keys)
-            await pipe.execute()
-        self.seq += 1
-
-    async def finish_cancelled(self) -> None:
-        chunk = TokenChunk(seq=self.seq, finish_reason="cancelled")
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.publish(self._channel, orjson.dumps(chunk.model_dump(exclude_none=True)))
-            pipe.delete(*self._keys)
-            await pipe.execute()
         self.seq += 1
 
 

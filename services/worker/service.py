@@ -130,8 +130,12 @@ class JobRunner:
 
     async def _poisoned(self, job: Job, stream: JobStream, message: AbstractIncomingMessage) -> bool:
         """Count a redelivery; past `max_deliveries`, dead-letter the job and tell its client."""
-        deliveries = int(await self._redis.incr(self._names.job_deliveries(job.job_id))) + 1
-        await self._redis.expire(self._names.job_deliveries(job.job_id), max(1, int(job.deadline - time.time()) + 60))
+        key = self._names.job_deliveries(job.job_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.incr(key)
+            pipe.expire(key, max(1, int(job.deadline - time.time()) + 60))
+            redeliveries, _ = await pipe.execute()
+        deliveries = int(redeliveries) + 1
         if deliveries <= self._max_deliveries:
             return False
         reason = f"delivered {deliveries} times without finishing (AXON_MAX_DELIVERIES={self._max_deliveries})"
