@@ -90,14 +90,15 @@ class Outbox:
 
     async def append(self, kind: RowKind, row: BaseModel, *, pipe: redis.client.Pipeline | None = None) -> None:
         """Queue `row` for PostgreSQL; with `pipe`, as part of the caller's pipeline."""
-        fields = {"kind": kind, "row": orjson.dumps(row.model_dump(mode="json"))}
-        if isinstance(row, MessageRow):
-            fields["copy"] = row.copy_line()
         target = pipe if pipe is not None else self._redis
-        result = target.xadd(self._names.outbox, fields)
+        result = target.xadd(self._names.outbox, entry_fields(kind, row))
         if pipe is None:
             await result
 
 
-def decode_entry(fields: dict[bytes, bytes]) -> tuple[str, dict]:
-    return fields[b"kind"].decode(), orjson.loads(fields[b"row"])
+def entry_fields(kind: RowKind, row: BaseModel) -> dict[str, bytes | str]:
+    """An outbox entry's fields. A message travels only as its COPY line (the persister
+    concatenates them); a usage row as JSON."""
+    if isinstance(row, MessageRow):
+        return {"kind": kind, "copy": row.copy_line()}
+    return {"kind": kind, "row": orjson.dumps(row.model_dump(mode="json"))}

@@ -42,7 +42,7 @@ class SessionsMetrics:
         )
         self.persist_batch_size = Histogram(
             "axon_sessions_persist_batch_size", "Rows per persister batch.",
-            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000), registry=self.registry,
+            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000, 2000, 5000), registry=self.registry,
         )
         self.persist_duration = Histogram(
             "axon_sessions_persist_batch_duration_seconds", "Time to commit one persister batch.",

@@ -3,33 +3,40 @@
 Every session manager runs one; they share the work through a Redis consumer group.
 Entries are acknowledged only after their batch commits, and entries a dead persister
 left pending are reclaimed after `reclaim_after_ms`.
+
+A batch crosses from Redis as three strings, not as parsed entries: one Lua script reads
+it with XREADGROUP (or XAUTOCLAIM) and returns the entry ids, the messages' COPY lines
+already joined, and the usage rows; another acknowledges the ids after the commit and
+trims what is settled. Python never handles an entry one by one, which is what kept the
+persister well below a plain COPY.
 """
 
 import asyncio
 import datetime as dt
-import io
 import time
 import uuid
+from dataclasses import dataclass
 
 import asyncpg
+import orjson
 import redis.asyncio as redis
 from redis.exceptions import ResponseError
 
 from shared.logging import get_logger
 from shared.names import Names
-from shared.outbox import decode_entry
 from services.sessions.metrics import SessionsMetrics
 
 log = get_logger(__name__)
 
-_INSERT_MESSAGES = """
-INSERT INTO messages (id, conversation_id, seq, role, content, status, job_id, created_at)
-SELECT t.* FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::text[], $6::text[], $7::uuid[], $8::timestamptz[])
-  AS t(id, conversation_id, seq, role, content, status, job_id, created_at)
+_MESSAGE_COLUMNS = ("id", "conversation_id", "seq", "role", "content", "status", "job_id", "created_at")
+_STAGE = "messages_stage"
+_CREATE_STAGE = f"CREATE TEMP TABLE {_STAGE} (LIKE messages INCLUDING DEFAULTS) ON COMMIT DROP"
+_INSERT_FROM_STAGE = f"""
+INSERT INTO messages ({", ".join(_MESSAGE_COLUMNS)})
+SELECT {", ".join("t." + c for c in _MESSAGE_COLUMNS)} FROM {_STAGE} t
 WHERE EXISTS (SELECT 1 FROM conversations c WHERE c.id = t.conversation_id)
 ON CONFLICT DO NOTHING
 """
-_MESSAGE_COLUMNS = ("id", "conversation_id", "seq", "role", "content", "status", "job_id", "created_at")
 _INSERT_USAGE = """
 INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, latency_ms, created_at)
 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::int[], $8::timestamptz[])
@@ -37,13 +44,76 @@ ON CONFLICT DO NOTHING
 """
 _RETRY_DELAY_S = 1.0
 
+# KEYS: outbox. ARGV: group, consumer, count, mode ('new' | 'claim'), min idle ms (claim).
+# Returns {space-separated ids, joined COPY lines of the messages, usage rows as JSON}.
+# No BLOCK (scripts cannot block): an empty outbox is polled every flush interval.
+_READ = """
+local entries
+if ARGV[4] == 'claim' then
+    entries = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[5], '0-0', 'COUNT', ARGV[3])[2]
+else
+    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
+    if not reply then return {'', '', {}} end
+    entries = reply[1][2]
+end
+local ids, lines, usage = {}, {}, {}
+for _, entry in ipairs(entries) do
+    local fields = entry[2]
+    if fields then
+        ids[#ids + 1] = entry[1]
+        local row = {}
+        for j = 1, #fields, 2 do row[fields[j]] = fields[j + 1] end
+        if row['kind'] == 'message' then lines[#lines + 1] = row['copy'] else usage[#usage + 1] = row['row'] end
+    end
+end
+return {table.concat(ids, ' '), table.concat(lines), usage}
+"""
 
-def _ts(value: str) -> dt.datetime:
-    return dt.datetime.fromisoformat(value)
+# KEYS: outbox. ARGV: group, space-separated ids.
+# XACK the ids, then trim the stream below the oldest entry still pending (or, with none
+# pending, up to the last one delivered): never removes an entry that is undelivered or
+# unacknowledged, by this persister or any other.
+_SETTLE = """
+local ids = {}
+for id in string.gmatch(ARGV[2], '%S+') do ids[#ids + 1] = id end
+for i = 1, #ids, 1000 do
+    redis.call('XACK', KEYS[1], ARGV[1], unpack(ids, i, math.min(i + 999, #ids)))
+end
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1])
+local floor = pending[2]
+if pending[1] == 0 then
+    for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+        local fields = {}
+        for j = 1, #group, 2 do fields[group[j]] = group[j + 1] end
+        if fields['name'] == ARGV[1] then
+            local ms, seq = string.match(fields['last-delivered-id'], '^(%d+)-(%d+)$')
+            floor = ms .. '-' .. string.format('%d', tonumber(seq) + 1)
+        end
+    end
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', floor)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Outbox entries read together: their ids, the messages as COPY text, the usage rows."""
+
+    ids: bytes
+    copy_text: bytes
+    usage: list[bytes]
+
+    @property
+    def size(self) -> int:
+        return self.ids.count(b" ") + 1
 
 
 class Persister:
-    """One consumer of the outbox's consumer group."""
+    """One consumer of the outbox's consumer group.
+
+    `run()` drains until `stop()`: stopping is a flag, not a task cancellation, because
+    redis-py may swallow a cancellation that lands mid-command (redis/redis-py#2028).
+    """
 
     def __init__(
         self,
@@ -55,14 +125,21 @@ class Persister:
         batch_size: int,
         flush_interval_ms: int,
         reclaim_after_ms: int,
+        concurrency: int = 1,
+        commit_timeout_s: float = 30.0,
     ) -> None:
         self._redis = client
         self._db = db
         self._names = names
         self._metrics = metrics
         self._batch_size = batch_size
-        self._flush_interval_ms = flush_interval_ms
+        self._flush_interval_s = flush_interval_ms / 1000
         self._reclaim_after_ms = reclaim_after_ms
+        self._concurrency = concurrency
+        self._commit_timeout_s = commit_timeout_s
+        self._read_script = client.register_script(_READ)
+        self._settle_script = client.register_script(_SETTLE)
+        self._stopping = asyncio.Event()
         self.consumer = f"persister-{uuid.uuid4().hex[:12]}"
 
     async def ensure_group(self) -> None:
@@ -72,99 +149,112 @@ class Persister:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    def stop(self) -> None:
+        """Ask `run()` to return: no new batch is read, batches being committed finish (one
+        still failing is left pending, for a live persister to reclaim)."""
+        self._stopping.set()
+
     async def run(self) -> None:
-        """Drain forever; failures (Redis or PostgreSQL down) only delay persistence.
+        """Drain until `stop()`: one task reads batches while `concurrency` tasks commit
+        them, each on its own connection. Failures (Redis or PostgreSQL down) only delay
+        persistence: the reader and each committer retry on their own, a committer with the
+        batch it holds."""
+        batches: asyncio.Queue[Batch | None] = asyncio.Queue(maxsize=1)
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._read_into(batches))
+            for _ in range(self._concurrency):
+                group.create_task(self._persist_from(batches))
 
-        The next batch is read while the current one commits.
-        """
-        while True:
-            try:
-                await self.ensure_group()
-                await self._drain_forever()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - keep draining once the dependency is back
-                log.warning("persister_failed", error=repr(exc))
-                await asyncio.sleep(_RETRY_DELAY_S)
-
-    async def _drain_forever(self) -> None:
+    async def _read_into(self, batches: asyncio.Queue[Batch | None]) -> None:
         next_reclaim = 0.0
-        reading = asyncio.create_task(self._read())
-        try:
-            while True:
-                entries = await reading
-                reading = asyncio.create_task(self._read())
+        grouped = False
+        while not self._stopping.is_set():
+            try:
+                if not grouped:
+                    await self.ensure_group()  # again after a failure: Redis may have lost the stream
+                    grouped = True
+                batch = None
                 if time.monotonic() >= next_reclaim:
-                    entries += await self._reclaim()
+                    batch = await self._read("claim")
                     next_reclaim = time.monotonic() + self._reclaim_after_ms / 1000 / 2
-                await self._drain(entries)
-        finally:
-            reading.cancel()
-            await asyncio.gather(reading, return_exceptions=True)
+                    if batch is not None:
+                        log.info("outbox_reclaimed", entries=batch.size)
+                batch = batch or await self._read("new")
+            except Exception as exc:  # noqa: BLE001 - keep reading once Redis is back
+                log.warning("persister_read_failed", error=repr(exc))
+                grouped = False
+                await self._pause(_RETRY_DELAY_S)
+                continue
+            if batch is None:
+                await self._pause(self._flush_interval_s)
+            else:
+                await batches.put(batch)
+        for _ in range(self._concurrency):
+            await batches.put(None)
 
-    async def _read(self) -> list[tuple[bytes, dict]]:
-        response = await self._redis.xreadgroup(
-            self._names.outbox_group, self.consumer, {self._names.outbox: ">"},
-            count=self._batch_size, block=self._flush_interval_ms,
-        )  # fmt: skip
-        return response[0][1] if response else []
+    async def _persist_from(self, batches: asyncio.Queue[Batch | None]) -> None:
+        while (batch := await batches.get()) is not None:
+            while True:
+                try:
+                    async with asyncio.timeout(self._commit_timeout_s):
+                        await self._persist(batch)
+                    break
+                except Exception as exc:  # noqa: BLE001 - keep the batch until PostgreSQL is back
+                    log.warning("persister_failed", error=repr(exc), entries=batch.size)
+                    if self._stopping.is_set():
+                        break  # left pending: a live persister reclaims it
+                    await self._pause(_RETRY_DELAY_S)
 
-    async def _reclaim(self) -> list[tuple[bytes, dict]]:
-        """Take over entries another persister read but never acknowledged."""
-        _next, entries, _deleted = await self._redis.xautoclaim(
-            self._names.outbox, self._names.outbox_group, self.consumer,
-            min_idle_time=self._reclaim_after_ms, start_id="0-0", count=self._batch_size,
-        )  # fmt: skip
-        if entries:
-            log.info("outbox_reclaimed", entries=len(entries))
-        return [(entry_id, fields) for entry_id, fields in entries if fields]
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, waking early on `stop()`."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            pass
 
-    async def _drain(self, entries: list[tuple[bytes, dict]]) -> None:
-        if not entries:
-            return
-        message_entries = [fields for _id, fields in entries if fields[b"kind"] == b"message"]
-        usage = [decode_entry(fields)[1] for _id, fields in entries if fields[b"kind"] == b"usage"]
+    async def _read(self, mode: str) -> Batch | None:
+        """The next batch: new entries, or (`claim`) entries another persister left pending."""
+        ids, copy_text, usage = await self._read_script(
+            keys=[self._names.outbox],
+            args=[self._names.outbox_group, self.consumer, self._batch_size, mode, self._reclaim_after_ms],
+        )
+        return Batch(ids, copy_text, usage) if ids else None
+
+    async def _commit(self, batch: Batch) -> None:
+        """One transaction per batch. If any message is already there (a redelivered batch) or
+        its session was deleted meanwhile, the batch is written again, skipping those rows."""
         started = time.perf_counter()
-        async with self._db.acquire() as conn, conn.transaction():
-            if message_entries:
-                await _write_messages(conn, message_entries)
-            if usage:
-                await conn.execute(_INSERT_USAGE, *_usage_columns(usage))
-        ids = [entry_id for entry_id, _ in entries]
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self._names.outbox, self._names.outbox_group, *ids)
-            pipe.xdel(self._names.outbox, *ids)
-            await pipe.execute()
-        self._metrics.persisted_rows.inc(len(entries))
-        self._metrics.persist_batch_size.observe(len(entries))
+        async with self._db.acquire() as conn:
+            try:
+                async with conn.transaction():
+                    await _write(conn, batch, skip_existing=False)
+            except (asyncpg.UniqueViolationError, asyncpg.ForeignKeyViolationError):
+                async with conn.transaction():
+                    await _write(conn, batch, skip_existing=True)
+        self._metrics.persisted_rows.inc(batch.size)
+        self._metrics.persist_batch_size.observe(batch.size)
         self._metrics.persist_duration.observe(time.perf_counter() - started)
 
-
-async def _write_messages(conn: asyncpg.Connection, entries: list[dict[bytes, bytes]]) -> None:
-    """COPY the batch's pre-rendered lines (the fast path); if any row is already there (a
-    redelivered batch) or its session was deleted meanwhile, insert skipping those rows."""
-    try:
-        async with conn.transaction():
-            await conn.copy_to_table(
-                "messages", source=io.BytesIO(b"".join(f[b"copy"] for f in entries)),
-                columns=_MESSAGE_COLUMNS, format="text",
-            )  # fmt: skip
-    except (asyncpg.UniqueViolationError, asyncpg.ForeignKeyViolationError):
-        rows = [decode_entry(f)[1] for f in entries]
-        await conn.execute(_INSERT_MESSAGES, *_message_columns(rows))
+    async def _persist(self, batch: Batch) -> None:
+        """Commit, then acknowledge the entries and trim what is settled (a crash in between
+        only rewrites them)."""
+        await self._commit(batch)
+        await self._settle_script(keys=[self._names.outbox], args=[self._names.outbox_group, batch.ids])
 
 
-def _message_columns(rows: list[dict]) -> list[list]:
-    return [
-        [uuid.UUID(r["id"]) for r in rows],
-        [uuid.UUID(r["conversation_id"]) for r in rows],
-        [r["seq"] for r in rows],
-        [r["role"] for r in rows],
-        [r["content"] for r in rows],
-        [r["status"] for r in rows],
-        [uuid.UUID(r["job_id"]) if r.get("job_id") else None for r in rows],
-        [_ts(r["created_at"]) for r in rows],
-    ]
+async def _write(conn: asyncpg.Connection, batch: Batch, *, skip_existing: bool) -> None:
+    """COPY the messages' lines straight into the table (the fast path) or, to skip rows
+    already there or of deleted sessions, into a staging table to insert from."""
+    if batch.copy_text:
+        source = memoryview(batch.copy_text)  # a buffer: asyncpg would take bytes for a path
+        if skip_existing:
+            await conn.execute(_CREATE_STAGE)
+            await conn.copy_to_table(_STAGE, source=source, columns=_MESSAGE_COLUMNS, format="text")
+            await conn.execute(_INSERT_FROM_STAGE)
+        else:
+            await conn.copy_to_table("messages", source=source, columns=_MESSAGE_COLUMNS, format="text")
+    if batch.usage:
+        await conn.execute(_INSERT_USAGE, *_usage_columns([orjson.loads(row) for row in batch.usage]))
 
 
 def _usage_columns(rows: list[dict]) -> list[list]:
@@ -176,5 +266,5 @@ def _usage_columns(rows: list[dict]) -> list[list]:
         [r["prompt_tokens"] for r in rows],
         [r["completion_tokens"] for r in rows],
         [r["latency_ms"] for r in rows],
-        [_ts(r["created_at"]) for r in rows],
+        [dt.datetime.fromisoformat(r["created_at"]) for r in rows],
     ]
