@@ -22,7 +22,9 @@ $(STAMP): pyproject.toml Makefile
 up: install
 	$(BIN)/axon up
 
+# Chromium (Debian's) is for the playground's browser test; the script is a no-op once installed.
 test: install
+	bash infra/scripts/install-chromium.sh
 	$(BIN)/python -m pytest
 
 clean:

@@ -14,6 +14,7 @@ from shared.logging import get_logger
 from shared.names import Names
 from shared.ratelimit import RateLimiter
 from shared.web import ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response
+from services.gateway import playground
 from services.gateway.api import admin, routes
 from services.gateway.auth import Admitter, Authenticator
 from services.gateway.metrics import GatewayMetrics
@@ -103,6 +104,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     )
     app.include_router(routes.router)
     app.include_router(admin.router)
+    app.include_router(playground.create_router())
 
     @app.get("/health")
     async def health() -> dict:

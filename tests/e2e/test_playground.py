@@ -1,0 +1,260 @@
+"""The playground page in a real browser: headless Debian Chromium, driven by Playwright, against
+the e2e stack (sim engine).
+
+Chromium must be at /usr/bin/chromium (`infra/scripts/install-chromium.sh`, run by `make test`);
+Playwright never downloads a browser. Without it the browser tests skip, except under CI, where
+they fail. Every browser test saves a screenshot of its page at the end, pass or fail, in the
+run's `artifacts/playground` folder under pytest's base temporary directory (see `--basetemp`).
+"""
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, Dialog, Page, expect, sync_playwright
+
+from tests.e2e.conftest import SIM_MODEL
+from tests.e2e.stack import ADMIN_TOKEN, Service
+from tests.e2e.test_workers import metric
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = Path("/usr/bin/chromium")
+# As root Chromium needs --no-sandbox; the rest keep it from calling out of this closed network.
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+# Long enough to stop mid-stream: 4000 sim tokens take 20 s at the e2e stack's 5 ms per token.
+LONG_ANSWER_TOKENS = 4000
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not CHROMIUM.exists():
+        message = f"{CHROMIUM} is missing; run infra/scripts/install-chromium.sh"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.getbasetemp() / "artifacts" / "playground"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def page(browser: Browser, gateway: Service, artifacts: Path, request: pytest.FixtureRequest) -> Iterator[Page]:
+    """A fresh tab (empty session storage) on the playground; fails the test on any page error or
+    Content-Security-Policy violation, and saves a screenshot at the end."""
+    context = browser.new_context(base_url=gateway.url, viewport={"width": 1280, "height": 800})
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+    page.on("console", lambda msg: problems.append(msg.text) if "Content Security Policy" in msg.text else None)
+    page.set_default_timeout(10_000)
+    page.goto("/playground")
+    try:
+        yield page
+    finally:
+        page.screenshot(path=artifacts / f"{request.node.name}.png", full_page=True)
+        context.close()
+    assert problems == []
+
+
+def use_key(page: Page, key: str) -> None:
+    page.fill("#api-key", key)
+    page.click("#key-save")
+
+
+def pick_model(page: Page, model: str) -> None:
+    """Choose `model` once listed: other tests' workers serve other models, listed before it."""
+    expect(page.locator("#model")).to_contain_text(model)
+    page.select_option("#model", model)
+
+
+def send(page: Page, text: str, *, max_tokens: int) -> None:
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+
+
+def current_session_id(page: Page) -> str:
+    match = re.fullmatch(r"#session=([0-9a-f-]+)", page.evaluate("location.hash"))
+    assert match, page.evaluate("location.hash")
+    return match.group(1)
+
+
+@pytest.fixture
+def api(gateway: Service, api_key: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=10) as client:
+        yield client
+
+
+def test_page_and_assets_are_served_with_a_strict_content_security_policy(gateway: Service) -> None:
+    page = httpx.get(f"{gateway.url}/playground", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "script-src 'self'" in csp and "connect-src 'self'" in csp
+    assert "unsafe" not in csp
+    assert page.headers["x-content-type-options"] == "nosniff" and page.headers["x-frame-options"] == "DENY"
+    for src in re.findall(r'<script src="([^"]+)"', page.text):
+        asset = httpx.get(f"{gateway.url}{src}", timeout=10)
+        assert asset.status_code == 200 and asset.headers["content-type"].startswith("text/javascript"), src
+        assert asset.headers["content-security-policy"] == csp
+    assert page.text.count("<script") == len(re.findall(r'<script src="[^"]+"', page.text)), "no inline script"
+    # Only the page's own scripts and styles are served: not the licenses, nor anything outside.
+    for path in ["nope.js", "..%2F..%2Fplayground.py", "vendor/purify.LICENSE"]:
+        missing = httpx.get(f"{gateway.url}/playground/static/{path}", timeout=10)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found", path
+
+
+def test_chat_streams_an_answer_with_its_timings_and_the_history_survives_a_reload(
+    page: Page, api_key: str, api: httpx.Client
+) -> None:
+    use_key(page, api_key)
+    pick_model(page, SIM_MODEL)
+    assert page.evaluate("sessionStorage.getItem('axon.apiKey')") == api_key
+    assert page.evaluate("localStorage.length") == 0
+
+    send(page, "Hello from the playground test", max_tokens=24)
+    answer = page.locator(".message.assistant").last
+    expect(answer.locator(".meta")).to_contain_text(re.compile(r"TTFT \d+\.\d\d s · [\d.]+ tokens/s · 24 tokens"))
+    text = answer.locator(".body").inner_text()
+    assert len(text.split()) == 24
+    session_id = current_session_id(page)
+    expect(page.locator(f'.session[data-id="{session_id}"] .open')).to_have_text("Hello from the playground test")
+    stored = api.get(f"/v1/sessions/{session_id}/messages").json()["data"]
+    assert [(m["role"], m["status"]) for m in stored] == [("user", "complete"), ("assistant", "complete")]
+
+    page.reload()  # the key stays in the tab's session storage, the session in the address
+    expect(page.locator(".message.user")).to_have_text(["Hello from the playground test"])
+    expect(page.locator(".message.assistant .body")).to_have_text([text])
+    expect(page.locator(f'.session[data-id="{session_id}"]')).to_have_class(re.compile(r"\bactive\b"))
+
+
+def test_stop_aborts_the_stream_and_cancels_the_generation_on_the_worker(
+    page: Page, api_key: str, api: httpx.Client, sim_worker: Service
+) -> None:
+    cancelled_before = metric(sim_worker, "axon_worker_jobs_total", model=SIM_MODEL, outcome="cancelled")
+    use_key(page, api_key)
+    pick_model(page, SIM_MODEL)
+    send(page, "Tell me a very long story", max_tokens=LONG_ANSWER_TOKENS)
+
+    streaming = page.locator(".message.assistant.streaming .body")
+    expect(streaming).to_contain_text(re.compile(r"(\S+\s+){10}"))  # words arrive before the answer ends
+    page.click("#stop")
+    answer = page.locator(".message.assistant").last
+    expect(answer.locator(".meta")).to_contain_text(re.compile(r"^Stopped · TTFT \d+\.\d\d s"))
+    expect(page.locator("#stop")).to_be_disabled()
+    expect(page.locator("#send")).to_be_enabled()
+    shown = len(answer.locator(".body").inner_text().split())
+    assert 10 <= shown < LONG_ANSWER_TOKENS
+
+    session_id = current_session_id(page)
+    deadline = time.monotonic() + 10
+    while True:
+        stored = api.get(f"/v1/sessions/{session_id}/messages").json()["data"]
+        if len(stored) == 2 and stored[1]["status"] == "cancelled":
+            break
+        assert time.monotonic() < deadline, stored
+        time.sleep(0.1)
+    assert len(stored[1]["content"].split()) < LONG_ANSWER_TOKENS
+    while metric(sim_worker, "axon_worker_jobs_total", model=SIM_MODEL, outcome="cancelled") <= cancelled_before:
+        assert time.monotonic() < deadline, "the worker did not abort the stopped generation"
+        time.sleep(0.1)
+
+
+def test_sessions_are_renamed_and_deleted_from_the_list(page: Page, api_key: str, api: httpx.Client) -> None:
+    session_id = api.post("/v1/sessions", json={"title": "Before rename"}).json()["id"]
+    use_key(page, api_key)
+    item = page.locator(f'.session[data-id="{session_id}"]')
+    expect(item.locator(".open")).to_have_text("Before rename")
+
+    item.locator(".rename").click()
+    item.locator(".title-input").fill("Renamed in the browser")
+    item.locator(".title-input").press("Enter")
+    expect(item.locator(".open")).to_have_text("Renamed in the browser")
+    assert api.get(f"/v1/sessions/{session_id}").json()["title"] == "Renamed in the browser"
+
+    questions: list[str] = []
+
+    def accept(dialog: Dialog) -> None:
+        questions.append(dialog.message)
+        dialog.accept()
+
+    page.once("dialog", accept)
+    item.locator(".delete").click()
+    expect(item).to_have_count(0)
+    assert questions == ['Delete "Renamed in the browser" and all its messages?']
+    assert api.get(f"/v1/sessions/{session_id}").status_code == 404
+
+
+def test_answers_render_as_sanitised_markdown(page: Page) -> None:
+    # The page renders every answer with DOMPurify.sanitize(marked.parse(text)): both vendored
+    # scripts load under the page's policy, code blocks keep their language, script is dropped.
+    markdown = "# Title\n\n```python\nprint(1)\n```\n\n<script>alert(1)</script>\n\n[link](javascript:alert(1))"
+    html = page.evaluate("text => DOMPurify.sanitize(marked.parse(text))", markdown)
+    assert "<h1>Title</h1>" in html and '<pre><code class="language-python">print(1)' in html
+    assert "<script" not in html and "javascript:" not in html and ">link</a>" in html
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "body", "shown"),
+    [
+        (
+            503, {"Retry-After": "7", "Content-Type": "application/json"},
+            '{"error": {"message": "No worker is serving model \'sim-model\' right now.", "type": "server_error",'
+            ' "param": null, "code": "no_worker"}}',
+            "The service is unavailable (503): No worker is serving model 'sim-model' right now. Try again in 7 s.",
+        ),
+        (
+            200, {"Content-Type": "text/event-stream"},
+            'data: {"error": {"message": "The stream was interrupted.", "type": "server_error", "param": null,'
+            ' "code": "stream_interrupted"}}\n\ndata: [DONE]\n\n',
+            "The answer failed: The stream was interrupted.",
+        ),
+    ],
+    ids=["503-no-worker", "error-event-in-stream"],
+)
+def test_a_failed_answer_is_explained_in_words(
+    page: Page, api_key: str, status: int, headers: dict, body: str, shown: str
+) -> None:
+    # The failure is played by the browser's network layer: no worker is harmed for it.
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(status=status, headers=headers, body=body))
+    use_key(page, api_key)
+    pick_model(page, SIM_MODEL)
+    send(page, "this one fails", max_tokens=4)
+    expect(page.locator("#alert")).to_have_text(shown)
+    expect(page.locator("#send")).to_be_enabled()
+    expect(page.locator("#prompt")).to_have_value("this one fails")  # ready to send again
+
+
+def test_a_refused_key_is_explained_in_words(page: Page) -> None:
+    use_key(page, "axk_not-a-key-anyone-has")
+    expect(page.locator("#alert")).to_contain_text("The API key was refused (401)")
+    expect(page.locator("#alert")).to_contain_text("Enter a valid key.")
+
+
+def test_a_rate_limit_is_explained_with_its_retry_time(page: Page, gateway: Service) -> None:
+    # Two requests a minute: the page's start-up (models and sessions) spends both. The key comes
+    # from the admin API: Playwright's event loop runs in this thread, so no asyncio.run here.
+    created = httpx.post(
+        f"{gateway.url}/admin/keys", json={"name": "playground-rpm", "rpm": 2},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10,
+    )  # fmt: skip
+    assert created.status_code == 201, created.text
+    use_key(page, created.json()["key"])
+    pick_model(page, SIM_MODEL)
+    send(page, "one too many", max_tokens=4)
+    expect(page.locator("#alert")).to_contain_text(re.compile(r"Rate limited \(429\): .+ Try again in \d+ s\."))
