@@ -1,61 +1,113 @@
-"""Time to first token, inter-token latency and output tokens/s: the engine driven directly
-in this process, then the same engine class behind the whole platform (gateway -> session
-manager -> RabbitMQ -> worker -> Redis -> back), at each concurrency level, in one run so the
-ratios compare.
+"""Overhead: one engine driven directly in this process, then the same engine behind the whole
+platform (gateway -> session manager -> RabbitMQ -> worker -> Redis -> SSE back), in one run, with
+the same prompts, lengths and concurrency; prints both and what the platform adds.
 
-CPU engine, against a platform started with `make up` (it prints AXON_API_KEY):
+    .venv/bin/python benchmarks/engine_vs_stack.py --engine sim                 # 64 streams, ~2 min
+    .venv/bin/python benchmarks/engine_vs_stack.py --engine transformers        # 16 streams, ~4 min
 
-    AXON_API_KEY=axk_... .venv/bin/python benchmarks/engine_vs_stack.py --concurrency 1 16
+The engine comes from the worker's own factory with the worker's settings (`sim`:
+AXON_SIM_TTFT_MS, AXON_SIM_ITL_MS from `--sim-ttft-ms`, `--sim-itl-ms`; `transformers`: the
+bundled SmolLM2 GGUF on the CPU). The platform is started here (its own database, Redis namespace
+and queues, removed at the end); the in-process engine is stopped before the platform's worker
+serves, so the two never compete for the CPU.
 
-Simulator, against a platform whose worker runs `AXON_ENGINE=sim AXON_SIM_ITL_MS=20
-AXON_SIM_TTFT_MS=50 AXON_MODEL=sim` (the same values are passed here):
+`--streams` requests are kept in flight: each stream sends its next request as soon as its
+previous one ends, `--rounds` times. With `--arrival steady` (the default) stream k starts at
+k/N of one answer's duration, so requests arrive spread out, as at N concurrent streams in steady
+state; `--arrival burst` starts them all at once (the worst case for time to first token). Both
+sides get exactly the same schedule. The stack side is measured with the lean HTTP client of
+`axon bench` (its SSE parsing costs about 10 µs of CPU an event).
 
-    AXON_API_KEY=axk_... .venv/bin/python benchmarks/engine_vs_stack.py --engine sim \
-        --model sim --sim-ttft-ms 50 --sim-itl-ms 20 --concurrency 64 --max-tokens 128
-
-The direct engine is created by this script; the platform's worker sits idle meanwhile.
+Figures: time to first token (TTFT) and inter-token latency (ITL: the gap between consecutive
+content events) at p50/p99, and output tokens/s over the whole run. Targets: throughput ratio
+stack/direct >= 0.97, TTFT added p50 <= 5 ms and p99 <= 25 ms, ITL added p50 <= 1 ms.
 """
 
 import argparse
 import asyncio
+import json
 import os
-import statistics
+import sys
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from openai import AsyncOpenAI
+import orjson
 
+from harness import BenchEnvironment
+from shared.http1 import Http1Pool
 from shared.schemas import Message, Sampling
+from services.cli.bench import request_headers, send_one
 from services.worker.engines.base import Engine, GenerationRequest
-from services.worker.engines.sim import SimEngine
-from services.worker.engines.transformers_engine import TransformersEngine, bundled_gguf_path
+from services.worker.engines.factory import create_engine
+from services.worker.settings import WorkerSettings
 
 TOPICS = ["dragons", "the sea", "a robot", "a lighthouse", "winter", "a city", "bees", "the moon"]
-
-
-@dataclass
-class Result:
-    ttft_s: float
-    tokens: int
-    duration_s: float
-    gaps_s: list[float]
 
 
 def prompt(i: int) -> str:
     return f"Write a long story about {TOPICS[i % len(TOPICS)]}."
 
 
+@dataclass
+class Result:
+    ttft_s: float
+    itls_s: list[float]
+    tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Side:
+    name: str
+    results: list[Result] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> list[Result]:
+        return [r for r in self.results if r.error is None]
+
+    def percentile_ms(self, values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] * 1000 if ordered else float("nan")
+
+    def figures(self) -> dict:
+        ok = self.ok
+        ttfts = [r.ttft_s for r in ok]
+        itls = [gap for r in ok for gap in r.itls_s]
+        tokens = sum(r.tokens for r in ok)
+        return {
+            "requests": len(self.results), "errors": len(self.results) - len(ok), "tokens": tokens,
+            "output_tok_s": tokens / self.wall_s if self.wall_s else 0.0,
+            "ttft_p50_ms": self.percentile_ms(ttfts, 50), "ttft_p99_ms": self.percentile_ms(ttfts, 99),
+            "itl_p50_ms": self.percentile_ms(itls, 50), "itl_p99_ms": self.percentile_ms(itls, 99),
+        }  # fmt: skip
+
+
+async def run_streams(one: Callable[[int], Awaitable[Result]], *, streams: int, rounds: int, spacing_s: float) -> Side:
+    """`streams` closed loops of `rounds` requests each; stream k starts at k x `spacing_s`."""
+    side = Side("")
+
+    async def stream(k: int) -> None:
+        await asyncio.sleep(k * spacing_s)
+        for r in range(rounds):
+            side.results.append(await one(k + r * streams))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(stream(k) for k in range(streams)))
+    side.wall_s = time.perf_counter() - started
+    return side
+
+
 async def direct_one(engine: Engine, i: int, max_tokens: int) -> Result:
     request = GenerationRequest(
-        request_id=str(uuid.uuid4()),
-        sampling=Sampling(max_tokens=max_tokens, temperature=0.7),
+        request_id=str(uuid.uuid4()), sampling=Sampling(max_tokens=max_tokens, temperature=0.7),
         messages=[Message(role="user", content=prompt(i))],
-    )
+    )  # fmt: skip
     started = last = time.perf_counter()
-    ttft = None
-    tokens = 0
-    gaps = []
+    ttft, gaps, tokens = None, [], 0
     async for out in engine.generate(request):
         now = time.perf_counter()
         if out.text:
@@ -65,103 +117,137 @@ async def direct_one(engine: Engine, i: int, max_tokens: int) -> Result:
                 gaps.append(now - last)
             last = now
         tokens = out.completion_tokens
-    return Result(ttft or 0.0, tokens, time.perf_counter() - started, gaps)
+    return Result(ttft or 0.0, gaps, tokens)
 
 
-async def stack_one(client: AsyncOpenAI, model: str, i: int, max_tokens: int) -> Result:
-    started = last = time.perf_counter()
-    ttft = None
-    tokens = 0
-    gaps = []
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt(i)}], max_tokens=max_tokens,
-        temperature=0.7, stream=True, stream_options={"include_usage": True},
-    )
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].delta.content:
-            if ttft is None:
-                ttft = now - started
-            else:
-                gaps.append(now - last)
-            last = now
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    return Result(ttft or 0.0, tokens, time.perf_counter() - started, gaps)
+async def stack_one(pool: Http1Pool, model: str, i: int, max_tokens: int) -> Result:
+    body = orjson.dumps({
+        "model": model, "messages": [{"role": "user", "content": prompt(i)}], "max_tokens": max_tokens,
+        "temperature": 0.7, "stream": True, "stream_options": {"include_usage": True},
+    })  # fmt: skip
+    result = await send_one(pool, body, stream=True, timeout_s=600)
+    return Result(result.ttft_s or 0.0, result.itls_s, result.output_tokens, result.error)
 
 
-async def level(run_one, concurrency: int, requests: int) -> dict:
-    semaphore = asyncio.Semaphore(concurrency)
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+    env = {"AXON_ENGINE": args.engine, "AXON_MODEL": args.model, "AXON_MAX_SEQS": str(args.streams)}
+    if args.engine == "sim":
+        env |= {"AXON_SIM_TTFT_MS": str(args.sim_ttft_ms), "AXON_SIM_ITL_MS": str(args.sim_itl_ms)}
+    return env
 
-    async def guarded(i: int) -> Result:
-        async with semaphore:
-            return await run_one(i)
 
-    started = time.perf_counter()
-    results = await asyncio.gather(*(guarded(i) for i in range(requests)))
-    wall = time.perf_counter() - started
-    ttfts = sorted(r.ttft_s for r in results)
-    gaps = sorted(g for r in results for g in r.gaps_s) or [0.0]
-    return {
-        "ttft_p50_ms": statistics.median(ttfts) * 1000,
-        "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] * 1000,
-        "ttft_max_ms": ttfts[-1] * 1000,
-        "itl_p50_ms": gaps[len(gaps) // 2] * 1000,
-        "tokens": sum(r.tokens for r in results),
-        "output_tok_s": sum(r.tokens for r in results) / wall,
+async def measure_direct(args: argparse.Namespace, spacing_s: float) -> Side:
+    os.environ.update(worker_env(args))  # the worker's own settings, read as the worker reads them
+    engine = create_engine(WorkerSettings())
+    await engine.start()
+    try:
+        await direct_one(engine, 0, 4)  # warm-up
+        side = await run_streams(
+            lambda i: direct_one(engine, i, args.max_tokens), streams=args.streams, rounds=args.rounds,
+            spacing_s=spacing_s,
+        )  # fmt: skip
+    finally:
+        await engine.stop()
+    side.name = "direct engine"
+    return side
+
+
+async def measure_stack(args: argparse.Namespace, gateway_url: str, key: str, spacing_s: float) -> Side:
+    pool = Http1Pool(
+        f"{gateway_url}/v1/chat/completions", headers=request_headers(key), max_idle_connections=args.streams,
+        connect_timeout_s=10,
+    )  # fmt: skip
+    try:
+        await stack_one(pool, args.model, 0, 4)  # warm-up
+        side = await run_streams(
+            lambda i: stack_one(pool, args.model, i, args.max_tokens), streams=args.streams, rounds=args.rounds,
+            spacing_s=spacing_s,
+        )  # fmt: skip
+    finally:
+        await pool.aclose()
+    side.name = "full stack"
+    return side
+
+
+async def answer_duration_s(args: argparse.Namespace) -> float:
+    """How long one answer takes on its own (the sim's is known; the real engine's is measured)."""
+    if args.engine == "sim":
+        return (args.sim_ttft_ms + args.max_tokens * args.sim_itl_ms) / 1000
+    os.environ.update(worker_env(args))
+    engine = create_engine(WorkerSettings())
+    await engine.start()
+    try:
+        started = time.perf_counter()
+        await direct_one(engine, 0, args.max_tokens)
+        return time.perf_counter() - started
+    finally:
+        await engine.stop()
+
+
+def report(args: argparse.Namespace, direct: Side, stack: Side, spacing_s: float) -> dict:
+    d, s = direct.figures(), stack.figures()
+    print(f"\n{args.engine} engine, {args.streams} streams x {args.rounds} requests of {args.max_tokens} tokens, "
+          f"arrival {args.arrival} (stream k starts at k x {spacing_s * 1000:.0f} ms); {os.cpu_count()} CPUs")  # fmt: skip
+    print(f"{'path':<14} {'requests':>8} {'errors':>6} {'tokens':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
+          f"{'ITL p50 ms':>11} {'ITL p99 ms':>11} {'output tok/s':>13}")  # fmt: skip
+    for name, f in ((direct.name, d), (stack.name, s)):
+        print(f"{name:<14} {f['requests']:>8} {f['errors']:>6} {f['tokens']:>7} {f['ttft_p50_ms']:>12.1f} "
+              f"{f['ttft_p99_ms']:>12.1f} {f['itl_p50_ms']:>11.2f} {f['itl_p99_ms']:>11.2f} {f['output_tok_s']:>13.1f}")  # fmt: skip
+    added = {
+        "throughput_ratio": s["output_tok_s"] / d["output_tok_s"] if d["output_tok_s"] else float("nan"),
+        "ttft_added_p50_ms": s["ttft_p50_ms"] - d["ttft_p50_ms"],
+        "ttft_added_p99_ms": s["ttft_p99_ms"] - d["ttft_p99_ms"],
+        "itl_added_p50_ms": s["itl_p50_ms"] - d["itl_p50_ms"],
     }
 
+    def verdict(ok: bool) -> str:
+        return "ok" if ok else "MISSED"
 
-async def main() -> None:
+    print(f"stack/direct output tok/s = {added['throughput_ratio']:.3f} (target >= 0.97: "
+          f"{verdict(added['throughput_ratio'] >= 0.97)})")  # fmt: skip
+    print(f"TTFT added: p50 {added['ttft_added_p50_ms']:+.1f} ms (target <= 5: {verdict(added['ttft_added_p50_ms'] <= 5)}), "
+          f"p99 {added['ttft_added_p99_ms']:+.1f} ms (target <= 25: {verdict(added['ttft_added_p99_ms'] <= 25)})")  # fmt: skip
+    print(f"ITL added: p50 {added['itl_added_p50_ms']:+.2f} ms (target <= 1: {verdict(added['itl_added_p50_ms'] <= 1)})")
+    return {"direct": d, "stack": s, **added}
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--rounds", type=int, default=2, help="requests per level = rounds x concurrency")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--api-key", default=os.environ.get("AXON_API_KEY", ""))
-    parser.add_argument("--engine", choices=["transformers", "sim"], default="transformers")
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name the platform serves")
+    parser.add_argument("--engine", choices=["sim", "transformers"], default="sim")
+    parser.add_argument("--streams", type=int, help="requests in flight (default: 64 sim, 16 transformers)")
+    parser.add_argument("--rounds", type=int, default=3, help="requests per stream")
+    parser.add_argument("--max-tokens", type=int, help="tokens per answer (default: 128 sim, 64 transformers)")
+    parser.add_argument("--arrival", choices=["steady", "burst"], default="steady")
     parser.add_argument("--sim-ttft-ms", type=float, default=50.0)
     parser.add_argument("--sim-itl-ms", type=float, default=20.0)
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
+    args.streams = args.streams or (64 if args.engine == "sim" else 16)
+    args.max_tokens = args.max_tokens or (128 if args.engine == "sim" else 64)
+    args.model = "sim" if args.engine == "sim" else "SmolLM2-135M-Instruct"
 
-    engine: Engine
-    if args.engine == "sim":
-        engine = SimEngine(
-            model_name=args.model, ttft_ms=args.sim_ttft_ms, itl_ms=args.sim_itl_ms,
-            max_seqs=max(args.concurrency), context_tokens=32768,
-        )
-    else:
-        engine = TransformersEngine(
-            model_name=args.model, gguf_path=bundled_gguf_path(), max_seqs=max(args.concurrency),
-            kv_cache_blocks=64, max_batch_tokens=512, threads=None,
-        )
-    await engine.start()
-    rows = []
-    await direct_one(engine, 0, 4)  # warm-up
-    for c in args.concurrency:
-        rows.append(("direct engine", c, await level(lambda i: direct_one(engine, i, args.max_tokens), c, c * args.rounds)))
-    await engine.stop()
+    try:
+        import uvloop
 
-    client = AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=600)
-    await stack_one(client, args.model, 0, 4)  # warm-up
-    for c in args.concurrency:
-        run = lambda i: stack_one(client, args.model, i, args.max_tokens)  # noqa: E731
-        rows.append(("full stack", c, await level(run, c, c * args.rounds)))
-
-    print(f"\n{'path':<14} {'streams':>7} {'tokens':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
-          f"{'ITL p50 ms':>11} {'output tok/s':>13}")
-    for name, c, r in rows:
-        print(f"{name:<14} {c:>7} {r['tokens']:>7} {r['ttft_p50_ms']:>12.1f} {r['ttft_p99_ms']:>12.1f} "
-              f"{r['itl_p50_ms']:>11.2f} {r['output_tok_s']:>13.1f}")
-    by = {(n, c): r for n, c, r in rows}
-    for c in args.concurrency:
-        d, s = by[("direct engine", c)], by[("full stack", c)]
-        print(f"streams={c}: stack/direct output tok/s = {s['output_tok_s'] / d['output_tok_s']:.3f}, "
-              f"TTFT added p50 {s['ttft_p50_ms'] - d['ttft_p50_ms']:+.1f} ms, "
-              f"p99 {s['ttft_p99_ms'] - d['ttft_p99_ms']:+.1f} ms, "
-              f"ITL added p50 {s['itl_p50_ms'] - d['itl_p50_ms']:+.2f} ms")
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        duration_s = runner.run(answer_duration_s(args))
+        spacing_s = duration_s / args.streams if args.arrival == "steady" else 0.0
+        print(f"one answer takes {duration_s:.2f} s; measuring the engine in-process...", file=sys.stderr, flush=True)
+        direct = runner.run(measure_direct(args, spacing_s))
+    with BenchEnvironment() as env:
+        stack = env.start_stack(worker_env(args))
+        key = env.create_key()
+        print(f"platform ready (logs in {env.log_dir}); measuring through it...", file=sys.stderr, flush=True)
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            stacked = runner.run(measure_stack(args, stack["gateway"].url, key, spacing_s))
+    figures = report(args, direct, stacked, spacing_s)
+    if args.json:
+        args.json.write_text(json.dumps({"config": vars(args) | {"json": None}, **figures}, indent=2) + "\n")
+    return 0 if figures["direct"]["errors"] == figures["stack"]["errors"] == 0 else 1
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit(main())

@@ -12,12 +12,12 @@ gateways built by the real app factory (`services.gateway.app.create_app`) and r
 - A: unchanged. Every request is authenticated (SHA-256 of the key, then the in-process, Redis and
   PostgreSQL caches) and admitted by the rate limiter (one Lua script in Redis checking requests,
   tokens and concurrency, and a release of the concurrency lease when the answer is complete).
-- B: auth and limits switched off *inside this benchmark only*: `get_caller` is replaced through
-  FastAPI's `dependency_overrides` by a function returning a fixed key record, and the gateway
-  service's admitter by one that admits everything without touching Redis. There is no production
-  setting that turns authentication off.
+- B: auth and limits switched off *inside this benchmark only*: the gateway service's
+  authenticator is replaced by one returning a fixed key record, and its admitter by one that
+  admits everything without touching Redis. There is no production setting that turns
+  authentication off.
 
-Load comes from the lean HTTP/1.1 client of `axon bench` (`services/cli/http1.py`): a fixed number
+Load comes from the lean HTTP/1.1 client of `axon bench` (`shared/http1.py`): a fixed number
 of concurrent keep-alive connections, each sending its next request as soon as the previous one is
 answered. Rounds alternate A, B, B, A, A, B, ... so slow drift (CPU frequency, Redis, the page
 cache) falls on both equally, and the ratio is also given as the median over the pairs of adjacent
@@ -43,31 +43,23 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import asyncpg
 import httpx
 
-from services.cli.http1 import Http1Pool
-from shared.keys import KeyLimits, KeyRepository
-from shared.migrations import migrate, split_database_url
-
-ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
+from harness import UNLIMITED, BenchEnvironment, Process, cpu_seconds, free_port, wait_ready
+from shared.http1 import Http1Pool
 MODEL = "bench-model"
 BODY = json.dumps(
     {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello in five words."}]}
 ).encode()
 # Limits far above anything this benchmark sends, so every request is admitted, but all three
 # (requests, tokens, concurrency) are checked on every request.
-LIMITS = KeyLimits(rpm=1_000_000_000, tpm=2_000_000_000, max_concurrent=100_000)
+LIMITS = UNLIMITED
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,7 +109,6 @@ def _switch_off_auth_and_limits(app) -> None:
     """
     import datetime as dt
 
-    from services.gateway.api.deps import get_caller
     from services.gateway.auth import Admission
     from shared.keys import KeyRecord
 
@@ -126,8 +117,9 @@ def _switch_off_auth_and_limits(app) -> None:
         limits=LIMITS, created_at=dt.datetime.now(dt.UTC),
     )  # fmt: skip
 
-    async def fixed_caller() -> KeyRecord:  # async: a sync dependency would run in a thread
-        return record
+    class FixedCaller:
+        async def authenticate(self, authorization: str | None) -> KeyRecord:
+            return record
 
     class AdmitEverything:
         async def admit(self, record: KeyRecord, *, token_cost: int) -> Admission:
@@ -136,12 +128,12 @@ def _switch_off_auth_and_limits(app) -> None:
         async def release(self, admission: Admission) -> None:
             return None
 
-    app.dependency_overrides[get_caller] = fixed_caller
     original = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         async with original(app) as state:
+            app.state.gateway._authenticator = FixedCaller()
             app.state.gateway._admitter = AdmitEverything()
             yield state
 
@@ -157,6 +149,7 @@ def serve(role: str, port: int) -> None:
         return
     from services.gateway.app import create_app
     from services.gateway.settings import GatewaySettings
+    from shared.guarded_http import ConnectionLimits, guarded_protocol
     from shared.logging import configure_logging
 
     # As services/gateway/main.py runs it (logging included: it is part of every request's cost).
@@ -165,9 +158,13 @@ def serve(role: str, port: int) -> None:
     app = create_app(settings)
     if role == "gateway-open":
         _switch_off_auth_and_limits(app)
+    limits = ConnectionLimits(
+        head_timeout_s=settings.request_head_timeout_s, max_head_bytes=settings.max_header_bytes,
+        stall_timeout_s=settings.client_stall_timeout_s, send_buffer_bytes=settings.client_send_buffer_bytes,
+    )  # fmt: skip
     uvicorn.run(
-        app, host="127.0.0.1", port=port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=10, h11_max_incomplete_event_size=64 * 1024,
+        app, host="127.0.0.1", port=port, http=guarded_protocol(limits), log_config=None, access_log=False,
+        timeout_graceful_shutdown=10,
     )  # fmt: skip
 
 
@@ -176,62 +173,9 @@ def serve(role: str, port: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Process:
-    name: str
-    port: int
-    popen: subprocess.Popen
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
-
-
-def start(role: str, env: dict[str, str], log_dir: Path) -> Process:
-    port = _free_port()
-    log_path = log_dir / f"{role}.log"
-    with log_path.open("wb") as log_file:
-        popen = subprocess.Popen(
-            [sys.executable, __file__, "--serve", role, str(port)], env=env, stdout=log_file, stderr=subprocess.STDOUT
-        )
-    return Process(role, port, popen, log_path)
-
-
-def wait_ready(process: Process, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.popen.poll() is not None:
-            raise RuntimeError(f"{process.name} exited:\n{process.log_path.read_text(errors='replace')[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{process.url}/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{process.name} not ready in {timeout_s}s:\n{process.log_path.read_text(errors='replace')[-3000:]}")
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time a process (all its threads) has used so far; None off Linux."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def start(role: str, env: BenchEnvironment, extra: dict[str, str] | None = None) -> Process:
+    port = free_port()
+    return env.start(role, [sys.executable, __file__, "--serve", role, str(port)], env=extra, port=port)
 
 
 @dataclass
@@ -303,37 +247,6 @@ async def drive(url: str, key: str, *, concurrency: int, seconds: float, into: S
         into.round_p50_ms.append(percentile_ms(latencies, 50))
         for text, count in errors.items():
             into.errors[text] = into.errors.get(text, 0) + count
-
-
-async def create_database_and_key(database_url: str) -> str:
-    """Create and migrate the benchmark's database; returns a new key with `LIMITS`."""
-    await migrate(database_url)
-    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
-    try:
-        key, _record = await KeyRepository(pool).create(name="bench", limits=LIMITS)
-    finally:
-        await pool.close()
-    return key
-
-
-async def drop_database(database_url: str) -> None:
-    admin_url, name = split_database_url(database_url)
-    conn = await asyncpg.connect(admin_url, timeout=10)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await conn.close()
-
-
-async def delete_namespace(redis_url: str, namespace: str) -> None:
-    from shared.clients import create_redis
-
-    client = create_redis(redis_url, timeout_s=5)
-    try:
-        async for name in client.scan_iter(match=f"{namespace}:*", count=1000):
-            await client.delete(name)
-    finally:
-        await client.aclose()
 
 
 def check_variants(auth: Process, open_: Process, key: str) -> None:
@@ -472,28 +385,16 @@ def main() -> int:
         serve(args.serve[0], int(args.serve[1]))
         return 0
 
-    run_id = uuid.uuid4().hex[:10]
-    namespace = f"axon_bench_{run_id}"
-    admin_url, _ = split_database_url(args.postgres)
-    database_url = admin_url.rsplit("/", 1)[0] + f"/axon_bench_{run_id}"
-    log_dir = Path(tempfile.mkdtemp(prefix="axon-bench-"))
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("AXON_")}
-    processes: list[Process] = []
-    try:
-        key = asyncio.run(create_database_and_key(database_url))
-        stub = start("stub", base_env, log_dir)
-        processes.append(stub)
+    with BenchEnvironment(postgres_url=args.postgres, redis_url=args.redis) as env:
+        key = env.create_key(LIMITS)
+        stub = start("stub", env)
         wait_ready(stub)
-        gateway_env = {
-            **base_env, "AXON_NAMESPACE": namespace, "AXON_REDIS_URL": args.redis, "AXON_DATABASE_URL": database_url,
-            "AXON_SESSIONS_URL": stub.url, "AXON_ADMIN_TOKEN": ADMIN_TOKEN, "AXON_LOG_LEVEL": args.log_level,
-        }  # fmt: skip
-        variants = {"A": start("gateway-auth", gateway_env, log_dir), "B": start("gateway-open", gateway_env, log_dir)}
-        processes += variants.values()
+        gateway_env = {"AXON_SESSIONS_URL": stub.url, "AXON_LOG_LEVEL": args.log_level}
+        variants = {"A": start("gateway-auth", env, gateway_env), "B": start("gateway-open", env, gateway_env)}
         for process in variants.values():
             wait_ready(process)
         check_variants(variants["A"], variants["B"], key)
-        print(f"measuring (logs in {log_dir})", file=sys.stderr, flush=True)
+        print(f"measuring (logs in {env.log_dir})", file=sys.stderr, flush=True)
         try:  # the driver is not what is measured: keep it cheap
             import uvloop
 
@@ -506,11 +407,6 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps(summary, indent=2) + "\n")
         return 1 if summary["errors"] else 0
-    finally:
-        for process in reversed(processes):
-            process.stop()
-        asyncio.run(drop_database(database_url))
-        asyncio.run(delete_namespace(args.redis, namespace))
 
 
 if __name__ == "__main__":

@@ -44,9 +44,18 @@ def create_redis(
     return redis.Redis(connection_pool=pool)
 
 
+# A robust connection retries this often while the broker is away (aio-pika's default is 5 s,
+# half the time a restarted broker may take to be serving again).
+AMQP_RECONNECT_INTERVAL_S = 1.0
+
+
 async def connect_amqp(url: str, *, timeout_s: float) -> AbstractRobustConnection:
-    """Open a robust (auto-reconnecting) AMQP connection, failing after `timeout_s`."""
-    return await aio_pika.connect_robust(url, timeout=timeout_s)
+    """Open a robust (auto-reconnecting) AMQP connection, failing after `timeout_s`.
+
+    The connection, its channels, the topology declared on them and its consumers are restored
+    by aio-pika after the broker comes back, retried every `AMQP_RECONNECT_INTERVAL_S`.
+    """
+    return await aio_pika.connect_robust(url, timeout=timeout_s, reconnect_interval=AMQP_RECONNECT_INTERVAL_S)
 
 
 async def declare_job_queue(

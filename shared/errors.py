@@ -64,6 +64,14 @@ class Conflict(AxonError):
     default_code = "conflict"
 
 
+class RequestTimeout(AxonError):
+    """The client did not send its request (its body) in time."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
 class PayloadTooLarge(AxonError):
     status_code = 413
     error_type = "invalid_request_error"

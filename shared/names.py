@@ -37,10 +37,6 @@ class Names:
         """Channel the worker publishes a job's token chunks on."""
         return f"{self.namespace}:tokens:{job_id}"
 
-    def relay_channel(self, relay_id: str) -> str:
-        """A session manager's own idle subscription, which keeps its subscriber connection open."""
-        return f"{self.namespace}:relay:{relay_id}"
-
     @property
     def cancel_channel(self) -> str:
         """Channel carrying ids of jobs whose client went away."""

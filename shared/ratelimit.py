@@ -6,21 +6,21 @@ leases that expire on their own if a gateway dies. One Lua script checks and com
 three atomically, with Redis' clock, so replicas never disagree.
 """
 
+import asyncio
 import math
 from dataclasses import dataclass
-
-import redis.asyncio as redis
 
 from shared.errors import RateLimited
 from shared.keys import KeyLimits
 from shared.names import Names
+from shared.redis_pipe import PipeScript, RedisPipe
 
 PERIOD_MS = 60_000
 
 # KEYS: rpm state, tpm state, concurrency leases.
 # ARGV: rpm limit, tpm limit, concurrency limit (0 = unlimited), token cost, lease id,
 #       lease ttl ms, period ms.
-_CHECK = """
+_CHECK = PipeScript("""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local period = tonumber(ARGV[7])
@@ -63,10 +63,10 @@ if denied == '' then
   end
 end
 return {denied, retry_ms, req[3], req[4], tok[3], tok[4]}
-"""
+""")
 
 # KEYS: tpm state. ARGV: tpm limit, token cost (may be negative: a refund), period ms.
-_CHARGE = """
+_CHARGE = PipeScript("""
 local limit = tonumber(ARGV[1])
 if limit <= 0 then return 0 end
 local t = redis.call('TIME')
@@ -78,7 +78,7 @@ local new_tat = tat + tonumber(ARGV[2]) * interval
 if new_tat <= now then redis.call('DEL', KEYS[1]) return 0 end
 redis.call('SET', KEYS[1], new_tat, 'PX', math.ceil(new_tat - now))
 return 1
-"""
+""")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +146,11 @@ def refusal(decision: Decision) -> RateLimited:
 
 
 class RateLimiter:
-    """Checks and charges per-key limits with one round trip each."""
+    """Checks and charges per-key limits with one command each, on the process's Redis pipe."""
 
-    def __init__(self, client: redis.Redis, names: Names) -> None:
-        self._redis = client
+    def __init__(self, pipe: RedisPipe, names: Names) -> None:
+        self._pipe = pipe
         self._names = names
-        self._check = client.register_script(_CHECK)
-        self._charge = client.register_script(_CHARGE)
 
     async def check(
         self,
@@ -172,7 +170,7 @@ class RateLimiter:
             limits.rpm or 0, limits.tpm or 0, limits.max_concurrent or 0, max(0, token_cost),
             lease_id, int(lease_ttl_s * 1000), PERIOD_MS,
         ]  # fmt: skip
-        denied, retry_ms, req_left, req_reset, tok_left, tok_reset = await self._check(keys=keys, args=args)
+        denied, retry_ms, req_left, req_reset, tok_left, tok_reset = await self._pipe.evalsha(_CHECK, keys, args)
         denied = denied.decode() if isinstance(denied, bytes) else denied
         return Decision(
             denied=denied or None,
@@ -181,10 +179,14 @@ class RateLimiter:
             tokens=WindowState(limits.tpm, int(tok_left), int(tok_reset)),
         )
 
-    async def charge_tokens(self, key_id: str, tpm: int | None, cost: int) -> None:
-        """Charge (or refund, if negative) tokens after the fact, e.g. real usage vs the estimate."""
-        if tpm and cost:
-            await self._charge(keys=[self._names.rate_limit("tpm", key_id)], args=[tpm, cost, PERIOD_MS])
+    def submit_charge(self, key_id: str, tpm: int, cost: int) -> asyncio.Future:
+        """Charge (or refund, if negative) tokens after the fact, e.g. real usage vs the estimate;
+        returns the command's future without waiting, so it can share a write with others."""
+        return self._pipe.submit_script(_CHARGE, [self._names.rate_limit("tpm", key_id)], [tpm, cost, PERIOD_MS])
+
+    def submit_release(self, key_id: str, lease_id: str) -> asyncio.Future:
+        """Give a concurrency lease back (idempotent); returns the command's future."""
+        return self._pipe.submit("ZREM", self._names.rate_limit("conc", key_id), lease_id)
 
     async def release(self, key_id: str, lease_id: str) -> None:
-        await self._redis.zrem(self._names.rate_limit("conc", key_id), lease_id)
+        await self.submit_release(key_id, lease_id)

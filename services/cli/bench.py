@@ -7,7 +7,7 @@ throughput and errors.
 
 The measuring client is deliberately lean so that it is not the bottleneck at tens of thousands of
 tokens/s on a small machine: request bodies are serialised before the clock starts; plain-http
-targets get the small keep-alive client of `services.cli.http1` (asyncio + httptools' C parser,
+targets get the small keep-alive client of `shared.http1` (asyncio + httptools' C parser,
 body bytes handed over in the socket callback), https targets get httpx; each server-sent event
 costs one `orjson.loads` and a few dict look-ups (no pydantic, no openai SDK); uvloop is used when
 installed. Measured on 2 cores against a trivial server: about 10 µs of client CPU per event and
@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from services.cli.http1 import BodySink, Http1Pool
+from shared.http1 import BodySink, Http1Pool
 
 Endpoint = Literal["chat", "completions"]
 
@@ -416,7 +416,7 @@ def request_headers(api_key: str) -> dict[str, str]:
 
 
 def make_poster(config: BenchConfig, *, api_key: str, transport: Any = None) -> Poster:
-    """The lean `Http1Pool` for plain http (see `services.cli.http1` for why), else httpx.
+    """The lean `Http1Pool` for plain http (see `shared.http1` for why), else httpx.
 
     Either keeps up to `max_concurrency` connections open. Passing an httpx `transport` (tests
     pass `httpx.MockTransport`) forces httpx.

@@ -128,6 +128,7 @@ Try it:
          "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
 Or with the openai client: OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key=os.environ["AXON_API_KEY"])
+Or in the browser, with the key above: http://127.0.0.1:{port}/playground
 More keys: .venv/bin/axon keys create --name NAME
 {admin_note}Press Ctrl+C to stop.
 """,

@@ -1,19 +1,24 @@
 """The gateway's app factory: the public, OpenAI-compatible door."""
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import asyncpg
-import aiohttp
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from shared.clients import create_redis
+from shared.http1 import Http1Client, RemoteProtocolError
 from shared.keys import KeyRepository
 from shared.logging import get_logger
 from shared.names import Names
 from shared.ratelimit import RateLimiter
-from shared.web import ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response
+from shared.redis_pipe import RedisPipe
+from shared.web import (
+    NO_FASTAPI_TELEMETRY, HotRoutes, ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response,
+)
 from services.gateway import playground
 from services.gateway.api import admin, routes
 from services.gateway.auth import Admitter, Authenticator
@@ -25,6 +30,7 @@ log = get_logger(__name__)
 
 
 UPSTREAM_KEEPALIVE_S = 2.0
+_SESSIONS_READY_TIMEOUT_S = 3.0
 
 
 class InsecureConfiguration(RuntimeError):
@@ -46,15 +52,16 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=settings.upstream_connect_timeout_s, sock_read=settings.upstream_timeout_s
-        )
         # Idle upstream connections are dropped before the session manager's keep-alive
         # timeout, so the gateway never reuses one the other side is closing.
-        connector = aiohttp.TCPConnector(
-            limit=settings.upstream_max_connections, keepalive_timeout=UPSTREAM_KEEPALIVE_S
-        )
+        upstream = Http1Client(
+            settings.sessions_url, max_idle_connections=settings.upstream_max_connections,
+            max_connections=settings.upstream_max_connections, connect_timeout_s=settings.upstream_connect_timeout_s,
+            read_timeout_s=settings.upstream_timeout_s, idle_timeout_s=UPSTREAM_KEEPALIVE_S,
+        )  # fmt: skip
         client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
+        # The hot path's commands (rate-limit checks and releases), batched per loop iteration.
+        pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
         # min_size=0: the gateway starts (and serves cached keys) even while PostgreSQL is down.
         db = await asyncpg.create_pool(
             settings.database_url, min_size=0, max_size=10, timeout=settings.connect_timeout_s,
@@ -62,34 +69,34 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         )
         keys = KeyRepository(db)
         try:
-            # Bodies pass through unchanged: no decompression, no added headers.
-            async with aiohttp.ClientSession(
-                connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding")
-            ) as upstream:
-                app.state.upstream = upstream
-                app.state.redis = client
-                app.state.db = db
-                app.state.keys = keys
-                app.state.names = names
-                app.state.authenticator = Authenticator(
-                    repository=keys, client=client, names=names, metrics=metrics,
-                    local_ttl_s=settings.key_cache_local_ttl_s, redis_ttl_s=settings.key_cache_ttl_s,
-                )  # fmt: skip
-                admitter = Admitter(
-                    limiter=RateLimiter(client, names), metrics=metrics,
-                    fail_open=settings.rate_limit_fail_open, lease_s=settings.concurrency_lease_s,
-                )  # fmt: skip
-                app.state.gateway = GatewayService(
-                    forwarder=Forwarder(upstream, settings.sessions_url, timeout=timeout),
-                    admitter=admitter, max_body_bytes=settings.max_body_bytes,
-                )
-                log.info("gateway_ready", port=settings.gateway_port, sessions_url=settings.sessions_url)
-                yield
+            app.state.upstream = upstream
+            app.state.redis = client
+            app.state.db = db
+            app.state.keys = keys
+            app.state.names = names
+            app.state.authenticator = Authenticator(
+                repository=keys, client=client, names=names, metrics=metrics,
+                local_ttl_s=settings.key_cache_local_ttl_s, redis_ttl_s=settings.key_cache_ttl_s,
+            )  # fmt: skip
+            admitter = Admitter(
+                limiter=RateLimiter(pipe, names), metrics=metrics,
+                fail_open=settings.rate_limit_fail_open, lease_s=settings.concurrency_lease_s,
+            )  # fmt: skip
+            app.state.gateway = GatewayService(
+                forwarder=Forwarder(upstream), authenticator=app.state.authenticator,
+                admitter=admitter, max_body_bytes=settings.max_body_bytes,
+                body_timeout_s=settings.request_body_timeout_s,
+            )  # fmt: skip
+            log.info("gateway_ready", port=settings.gateway_port, sessions_url=settings.sessions_url)
+            yield
         finally:
+            await upstream.aclose()
             await db.close()
+            await pipe.aclose()
             await client.aclose()
 
     app = FastAPI(
+        telemetry=NO_FASTAPI_TELEMETRY,
         title="Axon",
         summary="OpenAI-compatible API for large language models.",
         version="0.1.0",
@@ -97,6 +104,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     install_error_handlers(app)
+    app.add_middleware(HotRoutes, routes=routes.HOT_ROUTES)  # inside the request context below
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics.http,
@@ -132,12 +140,15 @@ async def _not_ready_reason(app: FastAPI) -> str | None:
         await app.state.redis.ping()
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         return f"Redis unreachable: {exc!r}"
-    url = f"{app.state.settings.sessions_url.rstrip('/')}/ready"
     try:
-        async with app.state.upstream.get(url, timeout=aiohttp.ClientTimeout(total=3)) as upstream:
-            status = upstream.status
-    except (aiohttp.ClientError, TimeoutError) as exc:
+        async with asyncio.timeout(_SESSIONS_READY_TIMEOUT_S):
+            upstream = await app.state.upstream.request("GET", "/ready")
+            body = await upstream.read()
+    except (OSError, TimeoutError, RemoteProtocolError) as exc:
         return f"session manager unreachable: {exc!r}"
-    if status != 200:
-        return "session manager not ready"
+    if upstream.status != 200:
+        try:
+            return f"session manager not ready: {orjson.loads(body)['reason']}"
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return "session manager not ready"
     return None

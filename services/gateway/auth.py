@@ -1,7 +1,8 @@
 """Who is calling (API key → tenant and limits) and may they call now (rate limits)."""
 
+import asyncio
+import secrets
 import time
-import uuid
 from dataclasses import dataclass
 
 import asyncpg
@@ -57,6 +58,7 @@ class Authenticator:
         self._local_ttl_s = local_ttl_s
         self._redis_ttl_s = redis_ttl_s
         self._local: dict[bytes, tuple[float, KeyRecord | None]] = {}
+        self._in_flight: dict[bytes, asyncio.Future[KeyRecord | None]] = {}
         self._background = BackgroundTasks()
 
     async def authenticate(self, authorization: str | None) -> KeyRecord:
@@ -75,15 +77,29 @@ class Authenticator:
         if cached is not None and cached[0] > time.monotonic():
             record = cached[1]
         else:
-            record = await self._lookup(key_hash)
-            if len(self._local) > 100_000:
-                self._local.clear()
-            self._local[key_hash] = (time.monotonic() + self._local_ttl_s, record)
-            if record is not None:
-                self._background.spawn(self._touch(record.id))
+            record = await self._lookup_once(key_hash)
         if record is None:
             self._metrics.auth_failures.labels("unknown").inc()
             raise Unauthorized("Incorrect API key provided.")
+        return record
+
+    async def _lookup_once(self, key_hash: bytes) -> KeyRecord | None:
+        """Look a key up and cache the answer in-process. Concurrent requests with the same key
+        share one lookup: a burst on a cold gateway makes one query, not one per request."""
+        pending = self._in_flight.get(key_hash)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        pending = asyncio.ensure_future(self._lookup(key_hash))
+        self._in_flight[key_hash] = pending
+        try:
+            record = await asyncio.shield(pending)
+        finally:
+            self._in_flight.pop(key_hash, None)
+        if len(self._local) > 100_000:
+            self._local.clear()
+        self._local[key_hash] = (time.monotonic() + self._local_ttl_s, record)
+        if record is not None:
+            self._background.spawn(self._touch(record.id))
         return record
 
     async def _lookup(self, key_hash: bytes) -> KeyRecord | None:
@@ -129,6 +145,10 @@ class Admission:
     def headers(self) -> dict[str, str]:
         return rate_limit_headers(self.decision) if self.decision else {}
 
+    @property
+    def holds_lease(self) -> bool:
+        return self.decision is not None and self.record.limits.max_concurrent is not None
+
 
 class Admitter:
     """Applies a key's limits to each request."""
@@ -147,7 +167,7 @@ class Admitter:
             InvalidRequest: the request alone is larger than the key's token budget.
             Unavailable: Redis is unreachable and the limiter fails closed.
         """
-        lease_id = uuid.uuid4().hex
+        lease_id = secrets.token_hex(8)
         try:
             decision = await self._limiter.check(
                 record.id, record.limits, token_cost=token_cost, lease_id=lease_id, lease_ttl_s=self._lease_s
@@ -171,7 +191,7 @@ class Admitter:
         return Admission(record, lease_id, decision)
 
     async def release(self, admission: Admission) -> None:
-        if admission.decision is None or admission.record.limits.max_concurrent is None:
+        if not admission.holds_lease:
             return
         try:
             await self._limiter.release(admission.record.id, admission.lease_id)

@@ -4,6 +4,7 @@ import sys
 
 import uvicorn
 
+from shared.guarded_http import ConnectionLimits, guarded_protocol
 from shared.logging import configure_logging, get_logger
 from services.gateway.app import InsecureConfiguration, create_app
 from services.gateway.settings import GatewaySettings
@@ -17,14 +18,18 @@ def main() -> None:
     except InsecureConfiguration as exc:
         get_logger(__name__).error("refusing_to_start", reason=str(exc))
         sys.exit(2)
+    limits = ConnectionLimits(
+        head_timeout_s=settings.request_head_timeout_s, max_head_bytes=settings.max_header_bytes,
+        stall_timeout_s=settings.client_stall_timeout_s, send_buffer_bytes=settings.client_send_buffer_bytes,
+    )  # fmt: skip
     uvicorn.run(
         app,
         host=settings.host,
         port=settings.gateway_port,
+        http=guarded_protocol(limits),
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,
-        h11_max_incomplete_event_size=64 * 1024,
     )
 
 

@@ -1,30 +1,35 @@
 """The gateway's work: check the body, admit the caller, forward to the session manager and
-stream its answer back unchanged."""
+relay its answer back unchanged.
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+Completions, the route every generated token takes, are answered by a plain ASGI handler
+(`GatewayService.completion`, installed as a `shared.web.HotRoute`); the other calls go through
+FastAPI (`GatewayService.call`). Both forward with the lean HTTP/1.1 client of `shared/http1.py`.
+"""
+
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, quote_from_bytes
 
-import aiohttp
 import orjson
-from yarl import URL
 from fastapi import Request
 from fastapi.routing import APIRoute
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
 
-from shared.errors import DeadlineExceeded, InvalidRequest, PayloadTooLarge, Unavailable, error_body
+from shared.errors import DeadlineExceeded, InvalidRequest, Unavailable, error_body
+from shared.http1 import ConnectError, Http1Client, ReadTimeout, RemoteProtocolError
+from shared.http1 import Response as UpstreamResponse
 from shared.keys import KeyRecord
-from shared.logging import get_logger
+from shared.logging import bind_contextvars, get_logger
 from shared.tokens import estimate_tokens
-from shared.web import unless_disconnected
-from services.gateway.auth import Admission, Admitter
+from shared.web import SSE_END, DisconnectWatch, header, read_body, unless_disconnected
+from services.gateway.auth import Admission, Admitter, Authenticator
 
 log = get_logger(__name__)
 
 # Response headers that describe the upstream hop, not the answer.
 _HOP_HEADERS = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server", "x-request-id"}
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server", b"x-request-id"}
 )
 _STREAM_BROKEN_EVENT = (
     b"data: "
@@ -35,32 +40,25 @@ _STREAM_BROKEN_EVENT = (
             code="stream_interrupted",
         )
     )
-    + b"\n\ndata: [DONE]\n\n"
+    + b"\n\n"
+    + SSE_END
 )
+_UPSTREAM_ERRORS = (ConnectError, ReadTimeout, RemoteProtocolError, OSError)
 
 
-async def read_json_body(request: Request, *, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
-    """Read the body, refusing it as soon as it passes `max_bytes`; it must be a JSON object.
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object.
 
     Raises:
-        PayloadTooLarge: the body is larger than `max_bytes`.
         InvalidRequest: the body is not a JSON object.
     """
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise PayloadTooLarge(f"The request body is larger than {max_bytes} bytes.")
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > max_bytes:
-            raise PayloadTooLarge(f"The request body is larger than {max_bytes} bytes.")
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         raise InvalidRequest("The request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(parsed, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    return bytes(body), parsed
+    return parsed
 
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
@@ -81,16 +79,6 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     elif isinstance(prompt, list):
         chars += sum(len(p) for p in prompt if isinstance(p, str))
     return estimate_tokens(chars=chars, messages=messages)
-
-
-async def _relay_stream(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """Pass the event stream through; if the upstream dies mid-stream, end with an error event."""
-    try:
-        async for piece in upstream.content.iter_any():
-            yield piece
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        log.warning("upstream_stream_broken", error=repr(exc))
-        yield _STREAM_BROKEN_EVENT
 
 
 def upstream_target(request: Request) -> str:
@@ -120,76 +108,54 @@ def _segment(value: str) -> str:
     return quote(value, safe="")
 
 
+def _relayed_headers(upstream: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+    return [(name, value) for name, value in upstream.headers if name not in _HOP_HEADERS]
+
+
 class Forwarder:
-    """HTTP client to the session manager, one connection pool per process (aiohttp: its C
-    response parser keeps the relay cheap; httpx cost about half the gateway's CPU)."""
+    """Requests to the session manager, one keep-alive connection pool per process."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, *, timeout: aiohttp.ClientTimeout) -> None:
-        self._session = session
-        self._base_url = base_url.rstrip("/")
-        self._timeout = timeout
+    def __init__(self, client: Http1Client) -> None:
+        self._client = client
 
-    async def forward(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: bytes | None,
-        headers: dict[str, str],
-        on_close: Callable[[], Awaitable[None]],
-    ) -> Response:
-        """Send the request upstream and relay the response; streams stay streams.
-        `on_close` runs once the answer is complete (or abandoned).
+    async def open(self, method: str, target: str, *, body: bytes | None, headers: dict[str, str]) -> UpstreamResponse:
+        """Send the request; return once the session manager's response head has arrived.
 
         Raises:
             Unavailable: the session manager cannot be reached.
             DeadlineExceeded: it did not answer in time.
         """
-        url = URL(self._base_url + path, encoded=True)  # `path` is already escaped: keep it as is
         try:
-            upstream = await self._session.request(method, url, data=body, headers=headers, timeout=self._timeout)
-        except TimeoutError as exc:
-            await on_close()
+            return await self._client.request(method, target, headers=headers, body=body)
+        except ReadTimeout as exc:
             raise DeadlineExceeded("The session manager did not answer in time.") from exc
-        except aiohttp.ClientError as exc:
-            await on_close()
+        except _UPSTREAM_ERRORS as exc:
             log.warning("upstream_unreachable", error=repr(exc))
             raise Unavailable("The session manager is unreachable; try again shortly.", retry_after_s=2) from exc
-        response_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-
-            async def close() -> None:
-                upstream.close()
-                await on_close()
-
-            return StreamingResponse(
-                _relay_stream(upstream),
-                status_code=upstream.status,
-                headers=response_headers,
-                background=BackgroundTask(close),
-            )
-        try:
-            content = await upstream.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise Unavailable("The session manager's answer was cut off; try again.", retry_after_s=1) from exc
-        finally:
-            upstream.release()
-            await on_close()
-        return Response(content, status_code=upstream.status, headers=response_headers)
 
 
 class GatewayService:
     """Admits each call against its key's limits and forwards it."""
 
-    def __init__(self, *, forwarder: Forwarder, admitter: Admitter, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        *,
+        forwarder: Forwarder,
+        authenticator: Authenticator,
+        admitter: Admitter,
+        max_body_bytes: int,
+        body_timeout_s: float,
+    ) -> None:
         self._forwarder = forwarder
+        self._authenticator = authenticator
         self._admitter = admitter
         self._max_body_bytes = max_body_bytes
+        self._body_timeout_s = body_timeout_s
 
-    def _upstream_headers(self, request: Request, record: KeyRecord, *, prompt_estimate: int) -> dict[str, str]:
+    def _upstream_headers(self, request_id: str, record: KeyRecord, *, prompt_estimate: int) -> dict[str, str]:
         return {
             "content-type": "application/json",
-            "x-request-id": request.scope["state"]["request_id"],
+            "x-request-id": request_id,
             "x-axon-tenant": record.tenant,
             "x-axon-priority": str(record.limits.priority),
             "x-axon-key-id": record.id,
@@ -197,35 +163,110 @@ class GatewayService:
             "x-axon-prompt-estimate": str(prompt_estimate),
         }
 
-    async def _forward(
-        self, request: Request, record: KeyRecord, *, body: bytes | None, token_cost: int
-    ) -> Response:
-        admission: Admission = await self._admitter.admit(record, token_cost=token_cost)
-
-        async def release() -> None:
-            await self._admitter.release(admission)
-
-        response = await unless_disconnected(
-            request,
-            self._forwarder.forward(
-                request.method,
-                upstream_target(request),
-                body=body,
-                headers=self._upstream_headers(request, record, prompt_estimate=token_cost),
-                on_close=release,
-            ),
-        )
-        response.headers.update(admission.headers())
-        return response
-
-    async def completion(self, request: Request, record: KeyRecord) -> Response:
-        """Forward a chat or text completion, charging its estimated prompt tokens."""
-        raw, parsed = await read_json_body(request, max_bytes=self._max_body_bytes)
-        return await self._forward(request, record, body=raw, token_cost=estimate_prompt_tokens(parsed))
+    async def completion(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """`POST /v1/chat/completions` and `/v1/completions` as a plain ASGI handler: authenticate,
+        read the body, admit it charging its estimated prompt tokens, forward, relay."""
+        record = await self._authenticator.authenticate(header(scope, b"authorization"))
+        bind_contextvars(tenant=record.tenant, key_id=record.id)
+        body = await read_body(scope, receive, max_bytes=self._max_body_bytes, timeout_s=self._body_timeout_s)
+        cost = estimate_prompt_tokens(parse_json_object(body))
+        admission = await self._admitter.admit(record, token_cost=cost)
+        headers = self._upstream_headers(scope["state"]["request_id"], record, prompt_estimate=cost)
+        if admission.holds_lease:
+            headers["x-axon-lease-id"] = admission.lease_id
+        handed_over = False
+        try:
+            watch = DisconnectWatch(scope, receive)
+            try:
+                upstream = await self._forwarder.open("POST", scope["path"], body=body, headers=headers)
+                try:
+                    handed_over = await _relay(upstream, send, watch, extra_headers=admission.headers())
+                finally:
+                    upstream.close()
+            finally:
+                watch.stop()
+        finally:
+            # An answer relayed to its end had its lease released by the session manager, in the
+            # same write as its usage; in every other case (an error, a broken stream, a client
+            # gone) release it here too: releasing twice is harmless.
+            if not handed_over:
+                await self._admitter.release(admission)
 
     async def call(self, request: Request, record: KeyRecord) -> Response:
         """Forward any other API call (it counts against the key's request limits)."""
-        raw = None
+        body = None
         if request.method in {"POST", "PUT", "PATCH"}:
-            raw, _ = await read_json_body(request, max_bytes=self._max_body_bytes)
-        return await self._forward(request, record, body=raw, token_cost=0)
+            body = await read_body(
+                request.scope, request.receive, max_bytes=self._max_body_bytes, timeout_s=self._body_timeout_s
+            )
+            parse_json_object(body)
+        admission: Admission = await self._admitter.admit(record, token_cost=0)
+        try:
+            headers = self._upstream_headers(request.scope["state"]["request_id"], record, prompt_estimate=0)
+            upstream = await unless_disconnected(
+                request, self._forwarder.open(request.method, upstream_target(request), body=body, headers=headers)
+            )
+            try:
+                content = await upstream.read()
+            except _UPSTREAM_ERRORS as exc:
+                raise Unavailable("The session manager's answer was cut off; try again.", retry_after_s=1) from exc
+            response = Response(content, status_code=upstream.status)
+            response.raw_headers.extend(_relayed_headers(upstream))
+            response.headers.update(admission.headers())
+            return response
+        finally:
+            await self._admitter.release(admission)
+
+
+async def _relay(
+    upstream: UpstreamResponse, send: Send, watch: DisconnectWatch, *, extra_headers: dict[str, str]
+) -> bool:
+    """Pass the session manager's answer through: an event stream piece by piece (the piece with
+    `[DONE]` ends the body in the same write), anything else whole. A stream the session manager
+    breaks off ends with a `stream_interrupted` error event.
+
+    Returns:
+        Whether a 200 answer was relayed to its end (the session manager then ended the request's
+        bookkeeping itself).
+    """
+    headers = _relayed_headers(upstream)
+    headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in extra_headers.items()]
+    if not (upstream.header(b"content-type") or b"").startswith(b"text/event-stream"):
+        try:
+            content = await upstream.read()
+        except _UPSTREAM_ERRORS as exc:
+            raise Unavailable("The session manager's answer was cut off; try again.", retry_after_s=1) from exc
+        watch.stop()
+        headers.append((b"content-length", b"%d" % len(content)))
+        await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+        return upstream.status == 200
+    start = {"type": "http.response.start", "status": upstream.status, "headers": headers}
+    ended = False
+    try:
+        async for piece in upstream.pieces():
+            if ended:
+                continue  # nothing follows the end; reading on returns the connection to the pool
+            if start is not None:  # the head goes out right before the first piece: one read for the client
+                await send(start)
+                start = None
+            ended = piece.endswith(SSE_END)
+            if ended:
+                watch.stop()
+            await send({"type": "http.response.body", "body": piece, "more_body": not ended})
+        if ended:
+            return upstream.status == 200
+    except _UPSTREAM_ERRORS as exc:
+        if ended:
+            return upstream.status == 200
+        log.warning("upstream_stream_broken", error=repr(exc))
+        watch.stop()
+        if start is not None:
+            await send(start)
+        await send({"type": "http.response.body", "body": _STREAM_BROKEN_EVENT, "more_body": False})
+        return False
+    watch.stop()
+    if start is not None:
+        await send(start)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return False

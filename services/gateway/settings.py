@@ -17,6 +17,17 @@ class GatewaySettings(CommonSettings):
     sessions_url: str = "http://127.0.0.1:8001"
     # Request bodies larger than this are refused with 413 before being read whole.
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    # Limits of every client connection (shared/guarded_http.py): the whole request head must
+    # arrive within this (else the connection is closed, with 408 if part came) ...
+    request_head_timeout_s: float = Field(10.0, gt=0)
+    # ... and be at most this large (else 431),
+    max_header_bytes: int = Field(32 * 1024, ge=1024)
+    # the whole body within this after its head (else 408),
+    request_body_timeout_s: float = Field(30.0, gt=0)
+    # a client that reads nothing for this long while its answer waits to be sent is disconnected,
+    client_stall_timeout_s: float = Field(30.0, gt=0)
+    # and the kernel buffers at most this much unsent answer per connection.
+    client_send_buffer_bytes: int = Field(256 * 1024, ge=16 * 1024)
     # Waiting for the session manager's response headers (it waits for the first token).
     upstream_timeout_s: float = Field(330.0, gt=0)
     upstream_connect_timeout_s: float = Field(3.0, gt=0)

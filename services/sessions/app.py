@@ -17,11 +17,14 @@ from shared.logging import get_logger
 from shared.names import Names
 from shared.outbox import Outbox
 from shared.ratelimit import RateLimiter
+from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
-from shared.web import ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response
+from shared.web import (
+    NO_FASTAPI_TELEMETRY, HotRoutes, ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response,
+)
 from services.sessions.active_sessions import CountedTurns
 from services.sessions.api import sessions as sessions_api
-from services.sessions.api.routes import router
+from services.sessions.api.routes import HOT_ROUTES, router
 from services.sessions.history import SessionStore
 from services.sessions.persister import Persister
 from services.sessions.catalog import ModelCatalog
@@ -58,6 +61,8 @@ async def _ready_reason(app: FastAPI) -> str | None:
 
 
 _ALIVE_TTL_S = 10
+# How long shutdown waits for the persister to finish the batches it is committing.
+_PERSISTER_STOP_S = 5
 _ALIVE_EVERY_S = 3
 
 
@@ -94,14 +99,13 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         names = Names(settings.namespace)
         client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
-        subscriber = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s, for_pubsub=True)
+        # The hot path's commands (usage records, token charges, cancel notices), batched per loop iteration.
+        pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
         connection = await connect_amqp(settings.amqp_url, timeout_s=settings.connect_timeout_s)
         relay = TokenRelay(
-            subscriber,
-            home_channel=names.relay_channel(uuid.uuid4().hex),
-            buffer_chunks=settings.stream_buffer_chunks,
-            subscribe_timeout_s=settings.subscribe_timeout_s,
-        )
+            settings.redis_url, names, buffer_chunks=settings.stream_buffer_chunks,
+            subscribe_timeout_s=settings.subscribe_timeout_s, spare_streams=settings.subscribe_ahead,
+        )  # fmt: skip
         publisher = JobPublisher(
             connection,
             names,
@@ -122,13 +126,13 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
             client=client,
             db=db, names=names, metrics=metrics, batch_size=settings.persist_batch_size,
             flush_interval_ms=settings.persist_flush_interval_ms, reclaim_after_ms=settings.persist_reclaim_after_ms,
+            concurrency=settings.persist_concurrency,
         )  # fmt: skip
         instance_id = uuid.uuid4().hex
         persisting = asyncio.create_task(persister.run())
         alive = asyncio.create_task(_announce_alive(client, names.sessions_instance(instance_id)))
         polling: asyncio.Task | None = None
         try:
-            await relay.start()
             await publisher.start()
             catalog = ModelCatalog(
                 WorkerRegistry(client, names),
@@ -148,9 +152,8 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 catalog=catalog,
                 relay=relay,
                 publisher=publisher,
-                client=client,
-                limiter=RateLimiter(client, names),
-                outbox=outbox,
+                pipe=pipe,
+                limiter=RateLimiter(pipe, names),
                 turns=CountedTurns(
                     store, instance_id=instance_id, lock_ttl_s=settings.request_timeout_s + 30,
                     gauge=metrics.active_sessions,
@@ -160,6 +163,9 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
             log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)
             yield
         finally:
+            persister.stop()  # batches being committed finish; what is left stays pending, for a live persister
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(persisting), _PERSISTER_STOP_S)
             background = [t for t in (persisting, alive, polling) if t is not None]
             for task in background:
                 task.cancel()
@@ -167,13 +173,17 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
             await relay.stop()
             with contextlib.suppress(Exception):
                 await connection.close()
-            await subscriber.aclose()
+            await pipe.aclose()
             await client.aclose()
             await db.close()
 
-    app = FastAPI(title="Axon session manager", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="Axon session manager", lifespan=lifespan, docs_url=None, redoc_url=None,
+        telemetry=NO_FASTAPI_TELEMETRY,
+    )  # fmt: skip
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(HotRoutes, routes=HOT_ROUTES)  # inside the request context below
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics.http,

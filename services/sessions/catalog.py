@@ -1,5 +1,6 @@
 """Which models can be served now, from worker heartbeats, with a short cache."""
 
+import asyncio
 import time
 
 from shared.errors import ModelNotFound, Unavailable
@@ -16,13 +17,27 @@ class ModelCatalog:
         self._live: dict[str, LiveModel] = {}
         self._aliases: dict[str, str] = {}
         self._fetched_at = float("-inf")
+        self._fetching: asyncio.Future[None] | None = None
 
     async def _refresh(self) -> None:
-        now = time.monotonic()
-        if now - self._fetched_at > self._cache_ttl_s:
-            self._live = await self._registry.live_models()
-            self._aliases = await self._registry.aliases()
-            self._fetched_at = now
+        """Fetch again once the cache is older than its TTL. Requests that find it stale together
+        share one fetch (under load, every request in flight would otherwise fetch at once)."""
+        if time.monotonic() - self._fetched_at <= self._cache_ttl_s:
+            return
+        if self._fetching is None:
+            self._fetching = asyncio.ensure_future(self._fetch())
+            self._fetching.add_done_callback(self._fetched)
+        await asyncio.shield(self._fetching)
+
+    async def _fetch(self) -> None:
+        live = await self._registry.live_models()
+        aliases = await self._registry.aliases()
+        self._live, self._aliases, self._fetched_at = live, aliases, time.monotonic()
+
+    def _fetched(self, fetch: asyncio.Future) -> None:
+        self._fetching = None
+        if not fetch.cancelled():
+            fetch.exception()  # retrieved here: each waiter also got it
 
     async def live(self) -> dict[str, LiveModel]:
         """Models live workers serve, at most `cache_ttl_s` old."""

@@ -1,130 +1,162 @@
 """Receives token chunks from Redis pub/sub for every job this process is streaming.
 
-One subscriber connection per process, whatever the number of streams: a reader task
-routes each message to its job's bounded queue. `open()` returns only once Redis has
-confirmed the subscription, so the job can be published without losing its first chunk.
+One subscriber connection per process, whatever the number of streams: its protocol callback
+routes each message to its job's bounded queue, and the SUBSCRIBE and UNSUBSCRIBE commands of
+concurrent requests share writes (`shared/redis_pipe.py:RedisSubscriber`). A stream is handed out
+only once Redis has confirmed its subscription, so its job can be published without losing its
+first chunk.
+
+A few streams are kept subscribed ahead, for job ids not yet used (`spare_streams`): a request
+takes one at once instead of waiting a round trip to Redis for its subscription, and the relay
+subscribes replacements in the background, in one batch.
 """
 
 import asyncio
 import contextlib
+import uuid
 
-import redis.asyncio as redis
+from redis.exceptions import RedisError
 
 from shared.errors import Unavailable
 from shared.logging import get_logger
+from shared.names import Names
+from shared.redis_pipe import RedisSubscriber
+from shared.tasks import BackgroundTasks
 
 log = get_logger(__name__)
 
-# Put in a stream's queue when the process stops relaying it (shutdown or overflow).
+# Put in a stream's queue when the process stops relaying it (shutdown, overflow, or the
+# subscriber connection dropped and chunks may have been lost).
 STREAM_LOST = b""
 
 
 class TokenStream:
     """Chunks of one job, in arrival order."""
 
-    def __init__(self, relay: "TokenRelay", channel: str, queue: asyncio.Queue[bytes]) -> None:
+    def __init__(self, relay: "TokenRelay", job_id: str, channel: str, queue: asyncio.Queue[bytes]) -> None:
         self._relay = relay
+        self.job_id = job_id
         self.channel = channel
         self.queue = queue
 
+    @property
+    def ready(self) -> bool:
+        """A chunk is waiting: the next `next()` returns without waiting."""
+        return not self.queue.empty()
+
     async def next(self, timeout_s: float) -> bytes:
         """Return the next raw chunk; raises TimeoutError after `timeout_s`."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
         async with asyncio.timeout(timeout_s):
             return await self.queue.get()
 
     async def close(self) -> None:
-        await self._relay.close(self)
+        self._relay.close(self)
 
 
 class TokenRelay:
     """Shared pub/sub subscriber that fans chunks out to per-job queues."""
 
     def __init__(
-        self, client: redis.Redis, *, home_channel: str, buffer_chunks: int, subscribe_timeout_s: float
+        self, url: str, names: Names, *, buffer_chunks: int, subscribe_timeout_s: float, spare_streams: int
     ) -> None:
-        self._redis = client
-        self._pubsub = client.pubsub()
+        self._subscriber = RedisSubscriber(
+            url, timeout_s=subscribe_timeout_s, on_message=self._dispatch, on_lost=self._lose_all
+        )
+        self._names = names
         self._buffer_chunks = buffer_chunks
-        self._subscribe_timeout_s = subscribe_timeout_s
-        self._queues: dict[str, asyncio.Queue[bytes]] = {}
-        self._confirmations: dict[str, asyncio.Future[None]] = {}
-        # A subscription of our own keeps the connection in subscriber mode while idle.
-        self._home_channel = home_channel
-        self._reader: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        await self._pubsub.subscribe(self._home_channel)
-        self._reader = asyncio.create_task(self._read_forever())
+        self._queues: dict[bytes, asyncio.Queue[bytes]] = {}
+        self._spare_target = spare_streams
+        self._spares: list[TokenStream] = []
+        self._refilling = False
+        self._background = BackgroundTasks()
 
     async def stop(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-        for queue in self._queues.values():
-            queue.put_nowait(STREAM_LOST)
+        self._spare_target = 0
+        self._lose_all()
         with contextlib.suppress(Exception):
-            await self._pubsub.aclose()
+            await self._subscriber.aclose()
 
     @property
     def active_streams(self) -> int:
-        return len(self._queues)
+        """Streams handed out and not yet closed."""
+        return len(self._queues) - len(self._spares)
 
-    async def open(self, channel: str) -> TokenStream:
-        """Subscribe to `channel` and wait until Redis confirms it.
+    async def open_job(self) -> TokenStream:
+        """A confirmed subscription to a new job's channel (the job id is the stream's).
 
         Raises:
-            Unavailable: Redis did not confirm in time.
+            Unavailable: Redis is unreachable or did not confirm in time.
         """
+        stream = self._spares.pop() if self._spares else None
+        if len(self._spares) < self._spare_target // 2 and not self._refilling:
+            self._refilling = True
+            self._background.spawn(self._refill())
+        return stream if stream is not None else await self._subscribe(str(uuid.uuid4()))
+
+    async def _subscribe(self, job_id: str) -> TokenStream:
+        channel = self._names.tokens_channel(job_id)
         queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=self._buffer_chunks)
-        confirmed = asyncio.get_running_loop().create_future()
-        self._queues[channel] = queue
-        self._confirmations[channel] = confirmed
+        name = channel.encode()
+        self._queues[name] = queue
         try:
-            await self._pubsub.subscribe(channel)
-            await asyncio.wait_for(confirmed, self._subscribe_timeout_s)
-        except (TimeoutError, redis.RedisError, OSError) as exc:
-            self._queues.pop(channel, None)
-            self._confirmations.pop(channel, None)
+            await self._subscriber.subscribe(channel)
+        except (TimeoutError, RedisError) as exc:
+            self._queues.pop(name, None)
+            self._subscriber.unsubscribe(channel)
             log.warning("subscribe_failed", channel=channel, error=repr(exc))
             raise Unavailable("The token stream could not be opened; try again.", retry_after_s=1) from exc
-        return TokenStream(self, channel, queue)
+        return TokenStream(self, job_id, channel, queue)
 
-    async def close(self, stream: TokenStream) -> None:
-        self._queues.pop(stream.channel, None)
-        self._confirmations.pop(stream.channel, None)
-        with contextlib.suppress(Exception):
-            await self._pubsub.unsubscribe(stream.channel)
+    async def _refill(self) -> None:
+        """Subscribe spare streams up to the target, all at once (one write)."""
+        try:
+            missing = self._spare_target - len(self._spares)
+            streams = await asyncio.gather(
+                *(self._subscribe(str(uuid.uuid4())) for _ in range(missing)), return_exceptions=True
+            )
+            for stream in streams:
+                if not isinstance(stream, TokenStream):
+                    continue  # Redis is down: requests subscribe on demand meanwhile
+                if self._spare_target and stream.channel.encode() in self._queues:
+                    self._spares.append(stream)
+                else:
+                    self.close(stream)
+        finally:
+            self._refilling = False
 
-    async def _read_forever(self) -> None:
-        while True:
-            try:
-                message = await self._pubsub.get_message(timeout=1.0)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the connection is retried by redis-py
-                log.warning("relay_read_failed", error=repr(exc))
-                await asyncio.sleep(0.2)
-                continue
-            if message is not None:
-                self._dispatch(message)
+    def close(self, stream: TokenStream) -> None:
+        if self._queues.pop(stream.channel.encode(), None) is not None:
+            self._subscriber.unsubscribe(stream.channel)
 
-    def _dispatch(self, message: dict) -> None:
-        channel = message["channel"].decode()
-        kind = message["type"]
-        if kind == "message":
-            queue = self._queues.get(channel)
-            if queue is None:
-                return
-            try:
-                queue.put_nowait(message["data"])
-            except asyncio.QueueFull:
-                # The client reads slower than the model writes: cut it off rather than
-                # let one stream hold unbounded memory.
-                self._queues.pop(channel, None)
-                with contextlib.suppress(asyncio.QueueEmpty):
-                    queue.get_nowait()
-                queue.put_nowait(STREAM_LOST)
-        elif kind == "subscribe":
-            confirmed = self._confirmations.pop(channel, None)
-            if confirmed is not None and not confirmed.done():
-                confirmed.set_result(None)
+    def _dispatch(self, channel: bytes, data: bytes) -> None:
+        queue = self._queues.get(channel)
+        if queue is None:
+            return
+        try:
+            queue.put_nowait(data)
+        except asyncio.QueueFull:
+            # The client reads slower than the model writes: cut it off rather than let one
+            # stream hold unbounded memory.
+            self._queues.pop(channel, None)
+            self._subscriber.unsubscribe(channel.decode())
+            _end(queue)
+
+    def _lose_all(self) -> None:
+        """Every stream ends: the subscriptions are gone (or going), and chunks may be lost."""
+        queues, self._queues = self._queues, {}
+        spares, self._spares = self._spares, []
+        if len(queues) > len(spares):
+            log.warning("relay_streams_lost", streams=len(queues) - len(spares))
+        for queue in queues.values():
+            _end(queue)
+
+
+def _end(queue: asyncio.Queue[bytes]) -> None:
+    """End the stream: its reader gets what is queued, then STREAM_LOST (room is made for it
+    by dropping the oldest chunk if the queue is full)."""
+    with contextlib.suppress(asyncio.QueueEmpty):
+        if queue.full():
+            queue.get_nowait()
+    queue.put_nowait(STREAM_LOST)

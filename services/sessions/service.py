@@ -10,22 +10,24 @@ Order matters:
 import asyncio
 import datetime as dt
 import time
-import uuid
 from collections.abc import AsyncIterator
+from itertools import chain
 from dataclasses import dataclass
 
 import orjson
-import redis.asyncio as redis
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
-from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, UpstreamError
+from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
 from shared.logging import bind_contextvars, get_logger
 from shared.names import Names
-from shared.outbox import Outbox, UsageRow
+from shared.outbox import UsageRow, entry_fields
 from shared.ratelimit import RateLimiter
+from shared.redis_pipe import RedisPipe
 from shared.registry import LiveModel
 from shared.schemas import Job, Message, Sampling, TokenChunk, Usage
 from shared.tasks import BackgroundTasks
+from shared.web import SSE_END
 from services.sessions.catalog import ModelCatalog
 from services.sessions.jobs import JobPublisher
 from services.sessions.metrics import SessionsMetrics
@@ -52,6 +54,8 @@ class Caller:
     key_id: str | None = None
     tpm_limit: int = 0
     prompt_estimate: int = 0
+    # The gateway's concurrency lease for this request, released when the answer ends.
+    lease_id: str | None = None
 
 
 def chunk_error(chunk: TokenChunk) -> AxonError:
@@ -105,7 +109,7 @@ class ActiveJob:
             except TimeoutError:
                 raise DeadlineExceeded("The request's deadline passed before the answer was complete.") from None
             if raw == STREAM_LOST:
-                raise UpstreamError("The answer's stream was interrupted.")
+                raise UpstreamError("The answer's stream was interrupted.", code="stream_interrupted")
             try:
                 chunk = TokenChunk.model_validate_json(raw)
             except ValidationError:
@@ -133,9 +137,8 @@ class CompletionService:
         catalog: ModelCatalog,
         relay: TokenRelay,
         publisher: JobPublisher,
-        client: redis.Redis,
+        pipe: RedisPipe,
         limiter: RateLimiter,
-        outbox: Outbox,
         turns: Turns,
         metrics: SessionsMetrics,
     ) -> None:
@@ -144,9 +147,8 @@ class CompletionService:
         self._catalog = catalog
         self._relay = relay
         self._publisher = publisher
-        self._redis = client
+        self._pipe = pipe
         self._limiter = limiter
-        self._outbox = outbox
         self._turns = turns
         self._metrics = metrics
         self._background = BackgroundTasks()
@@ -191,44 +193,63 @@ class CompletionService:
         started = time.perf_counter()
         model, live = await self._catalog.require(body.model)
         sampling = self._sampling(body, live)
-        job_id = str(uuid.uuid4())
-        bind_contextvars(job_id=job_id, tenant=caller.tenant)
-        turn: Turn | None = None
         messages: list[Message] | None = None
         prompt: str | None = None
         if isinstance(body, ChatCompletionRequest):
             messages = [m.to_message(i) for i, m in enumerate(body.messages)]
             self._check_messages(messages)
-            if body.session_id is not None:
+        else:
+            prompt = body.prompt_text
+        # A confirmed subscription to a new job's channel, so no chunk of it can be missed.
+        stream = await self._relay.open_job()
+        job_id = stream.job_id
+        bind_contextvars(job_id=job_id)  # the tenant was bound with the caller
+        turn: Turn | None = None
+        try:
+            if isinstance(body, ChatCompletionRequest) and body.session_id is not None:
+                assert messages is not None
                 turn = await self._turns.begin(
                     tenant=caller.tenant, session_id=body.session_id, job_id=job_id, new_messages=messages,
                     budget_tokens=live.context_tokens - sampling.max_tokens,
                 )  # fmt: skip
                 messages = turn.prompt
-        else:
-            prompt = body.prompt_text
-        job = Job(
-            job_id=job_id, model=model, messages=messages, prompt=prompt, sampling=sampling,
-            channel=self._names.tokens_channel(job_id), deadline=time.time() + self._settings.request_timeout_s,
-            session_id=turn.info.id if turn else None, tenant=caller.tenant,
-        )  # fmt: skip
-        try:
-            stream = await self._relay.open(job.channel)
-            try:
-                await self._publisher.publish(job, priority=caller.priority, request_id=request_id)
-            except BaseException:
-                await stream.close()
-                raise
-        except BaseException:
+            job = Job(
+                job_id=job_id, model=model, messages=messages, prompt=prompt, sampling=sampling,
+                channel=stream.channel, deadline=time.time() + self._settings.request_timeout_s,
+                session_id=turn.info.id if turn else None, tenant=caller.tenant,
+            )  # fmt: skip
+            await self._publisher.publish(job, priority=caller.priority, request_id=request_id)
+        except BaseException as exc:
+            await stream.close()
             if turn is not None:
                 await self._turns.abandon(turn)
+            if isinstance(exc, Unavailable) and exc.code != "queue_full":
+                # Unconfirmed, the job may still be queued (the broker went away before its confirm):
+                # workers skip a job they were told was cancelled, so none answers it for nobody.
+                self._pipe.submit("PUBLISH", self._names.cancel_channel, job_id).add_done_callback(_retrieved)
             raise
         if turn is not None:
-            await self._turns.record_question(turn)
+            await self._record_question(turn, stream)
         self._metrics.jobs_published.labels(model).inc()
         self._metrics.active_streams.inc()
         builder = ResponseBuilder(kind=kind, job_id=job.job_id, model=body.model)
         return ActiveJob(job=job, caller=caller, stream=stream, builder=builder, started=started, turn=turn)
+
+    async def _record_question(self, turn: Turn, stream: TokenStream) -> None:
+        """Store the user's messages of a turn whose job is queued; if they cannot be stored, the
+        job is called off (a turn is stored whole or not at all).
+
+        Raises:
+            Unavailable: the history could not be written.
+        """
+        try:
+            await self._turns.record_question(turn)
+        except _STORAGE_ERRORS as exc:
+            log.error("question_not_stored", error=repr(exc))
+            await stream.close()
+            self._pipe.submit("PUBLISH", self._names.cancel_channel, turn.job_id).add_done_callback(_retrieved)
+            await self._turns.abandon(turn)
+            raise _history_unavailable() from exc
 
     async def first_chunk(self, active: ActiveJob) -> tuple[TokenChunk, AsyncIterator[TokenChunk]]:
         """Wait for the first chunk, so failures before any token get a real status code."""
@@ -278,11 +299,16 @@ class CompletionService:
         *,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        """Relay chunks as OpenAI server-sent events, ending with `data: [DONE]`."""
+        """Relay chunks as OpenAI server-sent events, ending with `data: [DONE]`.
+
+        Events of chunks that arrived together go out as one piece (one socket write), and the
+        last chunk's event, the usage event and `[DONE]` as one.
+        """
         builder = active.builder
-        model = active.job.model
+        inter_token = self._metrics.inter_token.labels(active.job.model)
         outcome = "disconnected"
         last_at = time.perf_counter()
+        events: list[bytes] = []
         try:
             chunk = first
             is_first = True
@@ -293,23 +319,28 @@ class CompletionService:
                     outcome = chunk.finish_reason or "stop"
                     await self.finish(active, outcome=outcome)  # stored before the client sees the end
                 if chunk.text or chunk.is_final or is_first:
-                    yield _sse(builder.chunk(chunk.text, chunk.finish_reason, first=is_first, usage_field=include_usage))
+                    events.append(
+                        _sse(builder.chunk(chunk.text, chunk.finish_reason, first=is_first, usage_field=include_usage))
+                    )
                     is_first = False
                 if chunk.is_final:
                     break
+                if events and not active.stream.ready:
+                    yield b"".join(events)
+                    events.clear()
                 chunk = await anext(rest)
                 now = time.perf_counter()
-                self._metrics.inter_token.labels(model).observe(now - last_at)
+                inter_token.observe(now - last_at)
                 last_at = now
             if include_usage and chunk.usage is not None:
-                yield _sse(builder.usage_chunk(chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
-            yield b"data: [DONE]\n\n"
+                events.append(_sse(builder.usage_chunk(chunk.usage.prompt_tokens, chunk.usage.completion_tokens)))
+            events.append(SSE_END)
+            yield b"".join(events)
         except AxonError as exc:
             outcome = "error"
             log.warning("stream_failed", error=exc.message)
             await self.finish(active, outcome=outcome)
-            yield _sse(exc.body())
-            yield b"data: [DONE]\n\n"
+            yield b"".join([*events, _sse(exc.body()), SSE_END])
         finally:
             if outcome == "disconnected":
                 # In its own task: this one may itself be cancelled (client gone), and the
@@ -318,51 +349,76 @@ class CompletionService:
 
     async def finish(self, active: ActiveJob, *, outcome: str) -> None:
         """Stop relaying (once): store the answer and usage, release the session, and if the
-        answer was not complete, tell the workers to stop generating it."""
+        answer was not complete, tell the workers to stop generating it.
+
+        Raises:
+            Unavailable: a complete answer of a session turn could not be stored (Redis away):
+                its client must not take it for saved.
+        """
         if active.closed:
             return
         active.closed = True
         self._metrics.active_streams.dec()
         self._metrics.outcomes.labels(active.job.model, outcome).inc()
         await active.stream.close()
-        if not active.finished:
-            try:
-                await self._redis.publish(self._names.cancel_channel, active.job.job_id)
-            except Exception as exc:  # noqa: BLE001 - best effort: the deadline bounds the work anyway
-                log.warning("cancel_publish_failed", error=repr(exc))
+        # Submitted now, it goes out before the history is written.
+        cancel = None if active.finished else self._pipe.submit("PUBLISH", self._names.cancel_channel, active.job.job_id)
+        not_stored: Exception | None = None
         if active.turn is not None:
             status = {"stop": "complete", "length": "complete", "cancelled": "cancelled"}.get(outcome, "failed")
             if outcome == "disconnected":
                 status = "cancelled"
-            await self._turns.record_answer(active.turn, text="".join(active.text), status=status)
+            try:
+                await self._turns.record_answer(active.turn, text="".join(active.text), status=status)
+            except _STORAGE_ERRORS as exc:
+                log.error("answer_not_stored", error=repr(exc))
+                not_stored = exc
         if active.usage is not None:
             self._metrics.output_tokens.labels(active.job.model).inc(active.usage.completion_tokens)
-            await self._record_usage(active)
-            await self._settle_tokens(active)
+        await self._settle(active, cancel)
+        if not_stored is not None and outcome in ("stop", "length"):
+            raise _history_unavailable() from not_stored
 
-    async def _record_usage(self, active: ActiveJob) -> None:
-        usage = active.usage
-        assert usage is not None
-        row = UsageRow(
-            job_id=active.job.job_id, tenant=active.caller.tenant, key_id=active.caller.key_id,
-            model=active.job.model, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-            latency_ms=int((time.perf_counter() - active.started) * 1000), created_at=dt.datetime.now(dt.UTC),
-        )  # fmt: skip
-        try:
-            await self._outbox.append("usage", row)
-        except Exception as exc:  # noqa: BLE001 - accounting must not fail the answer
-            log.warning("usage_record_failed", error=repr(exc))
+    async def _settle(self, active: ActiveJob, cancel: asyncio.Future | None) -> None:
+        """The answer's bookkeeping, in one Redis write: its usage row, the charge of its real token
+        use (correcting the gateway's estimate) and the release of the caller's concurrency lease;
+        then the outcome of those and of the cancel notice. None of it may fail the answer."""
+        writes: dict[str, asyncio.Future] = {"cancel_publish": cancel} if cancel is not None else {}
+        job, caller, usage = active.job, active.caller, active.usage
+        if usage is not None:
+            row = UsageRow(
+                job_id=job.job_id, tenant=caller.tenant, key_id=caller.key_id, model=job.model,
+                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                latency_ms=int((time.perf_counter() - active.started) * 1000), created_at=dt.datetime.now(dt.UTC),
+            )  # fmt: skip
+            fields = entry_fields("usage", row)
+            writes["usage_record"] = self._pipe.submit("XADD", self._names.outbox, "*", *chain(*fields.items()))
+            cost = usage.completion_tokens + usage.prompt_tokens - caller.prompt_estimate
+            if caller.key_id is not None and caller.tpm_limit and cost:
+                writes["token_charge"] = self._limiter.submit_charge(caller.key_id, caller.tpm_limit, cost)
+        if caller.key_id is not None and caller.lease_id is not None:
+            writes["lease_release"] = self._limiter.submit_release(caller.key_id, caller.lease_id)
+        results = await asyncio.gather(*writes.values(), return_exceptions=True)
+        for what, result in zip(writes, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning(f"{what}_failed", error=repr(result))
 
-    async def _settle_tokens(self, active: ActiveJob) -> None:
-        """Charge the key's token budget with real usage, correcting the gateway's prompt estimate."""
-        caller, usage = active.caller, active.usage
-        if caller.key_id is None or not caller.tpm_limit or usage is None:
-            return
-        cost = usage.completion_tokens + usage.prompt_tokens - caller.prompt_estimate
-        try:
-            await self._limiter.charge_tokens(caller.key_id, caller.tpm_limit, cost)
-        except Exception as exc:  # noqa: BLE001 - accounting must not fail the answer
-            log.warning("token_charge_failed", error=repr(exc))
+
+# A store that cannot be reached (a history write that failed).
+_STORAGE_ERRORS = (RedisError, ConnectionError, TimeoutError)
+
+
+def _history_unavailable() -> Unavailable:
+    return Unavailable(
+        "The session's history could not be saved, so this answer was not kept; try again shortly.",
+        retry_after_s=2, code="history_unavailable",
+    )  # fmt: skip
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """A best-effort write's outcome: an error is only logged."""
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("cancel_publish_failed", error=repr(future.exception()))
 
 
 def _sse(payload: dict) -> bytes:

@@ -14,6 +14,8 @@ class SessionsSettings(CommonSettings):
     max_tokens_limit: int = Field(8192, ge=1)
     publish_timeout_s: float = Field(5.0, gt=0)
     subscribe_timeout_s: float = Field(5.0, gt=0)
+    # Token channels of new job ids kept subscribed ahead, so a request need not wait for its own.
+    subscribe_ahead: int = Field(32, ge=0)
     # How long the list of live models may be reused before asking Redis again.
     models_cache_ttl_s: float = Field(1.0, ge=0)
     # Chunks buffered per stream before a slow client is cut off.
@@ -25,7 +27,9 @@ class SessionsSettings(CommonSettings):
     history_max_messages: int = Field(200, ge=2, description="recent messages kept in Redis per session")
     session_cache_ttl_s: int = Field(86_400, ge=60)
     # Outbox persister (write-behind to PostgreSQL)
-    persist_batch_size: int = Field(500, ge=1)
+    persist_batch_size: int = Field(2000, ge=1)
     persist_flush_interval_ms: int = Field(100, ge=1)
+    # Batches one persister commits at once, each on its own PostgreSQL connection.
+    persist_concurrency: int = Field(2, ge=1, le=8)
     # Entries another persister read but did not acknowledge for this long are taken over.
     persist_reclaim_after_ms: int = Field(5_000, ge=100)

@@ -5,12 +5,20 @@ Rule for concurrent requests on one session: the second gets 409 while the first
 being answered (turns never interleave; the client retries or waits).
 """
 
+import asyncio
+import time
 from dataclasses import dataclass
 
 from shared.errors import Conflict
+from shared.logging import get_logger
 from shared.schemas import Message
+from shared.tasks import BackgroundTasks
 from shared.tokens import estimate_tokens
 from services.sessions.history import SessionInfo, SessionStore, StoredMessage
+
+log = get_logger(__name__)
+# Between retries of a session lock's release while Redis is away.
+_UNLOCK_RETRY_S = 1.0
 
 # Assistant answers that ended like this carry no text worth sending back to the model.
 _SKIPPED_STATUSES = frozenset({"failed"})
@@ -65,12 +73,18 @@ class Turn:
 
 
 class Turns:
-    """Begins and ends session turns against the store."""
+    """Begins and ends session turns against the store.
+
+    A turn's lock must not outlive its turn: a release that fails (Redis away) is retried in the
+    background until it succeeds or the lock has expired anyway. Otherwise a Redis restart in
+    the middle of a turn would leave its session answering 409 for the whole lock TTL.
+    """
 
     def __init__(self, store: SessionStore, *, instance_id: str, lock_ttl_s: float) -> None:
         self._store = store
         self._instance_id = instance_id
         self._lock_ttl_s = lock_ttl_s
+        self._background = BackgroundTasks()
 
     async def begin(
         self, *, tenant: str, session_id: str, job_id: str, new_messages: list[Message], budget_tokens: int
@@ -92,7 +106,7 @@ class Turns:
         try:
             history = await self._store.history(info)
         except BaseException:
-            await self._store.unlock(info.id, holder=holder)
+            await self._release(info.id, holder)
             raise
         prompt, dropped = build_prompt(
             system_prompt=info.system_prompt, history=history, new_messages=new_messages, budget_tokens=budget_tokens
@@ -112,10 +126,27 @@ class Turns:
         try:
             await self._store.append(turn.info, role="assistant", content=text, status=status, job_id=turn.job_id)
         finally:
-            await self._store.unlock(turn.info.id, holder=turn.holder)
+            await self._release(turn.info.id, turn.holder)
 
     async def abandon(self, turn: Turn) -> None:
         """Release the session without storing anything (the job never started)."""
         if not turn.closed:
             turn.closed = True
-            await self._store.unlock(turn.info.id, holder=turn.holder)
+            await self._release(turn.info.id, turn.holder)
+
+    async def _release(self, session_id: str, holder: str) -> None:
+        try:
+            await self._store.unlock(session_id, holder=holder)
+        except Exception as exc:  # noqa: BLE001 - retried until it takes
+            log.warning("session_unlock_failed", session_id=session_id, error=repr(exc))
+            self._background.spawn(self._release_later(session_id, holder))
+
+    async def _release_later(self, session_id: str, holder: str) -> None:
+        deadline = time.monotonic() + self._lock_ttl_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(_UNLOCK_RETRY_S)
+            try:
+                await self._store.unlock(session_id, holder=holder)
+                return
+            except Exception:  # noqa: BLE001 - Redis is still away: the next try, or the lock's expiry
+                continue

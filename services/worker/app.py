@@ -15,8 +15,11 @@ from fastapi.responses import Response
 from shared.clients import connect_amqp, create_redis, declare_job_queue
 from shared.logging import get_logger
 from shared.names import Names
+from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
-from shared.web import ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response
+from shared.web import (
+    NO_FASTAPI_TELEMETRY, ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response,
+)
 from services.worker.engines import Engine
 from services.worker.engines.factory import create_engine
 from services.worker.metrics import WorkerMetrics
@@ -37,9 +40,11 @@ class Worker:
         self.names = Names(settings.namespace)
         self.metrics = WorkerMetrics()
         self.redis = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
+        # Every chunk's publish script, batched per loop iteration across the jobs running here.
+        self.pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
         self.registry = WorkerRegistry(self.redis, self.names)
         self.runner = JobRunner(
-            engine=engine, client=self.redis, names=self.names, metrics=self.metrics,
+            engine=engine, pipe=self.pipe, names=self.names, metrics=self.metrics,
             max_deliveries=settings.max_deliveries, dead_letter=self._dead_letter,
         )  # fmt: skip
         self.not_ready_reason: str | None = "starting"
@@ -152,6 +157,7 @@ class Worker:
         if self._connection is not None:
             await self._connection.close()  # unacked jobs go back to the queue
         await self.engine.stop()
+        await self.pipe.aclose()
         await self.redis.aclose()
 
 
@@ -171,7 +177,10 @@ def create_app(settings: WorkerSettings | None = None, engine: Engine | None = N
             await asyncio.gather(boot, return_exceptions=True)
             await worker.shutdown()
 
-    app = FastAPI(title="Axon inference worker", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="Axon inference worker", lifespan=lifespan, docs_url=None, redoc_url=None,
+        telemetry=NO_FASTAPI_TELEMETRY,
+    )  # fmt: skip
     app.state.worker = worker
     install_error_handlers(app)
     app.add_middleware(

@@ -8,9 +8,9 @@ import asyncio
 import time
 
 import orjson
-import redis.asyncio as redis
 
 from shared.names import Names
+from shared.redis_pipe import PipeScript, RedisPipe
 from services.worker.engines import EngineOutput, Resume
 
 # Progress outlives the job's deadline by this much, then Redis forgets it.
@@ -19,10 +19,14 @@ _PROGRESS_GRACE_S = 60
 # KEYS: progress hash, text, token ids.
 # ARGV: channel, chunk JSON, final (0/1), next seq, completion tokens, prompt tokens, new text,
 #       expiry in seconds (0: leave as is), new token ids...
-_PUBLISH_WITH_PROGRESS = """
+# The final chunk replaces the progress with `done`: a job redelivered after its answer was
+# complete (its ack was lost with the broker connection) is then acked, not generated again.
+_PUBLISH_WITH_PROGRESS = PipeScript("""
 redis.call('PUBLISH', ARGV[1], ARGV[2])
 if ARGV[3] == '1' then
   redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+  redis.call('HSET', KEYS[1], 'done', '1')
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
   return 1
 end
 redis.call('HSET', KEYS[1], 'seq', ARGV[4], 'completion_tokens', ARGV[5], 'prompt_tokens', ARGV[6])
@@ -33,34 +37,39 @@ if ttl > 0 then
   for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ttl) end
 end
 return 1
-"""
+""")
 
 
 class JobStream:
     """Publishes one job's chunks, numbered on from where any earlier attempt stopped."""
 
-    def __init__(self, client: redis.Redis, names: Names, *, job_id: str, channel: str, deadline: float) -> None:
-        self._redis = client
+    def __init__(self, pipe: RedisPipe, names: Names, *, job_id: str, channel: str, deadline: float) -> None:
+        self._pipe = pipe
         self._job_id = job_id
         self._channel = channel
         self._deadline = deadline
         self._keys = (names.job_progress(job_id), names.job_progress_text(job_id), names.job_progress_tokens(job_id))
-        self._publish_script = client.register_script(_PUBLISH_WITH_PROGRESS)
         self.seq = 0
         self.completion_tokens = 0
         self.prompt_tokens = 0
         self.resumed = False
+        # An earlier attempt already published the final chunk.
+        self.done = False
         self._expiry_set = False
 
     async def load(self) -> Resume | None:
         """Read what an earlier attempt published, if any (one round trip)."""
         progress_key, text_key, tokens_key = self._keys
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(progress_key)
-            pipe.get(text_key)
-            pipe.lrange(tokens_key, 0, -1)
-            progress, text, token_ids = await pipe.execute()
-        if not progress:
+        fields, text, token_ids = await asyncio.gather(
+            self._pipe.submit("HGETALL", progress_key),
+            self._pipe.submit("GET", text_key),
+            self._pipe.submit("LRANGE", tokens_key, 0, -1),
+        )
+        if not fields:
+            return None
+        progress = dict(zip(fields[::2], fields[1::2], strict=True))
+        if b"done" in progress:
+            self.done = True
             return None
         self.seq = int(progress[b"seq"])
         self.completion_tokens = int(progress[b"completion_tokens"])
@@ -94,12 +103,13 @@ class JobStream:
         forget it), so a worker dying in between never leaves half a record."""
         final = "finish_reason" in chunk
         expire_s = 0
-        if not final and not self._expiry_set:
+        if final or not self._expiry_set:
             expire_s = max(1, int(self._deadline - time.time()) + _PROGRESS_GRACE_S)
             self._expiry_set = True
-        await self._publish_script(
-            keys=self._keys,
-            args=[
+        await self._pipe.evalsha(
+            _PUBLISH_WITH_PROGRESS,
+            list(self._keys),
+            [
                 self._channel, orjson.dumps(chunk),
                 int(final), self.seq + 1, self.completion_tokens, self.prompt_tokens, text, expire_s, *token_ids,
             ],

@@ -12,10 +12,13 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as redis
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
+from aio_pika.exceptions import AMQPError
+from aiormq.exceptions import ChannelInvalidStateError
 from pydantic import ValidationError
 
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
+from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
 from shared.schemas import FinishReason, Job
 from services.worker.engines import Engine, EngineError, EngineOutput, GenerationRequest, InvalidPrompt, Resume
@@ -39,14 +42,14 @@ class JobRunner:
         self,
         *,
         engine: Engine,
-        client: redis.Redis,
+        pipe: RedisPipe,
         names: Names,
         metrics: WorkerMetrics,
         max_deliveries: int,
         dead_letter: DeadLetter,
     ) -> None:
         self._engine = engine
-        self._redis = client
+        self._pipe = pipe
         self._names = names
         self._metrics = metrics
         self._max_deliveries = max_deliveries
@@ -61,6 +64,9 @@ class JobRunner:
         return len(self._tasks)
 
     async def on_message(self, message: AbstractIncomingMessage) -> None:
+        """Start one job in a task of its own (which `drain` tracks). Not in the delivery's task:
+        aiormq cancels those when the broker connection drops, and a broker restart must not
+        abort the generations in flight."""
         task = asyncio.create_task(self._handle(message))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -100,26 +106,30 @@ class JobRunner:
         bind_contextvars(
             job_id=job.job_id, tenant=job.tenant, session_id=job.session_id, request_id=headers.get("x-request-id")
         )
-        stream = JobStream(self._redis, self._names, job_id=job.job_id, channel=job.channel, deadline=job.deadline)
+        stream = JobStream(self._pipe, self._names, job_id=job.job_id, channel=job.channel, deadline=job.deadline)
         started = time.perf_counter()
         try:
-            if message.redelivered and await self._poisoned(job, stream, message):
+            resume = await stream.load() if message.redelivered else None
+            if stream.done:
+                outcome = "duplicate"  # finished before; only its ack was lost
+            elif message.redelivered and await self._poisoned(job, stream, message):
                 return
-            outcome = await self._run(job, stream, redelivered=message.redelivered)
+            else:
+                outcome = await self._run(job, stream, resume)
         except asyncio.CancelledError:
             # Draining: the job goes back to the queue; its progress lets the next worker resume.
-            await asyncio.shield(message.nack(requeue=True))
+            await asyncio.shield(_settle(message, requeue=True))
             self._metrics.jobs.labels(job.model, "handed_back").inc()
             raise
         except Exception as exc:  # noqa: BLE001 - any failure must end the client's stream
             log.exception("job_crashed", error=repr(exc))
             self._metrics.jobs.labels(job.model, "failed").inc()
-            await message.nack(requeue=True)  # counted on redelivery; dead-lettered past the limit
+            await _settle(message, requeue=True)  # counted on redelivery; dead-lettered past the limit
             return
         self._metrics.jobs.labels(job.model, outcome).inc()
         if stream.resumed:
             self._metrics.jobs.labels(job.model, "resumed").inc()
-        await message.ack()
+        await _settle(message)
         log.info(
             "job_finished",
             outcome=outcome,
@@ -131,22 +141,20 @@ class JobRunner:
     async def _poisoned(self, job: Job, stream: JobStream, message: AbstractIncomingMessage) -> bool:
         """Count a redelivery; past `max_deliveries`, dead-letter the job and tell its client."""
         key = self._names.job_deliveries(job.job_id)
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.incr(key)
-            pipe.expire(key, max(1, int(job.deadline - time.time()) + 60))
-            redeliveries, _ = await pipe.execute()
+        redeliveries, _ = await asyncio.gather(
+            self._pipe.submit("INCR", key), self._pipe.submit("EXPIRE", key, max(1, int(job.deadline - time.time()) + 60))
+        )
         deliveries = int(redeliveries) + 1
         if deliveries <= self._max_deliveries:
             return False
         reason = f"delivered {deliveries} times without finishing (AXON_MAX_DELIVERIES={self._max_deliveries})"
         log.error("job_dead_lettered", reason=reason)
-        await stream.load()
         await stream.finish_with_error(f"The request could not be completed: it was {reason}.", "server_error")
         await self._dead_letter(message, reason)
         self._metrics.jobs.labels(job.model, "dead_lettered").inc()
         return True
 
-    async def _run(self, job: Job, stream: JobStream, *, redelivered: bool) -> str:
+    async def _run(self, job: Job, stream: JobStream, resume: Resume | None) -> str:
         if job.job_id in self._cancelled:
             await stream.finish_cancelled()
             return "cancelled"
@@ -154,7 +162,6 @@ class JobRunner:
         if remaining_s <= 0:
             await stream.finish_with_error("The request's deadline passed before it started.", "timeout_error")
             return "expired"
-        resume = await stream.load() if redelivered else None
         try:
             async with asyncio.timeout(remaining_s):
                 return await self._generate(job, stream, resume)
@@ -226,6 +233,18 @@ class JobRunner:
                 reason = out.finish_reason
                 self._metrics.prompt_tokens.labels(model).inc(stream.prompt_tokens)
         return reason
+
+
+async def _settle(message: AbstractIncomingMessage, *, requeue: bool | None = None) -> None:
+    """Ack the job (or, with `requeue`, nack it). If the broker connection is gone, so is the
+    delivery: the broker redelivers the job, and its progress record says how far it got."""
+    try:
+        if requeue is None:
+            await message.ack()
+        else:
+            await message.nack(requeue=requeue)
+    except (AMQPError, ChannelInvalidStateError, ConnectionError) as exc:
+        log.warning("job_settle_failed", action="ack" if requeue is None else "nack", error=repr(exc))
 
 
 class Heartbeat:

@@ -120,9 +120,12 @@ async def test_request_limit_holds_across_three_gateways(gateways: list[Service]
     accepted = [r for r in responses if r.status_code == 200]
     refused = [r for r in responses if r.status_code == 429]
     assert len(accepted) + len(refused) == 2 * limit
-    # GCRA: a full minute's budget at once, then one more every 60/limit seconds.
-    expected = limit + elapsed * limit / 60
-    assert abs(len(accepted) - expected) <= max(2, 0.02 * limit), (len(accepted), expected)
+    # GCRA: a full minute's budget at once, then one more every 60/limit seconds while requests
+    # keep arriving. The last decision came at most `elapsed` after the start (on a loaded machine
+    # well before the last response), so the exact count lies between these two bounds.
+    tolerance = max(2, 0.02 * limit)
+    most = limit + elapsed * limit / 60
+    assert limit - tolerance <= len(accepted) <= most + tolerance, (len(accepted), limit, most)
     sample = refused[-1]
     assert sample.json()["error"]["code"] == "rate_limit_exceeded"
     assert sample.headers["x-ratelimit-limit-requests"] == str(limit)
@@ -167,6 +170,27 @@ async def test_concurrency_limit_refuses_the_extra_stream(gateway: Service, data
         assert await asyncio.gather(*running) == [200, 200]
         again = await client.post(f"{gateway.url}/v1/chat/completions", json={**body, "stream": False}, headers=headers)
         assert again.status_code == 200
+
+
+async def test_a_stream_its_client_abandons_gives_its_concurrency_back(gateway: Service, database_url: str) -> None:
+    key = await create_key(database_url, name="abandoned", limits=KeyLimits(max_concurrent=1))
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 2000, "stream": True}
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            async for _line in r.aiter_lines():
+                break  # the first event arrived: hang up mid-answer
+        # The gateway and the session manager both let go of the lease; the slot is free again.
+        deadline = asyncio.get_running_loop().time() + 5
+        while True:
+            again = await client.post(
+                f"{gateway.url}/v1/chat/completions", json={**body, "max_tokens": 2, "stream": False}, headers=headers
+            )
+            if again.status_code == 200:
+                break
+            assert again.status_code == 429 and asyncio.get_running_loop().time() < deadline, again.text
+            await asyncio.sleep(0.1)
 
 
 def test_token_limit_counts_prompt_estimate_and_real_usage(gateway: Service, database_url: str) -> None:

@@ -80,3 +80,20 @@ async def test_expired_job_is_dead_lettered_by_the_broker(broker) -> None:
     assert message is not None and message.message_id == job.job_id
     assert message.headers["x-death"][0]["reason"] == "expired"
     await message.ack()
+
+
+async def test_a_job_whose_queue_vanished_is_refused_and_the_queue_comes_back(broker) -> None:
+    connection, names = broker
+    publisher = JobPublisher(connection, names, max_queued_jobs=10, publish_timeout_s=5)
+    await publisher.start()
+    await publisher.publish(_job(names), priority=0, request_id="declares the queue")
+    channel = await connection.channel()
+    await channel.queue_delete(names.jobs_queue("m"))  # an operator's mistake
+    with pytest.raises(Unavailable, match="was missing"):
+        await publisher.publish(_job(names), priority=0, request_id="returned unrouted")
+    job = _job(names)
+    await publisher.publish(job, priority=0, request_id="declared again")
+    queue = await declare_job_queue(channel, names, "m", max_queued_jobs=10)
+    message = await queue.get(timeout=5)
+    assert message.message_id == job.job_id
+    await message.ack()

@@ -1,54 +1,53 @@
-"""TokenRelay against the real Redis: subscribe-before-publish, fan-out, slow consumers."""
+"""TokenRelay against the real Redis: subscribe-before-publish, fan-out, slow consumers, spares."""
 
 import asyncio
 import uuid
 
 import pytest
 
-from shared.clients import create_redis
+from shared.names import Names
 from services.sessions.relay import STREAM_LOST, TokenRelay
 from tests.conftest import REDIS_URL
+from tests.e2e.tcpproxy import TcpProxy
+
+
+def _relay(namespace: str, url: str = REDIS_URL, *, spares: int = 0) -> TokenRelay:
+    return TokenRelay(url, Names(namespace), buffer_chunks=16, subscribe_timeout_s=2, spare_streams=spares)
 
 
 @pytest.fixture
 async def relay(namespace):
-    subscriber = create_redis(REDIS_URL, timeout_s=5, for_pubsub=True)
-    relay = TokenRelay(
-        subscriber, home_channel=f"{namespace}:relay:{uuid.uuid4().hex}", buffer_chunks=16, subscribe_timeout_s=5
-    )
-    await relay.start()
+    relay = _relay(namespace)
     yield relay
     await relay.stop()
-    await subscriber.aclose()
 
 
 async def test_message_published_right_after_open_is_received(relay, redis_client, namespace) -> None:
-    channel = f"{namespace}:tokens:{uuid.uuid4()}"
-    stream = await relay.open(channel)
-    # open() returned only after Redis confirmed: a publish now must reach us.
-    assert await redis_client.publish(channel, b"first") == 1
+    stream = await relay.open_job()
+    assert stream.channel == f"{namespace}:tokens:{stream.job_id}"
+    # open_job() returned only after Redis confirmed: a publish now must reach us.
+    assert await redis_client.publish(stream.channel, b"first") == 1
     assert await stream.next(timeout_s=2) == b"first"
     await stream.close()
-    assert await redis_client.publish(channel, b"late") == 0
+    await asyncio.sleep(0.05)  # the unsubscribe goes out with the next batch
+    assert await redis_client.publish(stream.channel, b"late") == 0
 
 
-async def test_many_streams_receive_only_their_own_chunks(relay, redis_client, namespace) -> None:
-    channels = [f"{namespace}:tokens:{uuid.uuid4()}" for _ in range(50)]
-    streams = await asyncio.gather(*(relay.open(c) for c in channels))
-    assert relay.active_streams == 50
-    for index, channel in enumerate(channels):
-        await redis_client.publish(channel, str(index).encode())
+async def test_many_streams_receive_only_their_own_chunks(relay, redis_client) -> None:
+    streams = await asyncio.gather(*(relay.open_job() for _ in range(50)))
+    assert relay.active_streams == 50 and len({s.job_id for s in streams}) == 50
+    for index, stream in enumerate(streams):
+        await redis_client.publish(stream.channel, str(index).encode())
     received = [await s.next(timeout_s=2) for s in streams]
     assert received == [str(i).encode() for i in range(50)]
     await asyncio.gather(*(s.close() for s in streams))
     assert relay.active_streams == 0
 
 
-async def test_slow_reader_is_cut_off_not_buffered_forever(relay, redis_client, namespace) -> None:
-    channel = f"{namespace}:tokens:{uuid.uuid4()}"
-    stream = await relay.open(channel)
+async def test_slow_reader_is_cut_off_not_buffered_forever(relay, redis_client) -> None:
+    stream = await relay.open_job()
     for index in range(40):  # buffer holds 16
-        await redis_client.publish(channel, str(index).encode())
+        await redis_client.publish(stream.channel, str(index).encode())
     items = []
     while True:
         item = await stream.next(timeout_s=2)
@@ -58,8 +57,46 @@ async def test_slow_reader_is_cut_off_not_buffered_forever(relay, redis_client, 
     assert len(items) <= 16 and items[-1] == STREAM_LOST
 
 
-async def test_next_times_out(relay, namespace) -> None:
-    stream = await relay.open(f"{namespace}:tokens:{uuid.uuid4()}")
+async def test_next_times_out(relay) -> None:
+    stream = await relay.open_job()
     with pytest.raises(TimeoutError):
         await stream.next(timeout_s=0.2)
     await stream.close()
+
+
+async def test_spare_streams_are_subscribed_ahead_and_refilled(redis_client, namespace) -> None:
+    relay = _relay(namespace, spares=8)
+    try:
+        await relay.open_job()  # no spare yet: subscribes on demand, and starts the refill
+        for _ in range(50):
+            if len(relay._spares) == 8:
+                break
+            await asyncio.sleep(0.02)
+        ahead = relay._spares[-1]
+        assert await redis_client.publish(ahead.channel, b"x") == 1  # already subscribed, before anyone asks
+        taken = await relay.open_job()
+        assert taken is ahead and await taken.next(timeout_s=2) == b"x"
+        assert relay.active_streams == 2
+    finally:
+        await relay.stop()
+
+
+async def test_a_dropped_subscriber_connection_ends_every_stream_and_the_next_open_reconnects(
+    redis_client, namespace
+) -> None:
+    proxy = TcpProxy("127.0.0.1", 6379).start()
+    relay = _relay(namespace, f"redis://127.0.0.1:{proxy.port}/0")
+    try:
+        stream = await relay.open_job()
+        await redis_client.publish(stream.channel, b"before")
+        assert await stream.next(timeout_s=2) == b"before"
+        proxy.cut()
+        assert await stream.next(timeout_s=2) == STREAM_LOST
+        assert relay.active_streams == 0
+        proxy.restore()
+        again = await relay.open_job()
+        await redis_client.publish(again.channel, b"after")
+        assert await again.next(timeout_s=2) == b"after"
+    finally:
+        await relay.stop()
+        proxy.close()

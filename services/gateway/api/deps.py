@@ -1,6 +1,7 @@
 """Request dependencies of the public and admin APIs.
 
-`CallerDep` is the one place that decides who is calling; `AdminDep` guards /admin.
+`CallerDep` is the one place that decides who is calling; `AdminDep` guards /admin. Every
+dependency is `async def`: FastAPI runs a plain `def` one in a thread pool.
 """
 
 import hmac
@@ -25,7 +26,7 @@ async def get_caller(
     return record
 
 
-def require_admin(
+async def require_admin(
     request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
 ) -> None:
     expected = request.app.state.settings.admin_token.get_secret_value()
@@ -39,7 +40,7 @@ async def get_service(request: Request) -> GatewayService:
     return request.app.state.gateway
 
 
-def get_keys(request: Request) -> KeyRepository:
+async def get_keys(request: Request) -> KeyRepository:
     return request.app.state.keys
 
 

@@ -1,10 +1,15 @@
 """Public API routes: the caller is authenticated by `CallerDep`; the service admits and forwards.
 
 The routes read bodies raw and forward them; `api/openapi.py` describes them for the OpenAPI schema.
+The two completion routes are answered by `GatewayService.completion` ahead of FastAPI
+(`HOT_ROUTES`); FastAPI only documents them.
 """
 
 from fastapi import APIRouter, Request, Security
 from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from shared.web import HotRoute
 
 from services.gateway.api.deps import CallerDep, ServiceDep
 from services.gateway.api.openapi import (
@@ -32,16 +37,30 @@ _PAGE_MESSAGES = [
 ]
 
 
-@router.post("/v1/chat/completions", responses=COMPLETION_RESPONSES, openapi_extra=json_body(CHAT_COMPLETION_REQUEST))
-async def chat_completions(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
-    """Create a chat completion (OpenAI-compatible; `stream: true` for server-sent events)."""
-    return await service.completion(request, caller)
+async def _completion(scope: Scope, receive: Receive, send: Send) -> None:
+    await scope["app"].state.gateway.completion(scope, receive, send)
 
 
-@router.post("/v1/completions", responses=COMPLETION_RESPONSES, openapi_extra=json_body(COMPLETION_REQUEST))
-async def completions(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
-    """Create a text completion (OpenAI-compatible; `stream: true` for server-sent events)."""
-    return await service.completion(request, caller)
+HOT_ROUTES = [HotRoute("POST", "/v1/chat/completions", _completion), HotRoute("POST", "/v1/completions", _completion)]
+"""The completion routes: plain ASGI handlers ahead of FastAPI (`shared.web.HotRoutes`)."""
+
+
+async def _answered_by_hot_route() -> None:
+    """FastAPI never calls this: `HotRoutes` answers these routes before FastAPI's routing. The
+    routes are declared here only so that the OpenAPI schema describes them."""
+    raise RuntimeError("the completion routes are answered by HotRoutes")
+
+
+for _path, _name, _what, _body in [
+    ("/v1/chat/completions", "chat_completions", "chat completion", CHAT_COMPLETION_REQUEST),
+    ("/v1/completions", "completions", "text completion", COMPLETION_REQUEST),
+]:
+    router.add_api_route(
+        _path, _answered_by_hot_route, methods=["POST"], responses=COMPLETION_RESPONSES,
+        openapi_extra=json_body(_body), summary=_name.replace("_", " ").title(),
+        description=f"Create a {_what} (OpenAI-compatible; `stream: true` for server-sent events).",
+        operation_id=f"{_name}{_path.replace('/', '_')}_post",
+    )  # fmt: skip
 
 
 @router.get("/v1/models", responses=error_responses())

@@ -1,40 +1,66 @@
-"""Request dependencies: the service objects and the caller identity the gateway forwards."""
+"""The caller identity the gateway forwards (`caller_from`, read by the hot completion routes
+too) and the FastAPI dependency for it.
+
+Every dependency is `async def`: FastAPI runs a plain `def` one in a thread pool, a thread hop
+per request.
+"""
 
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
+from starlette.types import Scope
 
+from shared.errors import InvalidRequest
 from shared.logging import bind_contextvars
-from services.sessions.service import Caller, CompletionService
+from shared.web import header
+from services.sessions.service import Caller
 
-# Headers the gateway sets after authenticating the caller. The session manager is
-# internal: only the gateway can reach it (NetworkPolicy in the Helm chart).
-TENANT_HEADER = "x-axon-tenant"
-PRIORITY_HEADER = "x-axon-priority"
-
-
-def get_service(request: Request) -> CompletionService:
-    return request.app.state.completions
+# Headers the gateway sets after authenticating the caller. The session manager is internal:
+# only the gateway can reach it (NetworkPolicy in the Helm chart).
+TENANT_HEADER = b"x-axon-tenant"
+# The concurrency lease a completion holds: the session manager releases it when the answer ends.
+LEASE_HEADER = b"x-axon-lease-id"
 
 
-async def get_caller(
-    tenant: Annotated[str, Header(alias=TENANT_HEADER, min_length=1, max_length=128)],
-    priority: Annotated[int, Header(alias=PRIORITY_HEADER, ge=0, le=9)] = 0,
-    key_id: Annotated[str | None, Header(alias="x-axon-key-id", max_length=64)] = None,
-    tpm_limit: Annotated[int, Header(alias="x-axon-tpm-limit", ge=0)] = 0,
-    prompt_estimate: Annotated[int, Header(alias="x-axon-prompt-estimate", ge=0)] = 0,
-) -> Caller:
-    # Async, so it runs in the request's task and the binding reaches every later log line.
+def caller_from(scope: Scope) -> Caller:
+    """Who is asking, from the headers the gateway set.
+
+    Raises:
+        InvalidRequest: a header is missing or out of range.
+    """
+    tenant = header(scope, TENANT_HEADER)
+    if not tenant or len(tenant) > 128:
+        raise InvalidRequest("x-axon-tenant: a tenant of 1 to 128 characters is required.", param="x-axon-tenant")
+    key_id = header(scope, b"x-axon-key-id")
+    if key_id is not None and len(key_id) > 64:
+        raise InvalidRequest("x-axon-key-id: at most 64 characters.", param="x-axon-key-id")
+    lease_id = header(scope, LEASE_HEADER)
+    if lease_id is not None and len(lease_id) > 64:
+        raise InvalidRequest("x-axon-lease-id: at most 64 characters.", param="x-axon-lease-id")
     bind_contextvars(tenant=tenant)
     return Caller(
-        tenant=tenant, priority=priority, key_id=key_id, tpm_limit=tpm_limit, prompt_estimate=prompt_estimate
+        tenant=tenant,
+        priority=_int_header(scope, b"x-axon-priority", high=9),
+        key_id=key_id,
+        tpm_limit=_int_header(scope, b"x-axon-tpm-limit"),
+        prompt_estimate=_int_header(scope, b"x-axon-prompt-estimate"),
+        lease_id=lease_id,
     )
 
 
-def get_request_id(request: Request) -> str:
-    return request.scope["state"]["request_id"]
+def _int_header(scope: Scope, name: bytes, *, high: int | None = None) -> int:
+    raw = header(scope, name)
+    if raw is None:
+        return 0
+    if not raw.isdigit() or (high is not None and int(raw) > high):
+        bounds = f"0 to {high}" if high is not None else "a whole number of at least 0"
+        raise InvalidRequest(f"{name.decode()}: must be {bounds}.", param=name.decode())
+    return int(raw)
 
 
-ServiceDep = Annotated[CompletionService, Depends(get_service)]
+async def get_caller(request: Request) -> Caller:
+    # Async, so it runs in the request's task and the tenant it binds reaches every later log line.
+    return caller_from(request.scope)
+
+
 CallerDep = Annotated[Caller, Depends(get_caller)]
-RequestIdDep = Annotated[str, Depends(get_request_id)]

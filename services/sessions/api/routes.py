@@ -1,81 +1,103 @@
-"""HTTP routes of the session manager: they only translate between HTTP and the service."""
+"""HTTP routes of the session manager: they only translate between HTTP and the service.
+
+The completion routes, which every generated token takes, are plain ASGI handlers ahead of
+FastAPI (`HOT_ROUTES`, installed with `shared.web.HotRoutes`); the rest are FastAPI routes.
+"""
 
 import asyncio
-from collections.abc import Awaitable
 
+import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
 
 from shared.errors import AxonError, ModelNotFound
 from shared.logging import bind_contextvars
-from shared.web import ClientGone, ORJSONResponse, unless_disconnected
-from services.sessions.api.deps import CallerDep, RequestIdDep, ServiceDep
+from shared.web import SSE_END, DisconnectWatch, HotRoute, ORJSONResponse, invalid_request, read_body, send_json
+from services.sessions.api.deps import caller_from
 from services.sessions.protocol import ChatCompletionRequest, CompletionRequest, Kind
+from services.sessions.service import Caller, CompletionService
 
 router = APIRouter()
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The gateway forwards bodies of at most AXON_MAX_BODY_BYTES; this only bounds a bad internal caller.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+def _parse(kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionRequest:
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise invalid_request(exc.errors()) from None
+
+
+def _hot_completion(kind: Kind) -> HotRoute:
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+
+    async def handler(scope: Scope, receive: Receive, send: Send) -> None:
+        service: CompletionService = scope["app"].state.completions
+        metrics = scope["app"].state.metrics
+        caller = caller_from(scope)
+        body = _parse(kind, await read_body(scope, receive, max_bytes=MAX_BODY_BYTES))
+        status, model = 500, body.model
+        try:
+            status = await _complete(service, body, kind=kind, caller=caller, scope=scope, receive=receive, send=send)
+        except AxonError as exc:
+            status = exc.status_code
+            model = "unknown" if isinstance(exc, ModelNotFound) else model
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away (or the process is stopping)
+            raise
+        finally:
+            # Model label values come from clients: a model no worker ever served is `unknown`.
+            metrics.completion_requests.labels(path, model, str(status)).inc()
+
+    return HotRoute("POST", path, handler)
 
 
 async def _complete(
+    service: CompletionService,
     body: ChatCompletionRequest | CompletionRequest,
     *,
     kind: Kind,
-    service: ServiceDep,
-    caller: CallerDep,
-    request_id: str,
-    request: Request,
-) -> Response:
+    caller: Caller,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+) -> int:
+    """Run the completion and write the answer; returns the status sent."""
     if isinstance(body, ChatCompletionRequest) and body.session_id is not None:
         bind_contextvars(session_id=body.session_id)
-    active = await service.start(body, kind=kind, caller=caller, request_id=request_id)
-    first, rest = await unless_disconnected(request, service.first_chunk(active))
-    if body.stream:
-        events = service.sse(active, first, rest, include_usage=body.include_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers={**_SSE_HEADERS, **active.headers()})
-    answer = await unless_disconnected(request, service.collect(active, first, rest))
-    return ORJSONResponse(answer, headers=active.headers())
-
-
-async def _counted(request: Request, model: str, answer: Awaitable[Response]) -> Response:
-    """Await the answer and count it by route, model and status (`axon_sessions_completion_requests_total`).
-
-    A model no worker has ever served is counted as `unknown`: label values must not come
-    from arbitrary client input.
-    """
-    status = 500
+    active = await service.start(body, kind=kind, caller=caller, request_id=scope["state"]["request_id"])
+    watch = DisconnectWatch(scope, receive)
     try:
-        response = await answer
-        status = response.status_code
-        return response
-    except AxonError as exc:
-        status = exc.status_code
-        model = "unknown" if isinstance(exc, ModelNotFound) else model
-        raise
-    except (ClientGone, asyncio.CancelledError):
-        status = 499
-        raise
+        first, rest = await service.first_chunk(active)
+        extra = [(name.encode(), value.encode()) for name, value in active.headers().items()]
+        if not body.stream:
+            answer = await service.collect(active, first, rest)
+            watch.stop()
+            await send_json(send, 200, orjson.dumps(answer), extra)
+            return 200
+        started = False
+        async for piece in service.sse(active, first, rest, include_usage=body.include_usage):
+            if not started:  # the head goes out right before the first piece: the gateway reads them together
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + extra})
+                started = True
+            ended = piece.endswith(SSE_END)
+            if ended:
+                watch.stop()
+            await send({"type": "http.response.body", "body": piece, "more_body": not ended})
+        return 200
     finally:
-        route = request.scope["route"].path
-        request.app.state.metrics.completion_requests.labels(route, model, str(status)).inc()
+        watch.stop()
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(
-    body: ChatCompletionRequest, service: ServiceDep, caller: CallerDep, request_id: RequestIdDep, request: Request
-) -> Response:
-    """Create a chat completion (streamed as server-sent events when `stream` is true)."""
-    answer = _complete(body, kind="chat", service=service, caller=caller, request_id=request_id, request=request)
-    return await _counted(request, body.model, answer)
-
-
-@router.post("/v1/completions")
-async def completions(
-    body: CompletionRequest, service: ServiceDep, caller: CallerDep, request_id: RequestIdDep, request: Request
-) -> Response:
-    """Create a text completion (streamed as server-sent events when `stream` is true)."""
-    answer = _complete(body, kind="completion", service=service, caller=caller, request_id=request_id, request=request)
-    return await _counted(request, body.model, answer)
+HOT_ROUTES = [_hot_completion("chat"), _hot_completion("completion")]
 
 
 @router.get("/v1/models")
@@ -83,3 +105,4 @@ async def list_models(request: Request) -> Response:
     """List the models that at least one live worker serves, and their aliases."""
     models = await request.app.state.catalog.listing()
     return ORJSONResponse({"object": "list", "data": models})
+

@@ -17,7 +17,6 @@ def all_names(names: Names) -> dict[str, str]:
         "dead_letter_queue": names.dead_letter_queue,
         "tokens_channel": names.tokens_channel(JOB_ID),
         "cancel_channel": names.cancel_channel,
-        "relay_channel": names.relay_channel("r1"),
         "workers_key": names.workers_key,
         "models_key": names.models_key,
         "key_cache": names.key_cache("ab12"),

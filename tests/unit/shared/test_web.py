@@ -8,9 +8,12 @@ import pytest
 import structlog
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.errors import InvalidRequest, Unavailable
-from shared.web import REQUEST_ID_HEADER, RequestContextMiddleware, install_error_handlers
+from shared.web import (
+    REQUEST_ID_HEADER, HotRoute, HotRoutes, RequestContextMiddleware, install_error_handlers, read_body, send_json,
+)  # fmt: skip
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -184,3 +187,58 @@ async def test_non_ascii_request_id_is_echoed_unchanged_or_replaced(client: http
     response = await client.get("/ok", headers={REQUEST_ID_HEADER: sent})
     returned = dict(response.headers.raw)[REQUEST_ID_HEADER.encode()]
     assert returned == sent or re.fullmatch(rb"[0-9a-f]{32}", returned)
+
+
+def build_hot_app() -> FastAPI:
+    """A FastAPI app with hot routes in front, as the gateway and the session manager install them."""
+
+    async def echo(scope, receive, send) -> None:  # noqa: ANN001
+        body = await read_body(scope, receive, max_bytes=16)
+        await send_json(send, 200, b'{"echo": "%s"}' % body, [(b"x-hot", b"1")])
+
+    async def refuses(scope, receive, send) -> None:  # noqa: ANN001
+        raise InvalidRequest("nope", param="model")
+
+    async def storage_down(scope, receive, send) -> None:  # noqa: ANN001
+        raise RedisConnectionError("gone")
+
+    async def crashes(scope, receive, send) -> None:  # noqa: ANN001
+        raise RuntimeError("secret internal detail")
+
+    app = build_app()
+    hot = [HotRoute("POST", "/hot/echo", echo), HotRoute("POST", "/hot/refuses", refuses),
+           HotRoute("POST", "/hot/down", storage_down), HotRoute("POST", "/hot/crashes", crashes)]  # fmt: skip
+    app.add_middleware(HotRoutes, routes=hot)
+    app.add_middleware(RequestContextMiddleware)
+    return app
+
+
+@pytest.fixture
+async def hot_client() -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=build_hot_app(), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        yield http
+
+
+async def test_hot_routes_answer_with_a_request_id_and_everything_else_reaches_fastapi(hot_client) -> None:  # noqa: ANN001
+    response = await hot_client.post("/hot/echo", content=b"hi")
+    assert response.status_code == 200 and response.json() == {"echo": "hi"}
+    assert response.headers["x-hot"] == "1" and response.headers[REQUEST_ID_HEADER]
+    assert (await hot_client.get("/hot/echo")).status_code == 404  # another method: not a hot route
+    assert (await hot_client.get("/ok")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "code"),
+    [("/hot/refuses", 400, None), ("/hot/down", 503, None), ("/hot/crashes", 500, "internal_error")],
+)
+async def test_hot_route_errors_map_as_fastapis_do(hot_client, path: str, status: int, code: str | None) -> None:  # noqa: ANN001
+    error = assert_openai_error(await hot_client.post(path, content=b"{}"), status)
+    assert "secret" not in error["message"]
+    if code:
+        assert error["code"] == code
+
+
+async def test_a_hot_route_refuses_a_body_past_its_limit(hot_client) -> None:  # noqa: ANN001
+    error = assert_openai_error(await hot_client.post("/hot/echo", content=b"x" * 17), 413)
+    assert error["code"] == "request_too_large"

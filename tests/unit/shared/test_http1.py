@@ -1,4 +1,4 @@
-"""services.cli.http1.Http1Pool against a scripted raw HTTP server: keep-alive reuse, the idle-close
+"""shared.http1.Http1Pool (and so Http1Client) against a scripted raw HTTP server: keep-alive reuse, the idle-close
 race, broken responses, unframed bodies and the body sink."""
 
 import asyncio
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.cli.http1 import ConnectError, Http1Pool, RemoteProtocolError
+from shared.http1 import ConnectError, Http1Client, Http1Pool, ReadTimeout, RemoteProtocolError
 
 
 
@@ -186,3 +186,94 @@ def test_only_plain_http_urls_are_supported() -> None:
     assert not Http1Pool.supports("https://api.example.com/v1/completions")
     with pytest.raises(ValueError):
         pool("https://api.example.com/v1")
+
+
+def client_for(url: str, **kwargs: object) -> Http1Client:
+    options = {"max_idle_connections": 4, "connect_timeout_s": 5.0}
+    return Http1Client(url.split("/v1")[0], **{**options, **kwargs})  # type: ignore[arg-type]
+
+
+async def test_a_streamed_body_arrives_in_pieces_as_it_is_sent() -> None:
+    release = asyncio.Event()
+
+    # A server that sends the head and one event, waits, then the rest: the first piece must
+    # reach the caller before the rest is sent.
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+        await release.wait()
+        writer.write(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    streaming = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = client_for(f"http://127.0.0.1:{streaming.sockets[0].getsockname()[1]}", read_timeout_s=5)
+    try:
+        response = await client.request("POST", "/v1/chat/completions", headers={"x-a": "1"}, body=b"{}")
+        assert response.status == 200 and response.header(b"content-type") == b"text/event-stream"
+        pieces = response.pieces()
+        assert await anext(pieces) == b"data: 1\n\n"
+        release.set()
+        assert [piece async for piece in pieces] == [b"data: 2\n\n"]
+    finally:
+        await client.aclose()
+        streaming.close()
+
+
+async def test_a_silent_server_times_out_on_the_head_and_mid_body() -> None:
+    async def silent_after_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        if b"/body" in head:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+            await writer.drain()
+        await asyncio.sleep(10)
+
+    server = await asyncio.start_server(silent_after_head, "127.0.0.1", 0)
+    client = client_for(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", read_timeout_s=0.2)
+    try:
+        with pytest.raises(ReadTimeout):
+            await client.request("GET", "/head")
+        response = await client.request("GET", "/body")
+        with pytest.raises(ReadTimeout):
+            await response.read()
+    finally:
+        await client.aclose()
+        server.close()
+
+
+async def test_busy_connections_cap_the_requests_in_flight(serve) -> None:  # noqa: ANN001
+    gate = asyncio.Event()
+
+    async def held(_number: int, body: bytes) -> bytes:
+        await gate.wait()
+        return ok(body)
+
+    server = await serve(held)
+    client = client_for(server.url, max_connections=1, connect_timeout_s=0.2)
+    try:
+        first = asyncio.ensure_future(client.request("POST", "/v1/chat/completions", body=b"1"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ConnectError, match="all 1 connections are busy"):
+            await client.request("POST", "/v1/chat/completions", body=b"2")
+        gate.set()
+        assert await (await first).read() == b"1"
+        assert await (await client.request("POST", "/v1/chat/completions", body=b"3")).read() == b"3"
+    finally:
+        await client.aclose()
+
+
+async def test_an_idle_connection_past_its_timeout_is_not_reused(serve) -> None:  # noqa: ANN001
+    async def echo(_number: int, body: bytes) -> bytes:
+        return ok(body)
+
+    server = await serve(echo)
+    client = client_for(server.url, idle_timeout_s=0.1)
+    try:
+        assert await (await client.request("POST", "/v1/x", body=b"a")).read() == b"a"
+        assert await (await client.request("POST", "/v1/x", body=b"b")).read() == b"b"
+        await asyncio.sleep(0.2)
+        assert await (await client.request("POST", "/v1/x", body=b"c")).read() == b"c"
+    finally:
+        await client.aclose()
+    assert server.connections == 2

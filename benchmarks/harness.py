@@ -1,0 +1,247 @@
+"""What the benchmarks share: a database and Redis namespace of their own, real service processes,
+API keys, and the CPU time each process (and Redis, RabbitMQ, PostgreSQL) spends.
+
+Everything a benchmark creates is removed at the end (`BenchEnvironment` is a context manager).
+"""
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+import httpx
+
+from shared.keys import KeyLimits, KeyRepository
+from shared.migrations import migrate, split_database_url
+
+ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
+# Limits far above anything a benchmark sends: every request is admitted, but all three limits
+# (requests, tokens, concurrency) are checked on every request, as in production.
+UNLIMITED = KeyLimits(rpm=1_000_000_000, tpm=2_000_000_000, max_concurrent=100_000)
+SERVICE_MODULES = {
+    "worker": "services.worker.main",
+    "sessions": "services.sessions.main",
+    "gateway": "services.gateway.main",
+}
+_PORT_VARIABLES = {"worker": "AXON_WORKER_PORT", "sessions": "AXON_SESSIONS_PORT", "gateway": "AXON_GATEWAY_PORT"}
+# The shared servers whose CPU a benchmark also reports (process name patterns for pgrep).
+SERVERS = {"redis": "redis-server", "rabbitmq": "beam.smp", "postgres": "postgres"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process (all its threads) has used so far; None off Linux."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_pids() -> dict[str, list[int]]:
+    """The pids of the local Redis, RabbitMQ and PostgreSQL servers (empty where not found)."""
+    pids = {}
+    for name, pattern in SERVERS.items():
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, check=False).stdout.split()
+        pids[name] = [int(pid) for pid in found]
+    return pids
+
+
+@dataclass
+class Process:
+    name: str
+    port: int
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self, timeout_s: float = 20) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=5)
+
+
+def start_process(name: str, argv: list[str], env: dict[str, str], log_dir: Path, port: int) -> Process:
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as log_file:
+        popen = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    return Process(name, port, popen, log_path)
+
+
+def wait_ready(process: Process, timeout_s: float = 120) -> None:
+    """Until `GET /ready` answers 200.
+
+    Raises:
+        RuntimeError: the process exited.
+        TimeoutError: it was not ready in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.popen.poll() is not None:
+            raise RuntimeError(f"{process.name} exited:\n{process.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{process.url}/ready", timeout=2).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{process.name} not ready in {timeout_s}s:\n{process.log_tail()}")
+
+
+@dataclass
+class BenchEnvironment:
+    """A database (`axon_bench_<id>`), Redis namespace and log folder of one benchmark run."""
+
+    postgres_url: str = os.environ.get("AXON_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    redis_url: str = os.environ.get("AXON_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+    amqp_url: str = os.environ.get("AXON_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
+    processes: list[Process] = field(default_factory=list)
+    # Models whose job queues this run declared (removed with the run).
+    models: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.namespace = f"axon_bench_{self.run_id}"
+        admin_url, _ = split_database_url(self.postgres_url)
+        self.database_url = admin_url.rsplit("/", 1)[0] + f"/axon_bench_{self.run_id}"
+        self.log_dir = Path(tempfile.mkdtemp(prefix="axon-bench-"))
+
+    def __enter__(self) -> "BenchEnvironment":
+        asyncio.run(migrate(self.database_url))
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        asyncio.run(_drop_database(self.database_url))
+        asyncio.run(_delete_namespace(self.redis_url, self.namespace))
+        asyncio.run(_delete_topology(self.amqp_url, self.namespace, self.models))
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of a service of this run (the caller's own AXON_* settings dropped)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AXON_")}
+        env.update(
+            AXON_NAMESPACE=self.namespace, AXON_REDIS_URL=self.redis_url, AXON_AMQP_URL=self.amqp_url,
+            AXON_DATABASE_URL=self.database_url, AXON_ADMIN_TOKEN=ADMIN_TOKEN, AXON_LOG_LEVEL="INFO",
+        )  # fmt: skip
+        env.update(extra or {})
+        return env
+
+    def create_key(self, limits: KeyLimits = UNLIMITED) -> str:
+        """A new API key in this run's database (printed nowhere)."""
+
+        async def create() -> str:
+            pool = await asyncpg.create_pool(self.database_url, min_size=1, max_size=1)
+            try:
+                key, _record = await KeyRepository(pool).create(name="bench", limits=limits, tenant="bench")
+                return key
+            finally:
+                await pool.close()
+
+        return asyncio.run(create())
+
+    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None, port: int | None = None) -> Process:
+        process = start_process(name, argv, self.env(env), self.log_dir, port or free_port())
+        self.processes.append(process)
+        return process
+
+    def start_service(self, kind: str, *, env: dict[str, str] | None = None, name: str | None = None) -> Process:
+        """An Axon service (`worker`, `sessions`, `gateway`) as its console script runs it, once ready."""
+        port = free_port()
+        process = self.start(
+            name or kind, [sys.executable, "-m", SERVICE_MODULES[kind]], env={_PORT_VARIABLES[kind]: str(port), **(env or {})},
+            port=port,
+        )  # fmt: skip
+        wait_ready(process)
+        return process
+
+    def start_stack(self, worker_env: dict[str, str]) -> dict[str, Process]:
+        """Worker, session manager and gateway, as `axon up` starts them."""
+        self.models.add(worker_env["AXON_MODEL"])
+        worker = self.start_service("worker", env=worker_env)
+        sessions = self.start_service("sessions")
+        gateway = self.start_service("gateway", env={"AXON_SESSIONS_URL": sessions.url})
+        return {"worker": worker, "sessions": sessions, "gateway": gateway}
+
+
+class CpuMeter:
+    """CPU seconds each watched process spends between `start()` and `stop()`."""
+
+    def __init__(self, pids: dict[str, list[int]]) -> None:
+        self._pids = pids
+        self._before: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}
+
+    def _read(self) -> dict[str, float]:
+        return {name: sum(cpu_seconds(pid) or 0.0 for pid in pids) for name, pids in self._pids.items()}
+
+    def start(self) -> None:
+        self._before = self._read()
+
+    def stop(self) -> dict[str, float]:
+        after = self._read()
+        self.seconds = {name: after[name] - self._before.get(name, 0.0) for name in after}
+        return self.seconds
+
+
+async def _drop_database(url: str) -> None:
+    admin_url, name = split_database_url(url)
+    conn = await asyncpg.connect(admin_url, timeout=10)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+async def _delete_namespace(redis_url: str, namespace: str) -> None:
+    from shared.clients import create_redis
+
+    client = create_redis(redis_url, timeout_s=5)
+    try:
+        async for name in client.scan_iter(match=f"{namespace}:*", count=1000):
+            await client.delete(name)
+    finally:
+        await client.aclose()
+
+
+async def _delete_topology(amqp_url: str, namespace: str, models: set[str]) -> None:
+    import aio_pika
+
+    from shared.names import Names
+
+    names = Names(namespace)
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    try:
+        channel = await connection.channel()
+        for queue in [*(names.jobs_queue(model) for model in models), names.dead_letter_queue]:
+            await channel.queue_delete(queue)
+        for exchange in (names.jobs_exchange, names.dead_letter_exchange):
+            await channel.exchange_delete(exchange)
+    finally:
+        await connection.close()

@@ -1,0 +1,139 @@
+"""Slow and abusive clients against a gateway with short connection limits: idle and half-sent
+requests time out, huge heads are refused at once, and a client that stops reading is cut off
+without stalling anyone else (and its generation is cancelled)."""
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+
+from tests.e2e.stack import Service, Stack
+from tests.e2e.test_workers import metric
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "hostile-sim"
+LIMITS = {
+    "AXON_REQUEST_HEAD_TIMEOUT_S": "1", "AXON_REQUEST_BODY_TIMEOUT_S": "1", "AXON_MAX_HEADER_BYTES": "8192",
+    "AXON_CLIENT_STALL_TIMEOUT_S": "2", "AXON_CLIENT_SEND_BUFFER_BYTES": "16384",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hostile(stack: Stack) -> Iterator[tuple[Service, Service]]:
+    """A fast sim worker, its session manager (long answers allowed) and a gateway with short limits."""
+    worker = stack.start(
+        "worker:hostile", env={"AXON_ENGINE": "sim", "AXON_MODEL": MODEL, "AXON_SIM_TTFT_MS": "0",
+                               "AXON_SIM_ITL_MS": "0.5", "AXON_SIM_CONTEXT_TOKENS": "100000"},
+    )  # fmt: skip
+    sessions = stack.start("sessions:hostile", env={"AXON_MAX_TOKENS_LIMIT": "50000"})
+    gateway = stack.start("gateway:hostile", env={"AXON_SESSIONS_URL": sessions.url, **LIMITS})
+    yield gateway, worker
+
+
+def _connect(service: Service) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", service.port), timeout=10)
+    return sock
+
+
+def _read_all(sock: socket.socket, timeout_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes; and how long that took."""
+    sock.settimeout(timeout_s)
+    started, received = time.monotonic(), b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received, time.monotonic() - started
+
+
+def test_an_idle_connection_is_closed_after_the_head_timeout(hostile) -> None:
+    gateway, _ = hostile
+    with _connect(gateway) as sock:
+        received, waited_s = _read_all(sock, timeout_s=10)
+    assert received == b"" and 0.8 < waited_s < 5
+
+
+def test_a_half_sent_head_gets_408_and_the_connection_is_closed(hostile) -> None:
+    gateway, _ = hostile
+    with _connect(gateway) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bear")
+        received, waited_s = _read_all(sock, timeout_s=10)
+    assert received.startswith(b"HTTP/1.1 408 ") and 0.8 < waited_s < 5
+    error = orjson.loads(received.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "request_timeout" and set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_huge_head_is_refused_at_once_with_431(hostile) -> None:
+    gateway, _ = hostile
+    with _connect(gateway) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 64 * 1024 + b"\r\n\r\n")
+        received, waited_s = _read_all(sock, timeout_s=10)
+    assert received.startswith(b"HTTP/1.1 431 ") and waited_s < 1
+    assert orjson.loads(received.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_header_too_large"
+
+
+def test_a_half_sent_body_gets_408_in_openai_shape(hostile, auth: dict) -> None:
+    gateway, _ = hostile
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {auth['Authorization']}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with _connect(gateway) as sock:
+        sock.sendall(head.encode() + b'{"model": "')
+        received, waited_s = _read_all(sock, timeout_s=10)
+    assert received.startswith(b"HTTP/1.1 408 ") and 0.8 < waited_s < 5
+    assert orjson.loads(received.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+
+
+async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(hostile, auth: dict) -> None:
+    gateway, worker = hostile
+    cancelled_before = metric(worker, "axon_worker_jobs_total", model=MODEL, outcome="cancelled")
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 40000,
+                         "stream": True})  # fmt: skip
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {auth['Authorization']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads nothing: tiny buffer
+    sock.connect(("127.0.0.1", gateway.port))
+    sock.sendall(request)
+    try:
+        # Meanwhile other clients are served as usual.
+        async with httpx.AsyncClient(timeout=30) as client:
+            for _ in range(5):
+                other = await client.post(
+                    f"{gateway.url}/v1/chat/completions", headers=auth,
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+                )  # fmt: skip
+                assert other.status_code == 200
+        # Within the stall timeout (2 s) of its buffers filling, the gateway hangs up on it
+        # (40,000 tokens at 0.5 ms take 20 s: the answer cannot have simply ended).
+        deadline = time.monotonic() + 15
+        while not _reset_by_peer(sock):
+            assert time.monotonic() < deadline, "the gateway kept the stalled client's connection"
+            await asyncio.sleep(0.25)
+    finally:
+        sock.close()
+    # ... and its generation was cancelled, not run to 40,000 tokens.
+    deadline = time.monotonic() + 10
+    while metric(worker, "axon_worker_jobs_total", model=MODEL, outcome="cancelled") <= cancelled_before:
+        assert time.monotonic() < deadline, "the stalled client's job was not cancelled"
+        await asyncio.sleep(0.2)
+    assert "client_stalled" in gateway.log_text()
+
+
+def _reset_by_peer(sock: socket.socket) -> bool:
+    """True once the server aborted the connection, found without reading anything."""
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+        return True
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+    return False
