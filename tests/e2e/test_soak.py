@@ -1,0 +1,29 @@
+"""The soak's short variant: `benchmarks/soak.py --minutes 1` (its own processes, ~70% of the
+measured capacity) must end with zero errors and flat memory. The 10-minute run is the same
+command without `--minutes` (docs/resilience.md)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+SOAK = Path(__file__).parents[2] / "benchmarks" / "soak.py"
+
+
+@pytest.mark.timeout(300)
+def test_one_minute_at_seventy_percent_of_capacity_without_errors_or_memory_growth(tmp_path: Path) -> None:
+    figures = tmp_path / "soak.json"
+    run = subprocess.run(
+        [sys.executable, str(SOAK), "--minutes", "1", "--json", str(figures)],
+        capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    result = json.loads(figures.read_text())
+    assert result["bench"]["requests"]["failed"] == 0
+    assert result["bench"]["requests"]["completed"] >= 0.9 * 60 * result["config"]["rate"]
+    assert all(growth < 0.10 for growth in result["growth"].values()), result["growth"]
