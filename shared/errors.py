@@ -65,11 +65,16 @@ class Conflict(AxonError):
 
 
 class RequestTimeout(AxonError):
-    """The client did not send its request (its body) in time."""
+    """The client did not send its request (its body) in time. The connection is closed after the
+    answer: the rest of the body may still be on its way and cannot start another request."""
 
     status_code = 408
     error_type = "invalid_request_error"
     default_code = "request_timeout"
+
+    def __init__(self, message: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.headers.setdefault("connection", "close")
 
 
 class PayloadTooLarge(AxonError):

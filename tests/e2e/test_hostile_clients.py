@@ -6,11 +6,13 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 
+from tests.e2e.load import report
 from tests.e2e.stack import Service, Stack
 from tests.e2e.test_workers import metric
 
@@ -54,6 +56,7 @@ def test_an_idle_connection_is_closed_after_the_head_timeout(hostile) -> None:
     with _connect(gateway) as sock:
         received, waited_s = _read_all(sock, timeout_s=10)
     assert received == b"" and 0.8 < waited_s < 5
+    report("idle connection (head timeout 1 s)", outcome="closed, nothing sent", closed_after_s=round(waited_s, 1))
 
 
 def test_a_half_sent_head_gets_408_and_the_connection_is_closed(hostile) -> None:
@@ -64,6 +67,7 @@ def test_a_half_sent_head_gets_408_and_the_connection_is_closed(hostile) -> None
     assert received.startswith(b"HTTP/1.1 408 ") and 0.8 < waited_s < 5
     error = orjson.loads(received.split(b"\r\n\r\n", 1)[1])["error"]
     assert error["code"] == "request_timeout" and set(error) == {"message", "type", "param", "code"}
+    report("half-sent request head (head timeout 1 s)", outcome="408 request_timeout", closed_after_s=round(waited_s, 1))
 
 
 def test_a_huge_head_is_refused_at_once_with_431(hostile) -> None:
@@ -73,6 +77,7 @@ def test_a_huge_head_is_refused_at_once_with_431(hostile) -> None:
         received, waited_s = _read_all(sock, timeout_s=10)
     assert received.startswith(b"HTTP/1.1 431 ") and waited_s < 1
     assert orjson.loads(received.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_header_too_large"
+    report("64 KiB request head (limit 8 KiB)", outcome="431 request_header_too_large", closed_after_s=round(waited_s, 2))
 
 
 def test_a_half_sent_body_gets_408_in_openai_shape(hostile, auth: dict) -> None:
@@ -84,8 +89,11 @@ def test_a_half_sent_body_gets_408_in_openai_shape(hostile, auth: dict) -> None:
     with _connect(gateway) as sock:
         sock.sendall(head.encode() + b'{"model": "')
         received, waited_s = _read_all(sock, timeout_s=10)
-    assert received.startswith(b"HTTP/1.1 408 ") and 0.8 < waited_s < 5
+    # Closed with the answer: the rest of the body must not be read as a next request.
+    assert received.startswith(b"HTTP/1.1 408 ") and 0.8 < waited_s < 1.9
+    assert b"\r\nconnection: close\r\n" in received.split(b"\r\n\r\n", 1)[0].lower() + b"\r\n"
     assert orjson.loads(received.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    report("half-sent body (body timeout 1 s)", outcome="408 request_timeout", closed_after_s=round(waited_s, 1))
 
 
 async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(hostile, auth: dict) -> None:
@@ -100,7 +108,9 @@ async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(ho
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads nothing: tiny buffer
     sock.connect(("127.0.0.1", gateway.port))
+    rss_before = _rss_kib(gateway)
     sock.sendall(request)
+    sent = time.monotonic()
     try:
         # Meanwhile other clients are served as usual.
         async with httpx.AsyncClient(timeout=30) as client:
@@ -116,6 +126,8 @@ async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(ho
         while not _reset_by_peer(sock):
             assert time.monotonic() < deadline, "the gateway kept the stalled client's connection"
             await asyncio.sleep(0.25)
+        cut_off_s = time.monotonic() - sent
+        rss_growth_kib = _rss_kib(gateway) - rss_before
     finally:
         sock.close()
     # ... and its generation was cancelled, not run to 40,000 tokens.
@@ -124,6 +136,13 @@ async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(ho
         assert time.monotonic() < deadline, "the stalled client's job was not cancelled"
         await asyncio.sleep(0.2)
     assert "client_stalled" in gateway.log_text()
+    report("client stops reading a 40,000-token stream", others_sent=5, others_completed=5, lost=0,
+           cut_off_after_s=round(cut_off_s, 1), gateway_rss_growth_kib=rss_growth_kib)  # fmt: skip
+
+
+def _rss_kib(service: Service) -> int:
+    status = Path(f"/proc/{service.process.pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
 
 
 def _reset_by_peer(sock: socket.socket) -> bool:
