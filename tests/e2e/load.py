@@ -9,10 +9,12 @@ Outcomes:
   that is not OpenAI's shape;
 - `hung`: no answer within the request's deadline.
 
-A fault test asserts `lost == hung == 0`.
+A fault test asserts `lost == hung == 0`, and reports its figures with `report` (run pytest with
+`-s` to see them; docs/resilience.md collects them).
 """
 
 import asyncio
+import json
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -22,6 +24,11 @@ import httpx
 import orjson
 
 OUTCOMES = ("completed", "refused", "interrupted", "lost", "hung")
+
+
+def report(fault: str, **figures: object) -> None:
+    """Print one fault or input class's figures as a `RESILIENCE {json}` line."""
+    print(f"\nRESILIENCE {json.dumps({'fault': fault, **figures})}", flush=True)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import hashlib
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 
 import asyncpg
@@ -35,6 +36,7 @@ from schemathesis.specs.openapi.checks import (
 from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
+from tests.e2e.load import report
 from tests.e2e.stack import ADMIN_TOKEN, Service
 
 pytestmark = pytest.mark.e2e
@@ -130,6 +132,7 @@ def _call(case: schemathesis.Case, gateway: Service, headers: dict[str, str]) ->
 
 def test_fuzz_with_key(gateway_schema: schemathesis.BaseSchema, gateway: Service, fuzz_key: str) -> None:
     headers = {"Authorization": f"Bearer {fuzz_key}"}
+    statuses: Counter[int] = Counter()
 
     def check(case: schemathesis.Case) -> None:
         _some_to_the_sim_model(case)
@@ -137,6 +140,7 @@ def test_fuzz_with_key(gateway_schema: schemathesis.BaseSchema, gateway: Service
         # `ignored_auth` below re-sends each case with no key and with a wrong one.
         case.headers = {**(case.headers or {}), **headers}
         response = _call(case, gateway, headers)
+        statuses[response.status_code] += 1
         assert response.status_code < 500, f"{response.status_code} {response.text[:500]}\n{case.as_curl_command(headers)}"
         if response.status_code >= 400:
             _assert_openai_error(response)
@@ -148,17 +152,30 @@ def test_fuzz_with_key(gateway_schema: schemathesis.BaseSchema, gateway: Service
         )
 
     fuzz(gateway_schema, check, max_examples=MAX_EXAMPLES)
+    _report("fuzz with a key", statuses)
 
 
 def test_fuzz_without_key_is_always_401(gateway_schema: schemathesis.BaseSchema, gateway: Service) -> None:
+    statuses: Counter[int] = Counter()
+
     def check(case: schemathesis.Case) -> None:
         for headers in ({}, {"Authorization": "Bearer axk_not-a-real-key-000000000000000000000000"}):
             response = _call(case, gateway, headers)
+            statuses[response.status_code] += 1
             assert response.status_code == 401, f"{response.status_code} {response.text[:500]}\n{case.as_curl_command()}"
             _assert_openai_error(response)
             assert response.json()["error"]["type"] == "authentication_error"
 
     fuzz(gateway_schema, check, max_examples=MAX_EXAMPLES // 2)
+    _report("fuzz without a key or with a wrong one", statuses)
+
+
+def _report(fault: str, statuses: Counter[int]) -> None:
+    """The generated requests' status codes (a case may be answered more than once: Hypothesis
+    replays, and the with-key checks re-send it)."""
+    server_errors = sum(n for status, n in statuses.items() if status >= 500)
+    report(fault, checked=statuses.total(), server_errors=server_errors, hung=0,
+           statuses={str(k): v for k, v in sorted(statuses.items())})  # fmt: skip
 
 
 # Regressions: what the fuzz found, pinned down as plain cases.

@@ -6,7 +6,6 @@ figures `docs/resilience.md` records.
 """
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import pytest
 from shared.keys import KeyLimits
 from shared.migrations import migrate
 from tests.conftest import AMQP_URL, POSTGRES_URL, create_key
-from tests.e2e.load import Load, stream_request, steady
+from tests.e2e.load import Load, report, stream_request, steady
 from tests.e2e.servers import PrivatePostgres, PrivateRabbitMQ, PrivateRedis, available
 from tests.e2e.stack import Stack
 
@@ -29,10 +28,6 @@ MODEL = "faults-sim"
 SIM = {"AXON_ENGINE": "sim", "AXON_MODEL": MODEL, "AXON_SIM_TTFT_MS": "20", "AXON_SIM_ITL_MS": "10"}
 MESSAGES = [{"role": "user", "content": "Tell me something."}]
 UNLIMITED = KeyLimits(rpm=1_000_000, tpm=100_000_000, max_concurrent=10_000)
-
-
-def _report(fault: str, **figures: object) -> None:
-    print(f"\nRESILIENCE {json.dumps({'fault': fault, **figures})}", flush=True)
 
 
 def _require(server: str) -> None:
@@ -92,7 +87,7 @@ async def test_rabbitmq_restarted_under_steady_load(own_stack: Stack, tmp_path: 
     finally:
         broker.stop()
     counts = load.counts()
-    _report("rabbitmq restart", **counts, down_s=round(broker_up - stopped_at, 1), recovery_s=round(recovery_s, 1))
+    report("rabbitmq restart", **counts, down_s=round(broker_up - stopped_at, 1), recovery_s=round(recovery_s, 1))
     assert counts["lost"] == counts["hung"] == 0, load.problems()
     assert recovery_s <= 10
     assert counts["completed"] > 20 and load.first_completed_after(broker_up + recovery_s) is not None
@@ -161,7 +156,7 @@ async def test_redis_restarted_under_steady_load_loses_no_acknowledged_history(
         cache.stop()
     counts = load.counts()
     turns = sum(len(t) for t in answered.values())
-    _report("redis restart", **counts, down_s=round(cache_up - stopped_at, 1), recovery_s=round(recovery_s, 1),
+    report("redis restart", **counts, down_s=round(cache_up - stopped_at, 1), recovery_s=round(recovery_s, 1),
             answered_turns=turns, persisted_after_s=round(persisted_s, 1), history_lost=0)  # fmt: skip
     assert counts["lost"] == counts["hung"] == 0, load.problems()
     assert recovery_s <= 5
@@ -219,7 +214,7 @@ async def test_postgres_down_at_start_up_then_ready_when_it_appears(own_stack: S
                 json={"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "session_id": created.json()["id"]},
             )  # fmt: skip
             assert answer.status_code == 200, answer.text
-        _report("postgres down at start-up", crashed=0, not_ready_reason=not_ready["reason"][:80],
+        report("postgres down at start-up", crashed=0, not_ready_reason=not_ready["reason"][:80],
                 ready_after_s=round(time.monotonic() - appeared, 1) if ready_s else 0)  # fmt: skip
     finally:
         database.stop()
