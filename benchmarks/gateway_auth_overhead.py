@@ -11,7 +11,8 @@ gateways built by the real app factory (`services.gateway.app.create_app`) and r
 
 - A: unchanged. Every request is authenticated (SHA-256 of the key, then the in-process, Redis and
   PostgreSQL caches) and admitted by the rate limiter (one Lua script in Redis checking requests,
-  tokens and concurrency, and a release of the concurrency lease when the answer is complete).
+  tokens and concurrency); the stub gives the concurrency lease back when it answers, as the
+  session manager does when an answer ends.
 - B: auth and limits switched off *inside this benchmark only*: the gateway service's
   authenticator is replaced by one returning a fixed key record, and its admitter by one that
   admits everything without touching Redis. There is no production setting that turns
@@ -53,6 +54,8 @@ import httpx
 
 from harness import UNLIMITED, BenchEnvironment, Process, cpu_seconds, free_port, wait_ready
 from shared.http1 import Http1Pool
+from shared.names import Names
+from shared.redis_pipe import RedisPipe
 MODEL = "bench-model"
 BODY = json.dumps(
     {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello in five words."}]}
@@ -77,8 +80,27 @@ _CANNED = json.dumps(
 _READY = b'{"status":"ready"}'
 
 
+_stub_pipe: RedisPipe | None = None
+
+
+async def _release_lease(scope) -> None:
+    """What the session manager does with the caller's concurrency lease when an answer ends:
+    give it back (one ZREM, auto-pipelined as there). Without it, A's leases would pile up to
+    the key's limit."""
+    global _stub_pipe
+    headers = dict(scope["headers"])
+    lease_id, key_id = headers.get(b"x-axon-lease-id"), headers.get(b"x-axon-key-id")
+    if lease_id is None or key_id is None:
+        return
+    if _stub_pipe is None:
+        _stub_pipe = RedisPipe(os.environ["AXON_REDIS_URL"], timeout_s=5)
+    names = Names(os.environ["AXON_NAMESPACE"])
+    await _stub_pipe.execute("ZREM", names.rate_limit("conc", key_id.decode()), lease_id.decode())
+
+
 async def stub_sessions(scope, receive, send) -> None:
-    """A session manager that answers at once: `/ready`, and a canned non-streamed completion."""
+    """A session manager that answers at once: `/ready`, and a canned non-streamed completion
+    (releasing the caller's concurrency lease, as the real one does)."""
     if scope["type"] == "lifespan":
         while True:
             message = await receive()
@@ -95,6 +117,7 @@ async def stub_sessions(scope, receive, send) -> None:
         status, body = 200, _READY
     elif scope["method"] == "POST" and scope["path"] in ("/v1/chat/completions", "/v1/completions"):
         status, body = 200, _CANNED
+        await _release_lease(scope)
     else:
         status, body = 404, b'{"error":{"message":"not found","type":"invalid_request_error","param":null,"code":null}}'
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
