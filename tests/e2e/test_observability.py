@@ -238,7 +238,7 @@ def test_session_turns_log_their_session_id(traffic: dict, sessions: Service) ->
     assert lines and all(e.get("session_id") == traffic["session_id"] for e in lines), lines
 
 
-def test_logs_never_contain_an_api_key_or_prompt_text(
+def test_logs_never_contain_an_api_key_or_prompt_or_answer_text(
     traffic: dict, stack: Stack, gateway: Service, api_key: str
 ) -> None:
     created = httpx.post(
@@ -248,7 +248,10 @@ def test_logs_never_contain_an_api_key_or_prompt_text(
     assert created.status_code == 201
     admin_key = created.json()["key"]
     secret_prompt = f"prompt-marker-{uuid.uuid4().hex}"
-    assert _chat(gateway, admin_key, messages=[{"role": "user", "content": secret_prompt}]).status_code == 200
+    answered = _chat(gateway, admin_key, messages=[{"role": "user", "content": secret_prompt}], max_tokens=12)
+    assert answered.status_code == 200
+    answer = answered.json()["choices"][0]["message"]["content"]
+    assert len(answer.split()) == 12
     bad_key = f"axk_{uuid.uuid4().hex}{uuid.uuid4().hex}"
     assert _chat(gateway, bad_key).status_code == 401
     assert _chat(gateway, admin_key, max_tokens=10**9).status_code == 400  # an error path logs too
@@ -256,6 +259,7 @@ def test_logs_never_contain_an_api_key_or_prompt_text(
     secrets = {
         "test API key": api_key, "rate-limited key": traffic["limited_key"], "admin-created key": admin_key,
         "unknown key": bad_key, "admin token": ADMIN_TOKEN, "prompt text": secret_prompt,
+        "answer text": answer,
     }  # fmt: skip
     for service in stack.services:
         text = service.log_text()
