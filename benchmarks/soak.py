@@ -6,9 +6,10 @@
 It starts its own worker (the `sim` engine at near-zero latency, as `capacity.py` measures),
 session manager and gateway, with a database and Redis namespace of their own (removed at the
 end), and drives the gateway with `axon bench` (its own process) at `--rate` streamed requests per
-second with Poisson arrivals: the default is about 70% of the capacity `capacity.py` measured on
-the development machine (benchmarks/RESULTS.md). Every 5 s it records the resident memory (RSS)
-of the gateway, the session manager and the worker.
+second with Poisson arrivals. The default, 260, is about 70% of the capacity `capacity.py`
+measured on the development machine on its slowest day; for a soak at 70% of this machine, run
+`capacity.py` first and pass 0.7 x its requests/s as `--rate` (benchmarks/RESULTS.md). Every 5 s
+it records the resident memory (RSS) of the gateway, the session manager and the worker.
 
 It fails (exit 1) if any request failed, or if a process's RSS at the end is 10% or more above
 its RSS at the end of the warm-up (the first fifth of the run, at most a minute). With `--json`

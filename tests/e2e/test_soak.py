@@ -1,6 +1,6 @@
-"""The soak's short variant: `benchmarks/soak.py --minutes 1` (its own processes, ~70% of the
-measured capacity) must end with zero errors and flat memory. The 10-minute run is the same
-command without `--minutes` (docs/resilience.md)."""
+"""The soak's short variant: `benchmarks/soak.py --minutes 1` (its own processes, at the default
+rate: about 70% of the capacity measured on the development VM's slowest day) must end with zero
+errors and flat memory. The 10-minute runs are in docs/resilience.md."""
 
 import json
 import subprocess
