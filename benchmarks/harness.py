@@ -21,7 +21,7 @@ import asyncpg
 import httpx
 
 from shared.keys import KeyLimits, KeyRepository
-from shared.migrations import migrate, split_database_url
+from shared.migrations import drop_database, migrate, split_database_url
 
 ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
 # Limits far above anything a benchmark sends: every request is admitted, but all three limits
@@ -139,7 +139,7 @@ class BenchEnvironment:
     def __exit__(self, *_exc: object) -> None:
         for process in reversed(self.processes):
             process.stop()
-        asyncio.run(_drop_database(self.database_url))
+        asyncio.run(drop_database(self.database_url))
         asyncio.run(_delete_namespace(self.redis_url, self.namespace))
         asyncio.run(_delete_topology(self.amqp_url, self.namespace, self.models))
 
@@ -208,15 +208,6 @@ class CpuMeter:
         after = self._read()
         self.seconds = {name: after[name] - self._before.get(name, 0.0) for name in after}
         return self.seconds
-
-
-async def _drop_database(url: str) -> None:
-    admin_url, name = split_database_url(url)
-    conn = await asyncpg.connect(admin_url, timeout=10)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await conn.close()
 
 
 async def _delete_namespace(redis_url: str, namespace: str) -> None:

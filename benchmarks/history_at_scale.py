@@ -22,7 +22,7 @@ import asyncpg
 from services.sessions.history import SessionStore
 from services.sessions.metrics import SessionsMetrics
 from shared.clients import create_redis
-from shared.migrations import migrate, split_database_url
+from shared.migrations import drop_database, migrate, split_database_url
 from shared.names import Names
 from shared.outbox import Outbox
 
@@ -195,9 +195,7 @@ async def main() -> None:
     finally:
         await client.aclose()
         await pool.close()
-        conn = await asyncpg.connect(admin_url)
-        await conn.execute(f'DROP DATABASE IF EXISTS "axon_bench_{run}" WITH (FORCE)')
-        await conn.close()
+        await drop_database(url)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import uuid
 import asyncpg
 
 from shared.clients import create_redis
-from shared.migrations import migrate, split_database_url
+from shared.migrations import drop_database, migrate, split_database_url
 from shared.names import Names
 from shared.outbox import MessageRow, Outbox
 from services.sessions.metrics import SessionsMetrics
@@ -150,9 +150,7 @@ async def main() -> None:
         await client.delete(names.outbox)
         await client.aclose()
         await pool.close()
-        conn = await asyncpg.connect(admin_url)
-        await conn.execute(f'DROP DATABASE IF EXISTS "axon_bench_{run}" WITH (FORCE)')
-        await conn.close()
+        await drop_database(url)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,18 @@ async def ensure_database(url: str, *, timeout_s: float = 10.0) -> bool:
         await conn.close()
 
 
+async def drop_database(url: str, *, timeout_s: float = 10.0) -> None:
+    """Drop the database named in `url` if it exists, closing its connections (tests and
+    benchmarks remove the databases they made with this)."""
+    admin_url, name = split_database_url(url)
+    conn = await asyncpg.connect(admin_url, timeout=timeout_s)
+    try:
+        quoted = '"' + name.replace('"', '""') + '"'
+        await conn.execute(f"DROP DATABASE IF EXISTS {quoted} WITH (FORCE)")
+    finally:
+        await conn.close()
+
+
 def pending_files(migrations_dir: Path) -> list[tuple[str, Path]]:
     """List (version, file) for every migration file, in order."""
     files = sorted(migrations_dir.glob("[0-9][0-9][0-9][0-9]_*.sql"))

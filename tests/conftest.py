@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 
 from shared.keys import KeyLimits, KeyRepository
-from shared.migrations import migrate, split_database_url
+from shared.migrations import drop_database, migrate, split_database_url
 
 REDIS_URL = os.environ.get("AXON_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 AMQP_URL = os.environ.get("AXON_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -31,15 +31,6 @@ def namespace(run_id: str) -> str:
     return f"axon_test_{run_id}"
 
 
-async def _drop_database(url: str) -> None:
-    admin_url, name = split_database_url(url)
-    conn = await asyncpg.connect(admin_url, timeout=10)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await conn.close()
-
-
 @pytest.fixture(scope="session")
 def database_url(run_id: str) -> Iterator[str]:
     """A migrated database of this run's own, dropped at the end."""
@@ -47,7 +38,7 @@ def database_url(run_id: str) -> Iterator[str]:
     url = admin_url.rsplit("/", 1)[0] + f"/axon_test_{run_id}"
     asyncio.run(migrate(url))
     yield url
-    asyncio.run(_drop_database(url))
+    asyncio.run(drop_database(url))
 
 
 @pytest.fixture
