@@ -53,6 +53,30 @@ async def _wait_until(check, timeout_s: float, interval_s: float = 0.2) -> float
     return time.monotonic() - started
 
 
+async def _restart_under_load(load: Load, send, server, *, streams: int) -> tuple[float, float, float]:
+    """Steady load for 4 s, `server` stopped for 3 s and started again, then 3 s more of load.
+
+    Returns:
+        How long the server was down, when it was up again (monotonic), and how long after that
+        the first request completed.
+    """
+    stop = asyncio.Event()
+    running = asyncio.create_task(steady(load, send, streams=streams, stop=stop))
+    await asyncio.sleep(4)
+    stopped_at = time.monotonic()
+    await asyncio.to_thread(server.stop)
+    await asyncio.sleep(3)
+    await asyncio.to_thread(server.start)
+    up_at = time.monotonic()
+    recovery_s = await _wait_until(
+        lambda: asyncio.sleep(0, result=load.first_completed_after(up_at) is not None), timeout_s=30
+    )
+    await asyncio.sleep(3)
+    stop.set()
+    await running
+    return up_at - stopped_at, up_at, recovery_s
+
+
 async def test_rabbitmq_restarted_under_steady_load(own_stack: Stack, tmp_path: Path, api_key: str) -> None:
     _require("rabbitmq")
     broker = PrivateRabbitMQ(tmp_path / "rabbitmq")
@@ -64,33 +88,21 @@ async def test_rabbitmq_restarted_under_steady_load(own_stack: Stack, tmp_path: 
         gateway = own_stack.start("gateway", env={**env, "AXON_SESSIONS_URL": sessions.url})
         url = f"{gateway.url}/v1/chat/completions"
         headers = {"Authorization": f"Bearer {api_key}"}
-        load, stop = Load(), asyncio.Event()
+        load = Load()
         async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=5)) as client:
 
             async def send(stream: int, n: int):
                 body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 30}
                 return await stream_request(client, url, body, headers, deadline_s=60)
 
-            running = asyncio.create_task(steady(load, send, streams=6, stop=stop))
-            await asyncio.sleep(4)
-            stopped_at = time.monotonic()
-            await asyncio.to_thread(broker.stop)
-            await asyncio.sleep(3)
-            await asyncio.to_thread(broker.start)
-            broker_up = time.monotonic()
-            recovery_s = await _wait_until(
-                lambda: asyncio.sleep(0, result=load.first_completed_after(broker_up) is not None), timeout_s=30
-            )
-            await asyncio.sleep(3)
-            stop.set()
-            await running
+            down_s, up_at, recovery_s = await _restart_under_load(load, send, broker, streams=6)
     finally:
         broker.stop()
     counts = load.counts()
-    report("rabbitmq restart", **counts, down_s=round(broker_up - stopped_at, 1), recovery_s=round(recovery_s, 1))
+    report("rabbitmq restart", **counts, down_s=round(down_s, 1), recovery_s=round(recovery_s, 1))
     assert counts["lost"] == counts["hung"] == 0, load.problems()
     assert recovery_s <= 10
-    assert counts["completed"] > 20 and load.first_completed_after(broker_up + recovery_s) is not None
+    assert counts["completed"] > 20 and load.first_completed_after(up_at + recovery_s) is not None
 
 
 async def test_redis_restarted_under_steady_load_loses_no_acknowledged_history(
@@ -106,7 +118,7 @@ async def test_redis_restarted_under_steady_load_loses_no_acknowledged_history(
         gateway = own_stack.start("gateway", env={**env, "AXON_SESSIONS_URL": sessions.url})
         key = await create_key(database_url, name="redis-restart", limits=UNLIMITED, tenant=f"t-{uuid.uuid4().hex[:6]}")
         headers = {"Authorization": f"Bearer {key}"}
-        load, stop = Load(), asyncio.Event()
+        load = Load()
         answered: dict[str, list[tuple[str, str]]] = {}  # session -> the turns its client was given
         async with httpx.AsyncClient(base_url=gateway.url, timeout=httpx.Timeout(60, connect=5)) as client:
             session_ids = [(await client.post("/v1/sessions", json={}, headers=headers)).json()["id"] for _ in range(6)]
@@ -120,19 +132,7 @@ async def test_redis_restarted_under_steady_load_loses_no_acknowledged_history(
                     answered.setdefault(session_id, []).append((question, outcome.text))
                 return outcome
 
-            running = asyncio.create_task(steady(load, send, streams=len(session_ids), stop=stop))
-            await asyncio.sleep(4)
-            stopped_at = time.monotonic()
-            await asyncio.to_thread(cache.stop)
-            await asyncio.sleep(3)
-            await asyncio.to_thread(cache.start)
-            cache_up = time.monotonic()
-            recovery_s = await _wait_until(
-                lambda: asyncio.sleep(0, result=load.first_completed_after(cache_up) is not None), timeout_s=30
-            )
-            await asyncio.sleep(3)
-            stop.set()
-            await running
+            down_s, _, recovery_s = await _restart_under_load(load, send, cache, streams=len(session_ids))
             # Every turn a client was answered is in PostgreSQL once the outbox drains, in order.
             pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
             try:
@@ -156,7 +156,7 @@ async def test_redis_restarted_under_steady_load_loses_no_acknowledged_history(
         cache.stop()
     counts = load.counts()
     turns = sum(len(t) for t in answered.values())
-    report("redis restart", **counts, down_s=round(cache_up - stopped_at, 1), recovery_s=round(recovery_s, 1),
+    report("redis restart", **counts, down_s=round(down_s, 1), recovery_s=round(recovery_s, 1),
             answered_turns=turns, persisted_after_s=round(persisted_s, 1), history_lost=0)  # fmt: skip
     assert counts["lost"] == counts["hung"] == 0, load.problems()
     assert recovery_s <= 5
