@@ -93,7 +93,6 @@ class Response:
         if not self._finished:
             self._finished = True
             self._connection.close()
-            self._client._abandoned()
 
     def _finish(self) -> None:
         if not self._finished:
@@ -242,10 +241,10 @@ class _Connection(asyncio.Protocol):
 class Http1Client:
     """Requests to one `http://` host over keep-alive connections.
 
-    `read_timeout_s` bounds every wait for the response head or more of its body;
-    `max_connections` caps the exchanges in flight (a request waits for a slot up to the connect
-    timeout); an idle connection older than `idle_timeout_s` is closed rather than reused (keep
-    it below the server's keep-alive timeout).
+    `read_timeout_s` bounds every wait for the response head or more of its body; an idle
+    connection older than `idle_timeout_s` is closed rather than reused (keep it below the
+    server's keep-alive timeout). It opens as many connections as there are requests in flight:
+    bounding those is the caller's job (the gateway refuses past `AXON_MAX_REQUESTS_IN_FLIGHT`).
     """
 
     def __init__(
@@ -255,7 +254,6 @@ class Http1Client:
         max_idle_connections: int | None,
         connect_timeout_s: float,
         read_timeout_s: float | None = None,
-        max_connections: int | None = None,
         idle_timeout_s: float | None = None,
     ) -> None:
         parts = urlsplit(base_url)
@@ -269,8 +267,6 @@ class Http1Client:
         self._max_idle = max_idle_connections
         self._idle_timeout_s = idle_timeout_s
         self._connect_timeout_s = connect_timeout_s
-        self._max_connections = max_connections
-        self._slots = asyncio.Semaphore(max_connections) if max_connections else None
         self.read_timeout_s = read_timeout_s
 
     @staticmethod
@@ -313,24 +309,14 @@ class Http1Client:
             RemoteProtocolError: the server closed early or sent invalid HTTP.
         """
         request = head + (b"Content-Length: %d\r\n\r\n" % len(body) + body if body is not None else b"\r\n")
-        if self._slots is not None:
+        connection = self._take_idle()
+        if connection is not None:
             try:
-                async with asyncio.timeout(self._connect_timeout_s):
-                    await self._slots.acquire()
-            except TimeoutError:
-                raise ConnectError(f"all {self._max_connections} connections are busy") from None
-        try:
-            connection = self._take_idle()
-            if connection is not None:
-                try:
-                    return await self._exchange(connection, request, sink)
-                except RemoteProtocolError:
-                    if connection.received_any:
-                        raise
-            return await self._exchange(await self._connect(), request, sink)
-        except BaseException:
-            self._free_slot()
-            raise
+                return await self._exchange(connection, request, sink)
+            except RemoteProtocolError:
+                if connection.received_any:
+                    raise
+        return await self._exchange(await self._connect(), request, sink)
 
     async def aclose(self) -> None:
         for connection, _ in self._idle:
@@ -352,19 +338,10 @@ class Http1Client:
 
     def _release(self, connection: _Connection) -> None:
         """The response was read to its end: keep the connection for the next request."""
-        self._free_slot()
         if connection.reusable and (self._max_idle is None or len(self._idle) < self._max_idle):
             self._idle.append((connection, time.monotonic()))
         else:
             connection.close()
-
-    def _abandoned(self) -> None:
-        """A response was closed half-read (its connection is closed)."""
-        self._free_slot()
-
-    def _free_slot(self) -> None:
-        if self._slots is not None:
-            self._slots.release()
 
     def _take_idle(self) -> _Connection | None:
         oldest_s = time.monotonic() - self._idle_timeout_s if self._idle_timeout_s is not None else None

@@ -23,7 +23,7 @@ from services.gateway import playground
 from services.gateway.api import admin, routes
 from services.gateway.auth import Admitter, Authenticator
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.service import Forwarder, GatewayService
+from services.gateway.service import Forwarder, GatewayService, InFlightLimit
 from services.gateway.settings import GatewaySettings
 
 log = get_logger(__name__)
@@ -55,9 +55,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         # Idle upstream connections are dropped before the session manager's keep-alive
         # timeout, so the gateway never reuses one the other side is closing.
         upstream = Http1Client(
-            settings.sessions_url, max_idle_connections=settings.upstream_max_connections,
-            max_connections=settings.upstream_max_connections, connect_timeout_s=settings.upstream_connect_timeout_s,
-            read_timeout_s=settings.upstream_timeout_s, idle_timeout_s=UPSTREAM_KEEPALIVE_S,
+            settings.sessions_url, max_idle_connections=settings.max_requests_in_flight,
+            connect_timeout_s=settings.upstream_connect_timeout_s, read_timeout_s=settings.upstream_timeout_s,
+            idle_timeout_s=UPSTREAM_KEEPALIVE_S,
         )  # fmt: skip
         client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
         # The hot path's commands (rate-limit checks and releases), batched per loop iteration.
@@ -84,8 +84,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             )  # fmt: skip
             app.state.gateway = GatewayService(
                 forwarder=Forwarder(upstream), authenticator=app.state.authenticator,
-                admitter=admitter, max_body_bytes=settings.max_body_bytes,
-                body_timeout_s=settings.request_body_timeout_s,
+                admitter=admitter, in_flight=InFlightLimit(settings.max_requests_in_flight, metrics.overloaded),
+                max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.request_body_timeout_s,
             )  # fmt: skip
             log.info("gateway_ready", port=settings.gateway_port, sessions_url=settings.sessions_url)
             yield

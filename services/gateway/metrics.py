@@ -26,3 +26,8 @@ class GatewayMetrics:
             "axon_gateway_auth_database_fallbacks_total",
             "Key lookups served by PostgreSQL because Redis was unreachable.", registry=self.registry,
         )
+        self.overloaded = Counter(
+            "axon_gateway_overloaded_total",
+            "Requests refused at once because AXON_MAX_REQUESTS_IN_FLIGHT were being forwarded already.",
+            registry=self.registry,
+        )

@@ -6,7 +6,8 @@ Completions, the route every generated token takes, are answered by a plain ASGI
 FastAPI (`GatewayService.call`). Both forward with the lean HTTP/1.1 client of `shared/http1.py`.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote, quote_from_bytes
 
@@ -14,6 +15,7 @@ import orjson
 from fastapi import Request
 from fastapi.routing import APIRoute
 from fastapi.responses import Response
+from prometheus_client import Counter
 from starlette.types import Receive, Scope, Send
 
 from shared.errors import DeadlineExceeded, InvalidRequest, Unavailable, error_body
@@ -44,6 +46,7 @@ _STREAM_BROKEN_EVENT = (
     + SSE_END
 )
 _UPSTREAM_ERRORS = (ConnectError, ReadTimeout, RemoteProtocolError, OSError)
+OVERLOADED_MESSAGE = "The gateway is serving as many requests as it can; try again shortly."
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -134,6 +137,33 @@ class Forwarder:
             raise Unavailable("The session manager is unreachable; try again shortly.", retry_after_s=2) from exc
 
 
+class InFlightLimit:
+    """The requests one gateway process forwards at once. Past the limit a request is refused at
+    once, before authentication or reading its body: overload costs a few microseconds per
+    refused request instead of a queue that times out and grows the process's memory."""
+
+    def __init__(self, limit: int, refused: Counter) -> None:
+        self.limit = limit
+        self.count = 0
+        self._refused = refused
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold one of the slots for the duration of the block.
+
+        Raises:
+            Unavailable: all slots are taken (503 `overloaded`, Retry-After: 1).
+        """
+        if self.count >= self.limit:
+            self._refused.inc()
+            raise Unavailable(OVERLOADED_MESSAGE, retry_after_s=1, code="overloaded")
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+
+
 class GatewayService:
     """Admits each call against its key's limits and forwards it."""
 
@@ -143,12 +173,14 @@ class GatewayService:
         forwarder: Forwarder,
         authenticator: Authenticator,
         admitter: Admitter,
+        in_flight: InFlightLimit,
         max_body_bytes: int,
         body_timeout_s: float,
     ) -> None:
         self._forwarder = forwarder
         self._authenticator = authenticator
         self._admitter = admitter
+        self._in_flight = in_flight
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
 
@@ -164,8 +196,13 @@ class GatewayService:
         }
 
     async def completion(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """`POST /v1/chat/completions` and `/v1/completions` as a plain ASGI handler: authenticate,
-        read the body, admit it charging its estimated prompt tokens, forward, relay."""
+        """`POST /v1/chat/completions` and `/v1/completions` as a plain ASGI handler: take an
+        in-flight slot, authenticate, read the body, admit it charging its estimated prompt
+        tokens, forward, relay."""
+        with self._in_flight.slot():
+            await self._complete(scope, receive, send)
+
+    async def _complete(self, scope: Scope, receive: Receive, send: Send) -> None:
         record = await self._authenticator.authenticate(header(scope, b"authorization"))
         bind_contextvars(tenant=record.tenant, key_id=record.id)
         body = await read_body(scope, receive, max_bytes=self._max_body_bytes, timeout_s=self._body_timeout_s)
@@ -194,6 +231,10 @@ class GatewayService:
 
     async def call(self, request: Request, record: KeyRecord) -> Response:
         """Forward any other API call (it counts against the key's request limits)."""
+        with self._in_flight.slot():
+            return await self._call(request, record)
+
+    async def _call(self, request: Request, record: KeyRecord) -> Response:
         body = None
         if request.method in {"POST", "PUT", "PATCH"}:
             body = await read_body(

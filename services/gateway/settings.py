@@ -31,7 +31,9 @@ class GatewaySettings(CommonSettings):
     # Waiting for the session manager's response headers (it waits for the first token).
     upstream_timeout_s: float = Field(330.0, gt=0)
     upstream_connect_timeout_s: float = Field(3.0, gt=0)
-    upstream_max_connections: int = Field(1000, ge=1)
+    # Requests this process forwards at once (streams included); one more is refused at once
+    # with 503 `overloaded` and Retry-After, before any other work.
+    max_requests_in_flight: int = Field(1000, ge=1)
 
     # Bearer token of the admin API (/admin/*). Required: the gateway refuses to start
     # without one, or with a short or well-known one.

@@ -156,3 +156,53 @@ def _reset_by_peer(sock: socket.socket) -> bool:
     except ConnectionResetError:
         return True
     return False
+
+
+@pytest.fixture(scope="module")
+def narrow_gateway(stack: Stack, hostile) -> Service:  # noqa: ANN001 - the session manager must be up
+    """A second gateway in front of the hostile session manager, forwarding at most 4 requests at once."""
+    sessions = next(service for service in stack.services if service.name == "sessions:hostile")
+    return stack.start("gateway:narrow", env={"AXON_SESSIONS_URL": sessions.url, "AXON_MAX_REQUESTS_IN_FLIGHT": "4"})
+
+
+async def test_a_flood_past_the_in_flight_limit_is_refused_at_once_and_the_admitted_streams_finish(
+    narrow_gateway: Service, auth: dict
+) -> None:
+    url = f"{narrow_gateway.url}/v1/chat/completions"
+    # 4,000 tokens at 0.5 ms each: every admitted stream stays in flight about 2 s.
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000, "stream": True}
+    async with httpx.AsyncClient(timeout=30) as client:
+        started = [asyncio.Event() for _ in range(4)]
+
+        async def hold(started: asyncio.Event) -> list[str]:
+            async with client.stream("POST", url, headers=auth, json=long) as response:
+                assert response.status_code == 200
+                started.set()
+                return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+
+        holders = [asyncio.create_task(hold(event)) for event in started]
+        async with asyncio.timeout(10):
+            await asyncio.gather(*(event.wait() for event in started))
+
+        async def refused() -> tuple[httpx.Response, float]:
+            sent = time.monotonic()
+            response = await client.post(url, headers=auth, json={**long, "max_tokens": 4, "stream": False})
+            return response, time.monotonic() - sent
+
+        flood = await asyncio.gather(*(refused() for _ in range(20)))
+        assert not any(holder.done() for holder in holders), "the flood must arrive while all 4 slots are taken"
+        for response, _ in flood:
+            assert response.status_code == 503 and response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "overloaded"
+        slowest_refusal_ms = max(waited for _, waited in flood) * 1000
+        assert slowest_refusal_ms < 1000
+
+        streams = await asyncio.gather(*holders)
+        for events in streams:
+            assert events[-1] == "data: [DONE]"
+            assert orjson.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+        after = await client.post(url, headers=auth, json={**long, "max_tokens": 4, "stream": False})
+        assert after.status_code == 200
+    assert metric(narrow_gateway, "axon_gateway_overloaded_total") == 20
+    report("flood of 20 past a gateway's 4 requests in flight", sent=24, completed=4, refused_503_overloaded=20,
+           lost=0, slowest_refusal_ms=round(slowest_refusal_ms, 1), next_request="200")  # fmt: skip

@@ -242,27 +242,6 @@ async def test_a_silent_server_times_out_on_the_head_and_mid_body() -> None:
         server.close()
 
 
-async def test_busy_connections_cap_the_requests_in_flight(serve) -> None:  # noqa: ANN001
-    gate = asyncio.Event()
-
-    async def held(_number: int, body: bytes) -> bytes:
-        await gate.wait()
-        return ok(body)
-
-    server = await serve(held)
-    client = client_for(server.url, max_connections=1, connect_timeout_s=0.2)
-    try:
-        first = asyncio.ensure_future(client.request("POST", "/v1/chat/completions", body=b"1"))
-        await asyncio.sleep(0.05)
-        with pytest.raises(ConnectError, match="all 1 connections are busy"):
-            await client.request("POST", "/v1/chat/completions", body=b"2")
-        gate.set()
-        assert await (await first).read() == b"1"
-        assert await (await client.request("POST", "/v1/chat/completions", body=b"3")).read() == b"3"
-    finally:
-        await client.aclose()
-
-
 async def test_an_idle_connection_past_its_timeout_is_not_reused(serve) -> None:  # noqa: ANN001
     async def echo(_number: int, body: bytes) -> bytes:
         return ok(body)
