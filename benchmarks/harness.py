@@ -139,6 +139,7 @@ class BenchEnvironment:
     def __exit__(self, *_exc: object) -> None:
         for process in reversed(self.processes):
             process.stop()
+        print("removing the benchmark's database, Redis keys and queues...", file=sys.stderr, flush=True)
         asyncio.run(drop_database(self.database_url))
         asyncio.run(_delete_namespace(self.redis_url, self.namespace))
         asyncio.run(_delete_topology(self.amqp_url, self.namespace, self.models))
@@ -215,8 +216,15 @@ async def _delete_namespace(redis_url: str, namespace: str) -> None:
 
     client = create_redis(redis_url, timeout_s=5)
     try:
+        # After a long run the namespace holds hundreds of thousands of keys: one UNLINK a page.
+        page: list[bytes] = []
         async for name in client.scan_iter(match=f"{namespace}:*", count=1000):
-            await client.delete(name)
+            page.append(name)
+            if len(page) == 1000:
+                await client.unlink(*page)
+                page.clear()
+        if page:
+            await client.unlink(*page)
     finally:
         await client.aclose()
 
