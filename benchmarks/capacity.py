@@ -54,6 +54,13 @@ def run_level(env: BenchEnvironment, gateway_url: str, key: str, pids: dict[str,
     return {"concurrency": concurrency, "summary": summary, "cpu_s": cpu}
 
 
+def best_clean_level(levels: list[dict], figure: str) -> dict | None:
+    """The level with the highest `figure` of its summary among those with zero errors: a
+    workload's capacity."""
+    clean = [level for level in levels if level["summary"]["requests"]["failed"] == 0]
+    return max(clean, key=lambda level: level["summary"][figure], default=None)
+
+
 def report(workload: str, levels: list[dict]) -> dict:
     print(f"\n{workload}: {levels[0]['summary']['config']['output_len']}-token answers, streamed")
     print(f"{'streams':>8} {'req/s':>8} {'tok/s':>9} {'errors':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E p50':>8} "
@@ -73,9 +80,8 @@ def report(workload: str, levels: list[dict]) -> dict:
         )  # fmt: skip
         for error in s["errors"]:
             print(f"{'':>8} error x{error['count']}: {error['message']}")
-    clean = [level for level in levels if level["summary"]["requests"]["failed"] == 0]
-    best_rps = max(clean, key=lambda lv: lv["summary"]["request_throughput_rps"], default=None)
-    best_tps = max(clean, key=lambda lv: lv["summary"]["output_token_throughput_tps"], default=None)
+    best_rps = best_clean_level(levels, "request_throughput_rps")
+    best_tps = best_clean_level(levels, "output_token_throughput_tps")
     if best_rps is None or best_tps is None:
         print("no level ran without errors")
         return {"levels": levels}

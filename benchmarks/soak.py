@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from capacity import run_level
+from capacity import best_clean_level, run_level
 from harness import BenchEnvironment
 
 from services.gateway.service import OVERLOADED_MESSAGE
@@ -144,18 +144,18 @@ def measure_capacity(env: BenchEnvironment, gateway_url: str, key: str, pids: di
     Raises:
         RuntimeError: every level had errors.
     """
-    best = 0.0
+    levels = []
     for streams in CAPACITY_STREAMS:
         print(f"capacity: {streams} streams...", file=sys.stderr, flush=True)
-        summary = run_level(env, gateway_url, key, pids, concurrency=streams, requests=CAPACITY_REQUESTS,
-                            output_tokens=16, warmup=200)["summary"]  # fmt: skip
+        levels.append(run_level(env, gateway_url, key, pids, concurrency=streams, requests=CAPACITY_REQUESTS,
+                                output_tokens=16, warmup=200))  # fmt: skip
+        summary = levels[-1]["summary"]
         print(f"capacity: {streams:>4} streams {summary['request_throughput_rps']:7.1f} req/s, "
               f"{summary['requests']['failed']} errors", flush=True)  # fmt: skip
-        if summary["requests"]["failed"] == 0:
-            best = max(best, summary["request_throughput_rps"])
-    if best == 0.0:
+    best = best_clean_level(levels, "request_throughput_rps")
+    if best is None:
         raise RuntimeError("no capacity level ran without errors")
-    return best
+    return best["summary"]["request_throughput_rps"]
 
 
 if __name__ == "__main__":
