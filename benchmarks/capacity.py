@@ -33,15 +33,42 @@ MODEL = "sim"
 PROCESSES = ("gateway", "sessions", "worker", "redis", "rabbitmq", "postgres", "client")
 
 
-def run_level(env: BenchEnvironment, gateway_url: str, key: str, pids: dict[str, list[int]], *, concurrency: int,
-              requests: int, output_tokens: int, warmup: int) -> dict:  # fmt: skip
+def run_level(
+    env: BenchEnvironment,
+    gateway_url: str,
+    key: str,
+    pids: dict[str, list[int]],
+    *,
+    concurrency: int,
+    requests: int,
+    output_tokens: int,
+    warmup: int,
+) -> dict:
     """One `axon bench` run; its summary plus the CPU every process spent during it."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         argv = [
-            sys.executable, "-m", "services.cli.main", "bench", "--base-url", f"{gateway_url}/v1", "--model", MODEL,
-            "--num-requests", str(requests), "--max-concurrency", str(concurrency), "--input-len", "16",
-            "--output-len", str(output_tokens), "--warmup", str(warmup), "--no-progress", "--json", out.name,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "bench",
+            "--base-url",
+            f"{gateway_url}/v1",
+            "--model",
+            MODEL,
+            "--num-requests",
+            str(requests),
+            "--max-concurrency",
+            str(concurrency),
+            "--input-len",
+            "16",
+            "--output-len",
+            str(output_tokens),
+            "--warmup",
+            str(warmup),
+            "--no-progress",
+            "--json",
+            out.name,
+        ]
         meter = CpuMeter(pids)
         meter.start()
         client = subprocess.Popen(argv, env={**os.environ, "OPENAI_API_KEY": key}, stdout=subprocess.DEVNULL)
@@ -63,21 +90,25 @@ def best_clean_level(levels: list[dict], figure: str) -> dict | None:
 
 def report(workload: str, levels: list[dict]) -> dict:
     print(f"\n{workload}: {levels[0]['summary']['config']['output_len']}-token answers, streamed")
-    print(f"{'streams':>8} {'req/s':>8} {'tok/s':>9} {'errors':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E p50':>8} "
-          f"{'E2E p99':>8}   CPU s per 1,000 tokens: " + " ".join(f"{p:>8}" for p in PROCESSES) + f" {'total':>7}")  # fmt: skip
+    print(
+        f"{'streams':>8} {'req/s':>8} {'tok/s':>9} {'errors':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E p50':>8} "
+        f"{'E2E p99':>8}   CPU s per 1,000 tokens: " + " ".join(f"{p:>8}" for p in PROCESSES) + f" {'total':>7}"
+    )
     for level in levels:
         s = level["summary"]
         tokens = max(1, s["total_output_tokens"])
         per_k = {p: level["cpu_s"].get(p, 0.0) / tokens * 1000 for p in PROCESSES}
         level["cpu_s_per_1k_tokens"] = per_k
-        level["cpu_ms_per_request"] = {p: level["cpu_s"].get(p, 0.0) / max(1, s["requests"]["completed"]) * 1000
-                                       for p in PROCESSES}  # fmt: skip
+        level["cpu_ms_per_request"] = {
+            p: level["cpu_s"].get(p, 0.0) / max(1, s["requests"]["completed"]) * 1000 for p in PROCESSES
+        }
         print(
             f"{level['concurrency']:>8} {s['request_throughput_rps']:>8.1f} {s['output_token_throughput_tps']:>9.0f} "
             f"{s['requests']['failed']:>7} {s['ttft_ms']['p50']:>9.1f} {s['ttft_ms']['p99']:>9.1f} "
             f"{s['e2e_ms']['p50']:>8.1f} {s['e2e_ms']['p99']:>8.1f}   {'':>23}"
-            + " ".join(f"{per_k[p]:>8.3f}" for p in PROCESSES) + f" {sum(per_k.values()):>7.3f}"
-        )  # fmt: skip
+            + " ".join(f"{per_k[p]:>8.3f}" for p in PROCESSES)
+            + f" {sum(per_k.values()):>7.3f}"
+        )
         for error in s["errors"]:
             print(f"{'':>8} error x{error['count']}: {error['message']}")
     best_rps = best_clean_level(levels, "request_throughput_rps")
@@ -91,10 +122,16 @@ def report(workload: str, levels: list[dict]) -> dict:
         f"({best_tps['concurrency']} streams)"
     )
     cpu_ms = best_rps["cpu_ms_per_request"]
-    print("CPU ms per request at that level: " + ", ".join(f"{p} {cpu_ms[p]:.2f}" for p in PROCESSES)
-          + f", total {sum(cpu_ms.values()):.2f}")  # fmt: skip
-    return {"levels": levels, "best_rps": best_rps["summary"]["request_throughput_rps"],
-            "best_tps": best_tps["summary"]["output_token_throughput_tps"]}  # fmt: skip
+    print(
+        "CPU ms per request at that level: "
+        + ", ".join(f"{p} {cpu_ms[p]:.2f}" for p in PROCESSES)
+        + f", total {sum(cpu_ms.values()):.2f}"
+    )
+    return {
+        "levels": levels,
+        "best_rps": best_rps["summary"]["request_throughput_rps"],
+        "best_tps": best_tps["summary"]["output_token_throughput_tps"],
+    }
 
 
 def main() -> int:
@@ -110,9 +147,12 @@ def main() -> int:
     args = parser.parse_args()
 
     worker_env = {
-        "AXON_ENGINE": "sim", "AXON_MODEL": MODEL, "AXON_SIM_TTFT_MS": "0", "AXON_SIM_ITL_MS": "0",
+        "AXON_ENGINE": "sim",
+        "AXON_MODEL": MODEL,
+        "AXON_SIM_TTFT_MS": "0",
+        "AXON_SIM_ITL_MS": "0",
         "AXON_SIM_MAX_SEQS": str(args.max_seqs),
-    }  # fmt: skip
+    }
     results: dict = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "config": vars(args) | {"json": None}}
     with BenchEnvironment() as env:
         stack = env.start_stack(worker_env)
@@ -126,10 +166,18 @@ def main() -> int:
             levels = []
             for concurrency in args.concurrency:
                 print(f"{name}: {concurrency} streams...", file=sys.stderr, flush=True)
-                levels.append(run_level(
-                    env, stack["gateway"].url, key, pids, concurrency=concurrency, requests=requests,
-                    output_tokens=tokens, warmup=min(200, requests // 10),
-                ))  # fmt: skip
+                levels.append(
+                    run_level(
+                        env,
+                        stack["gateway"].url,
+                        key,
+                        pids,
+                        concurrency=concurrency,
+                        requests=requests,
+                        output_tokens=tokens,
+                        warmup=min(200, requests // 10),
+                    )
+                )
             results[name] = report(name, levels)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")

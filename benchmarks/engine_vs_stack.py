@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
-
 from harness import BenchEnvironment
-from shared.http1 import Http1Pool
-from shared.schemas import Message, Sampling
+
 from services.cli.bench import request_headers, send_one
 from services.worker.engines.base import Engine, GenerationRequest
 from services.worker.engines.factory import create_engine
 from services.worker.settings import WorkerSettings
+from shared.http1 import Http1Pool
+from shared.schemas import Message, Sampling
 
 TOPICS = ["dragons", "the sea", "a robot", "a lighthouse", "winter", "a city", "bees", "the moon"]
 
@@ -79,11 +79,15 @@ class Side:
         itls = [gap for r in ok for gap in r.itls_s]
         tokens = sum(r.tokens for r in ok)
         return {
-            "requests": len(self.results), "errors": len(self.results) - len(ok), "tokens": tokens,
+            "requests": len(self.results),
+            "errors": len(self.results) - len(ok),
+            "tokens": tokens,
             "output_tok_s": tokens / self.wall_s if self.wall_s else 0.0,
-            "ttft_p50_ms": self.percentile_ms(ttfts, 50), "ttft_p99_ms": self.percentile_ms(ttfts, 99),
-            "itl_p50_ms": self.percentile_ms(itls, 50), "itl_p99_ms": self.percentile_ms(itls, 99),
-        }  # fmt: skip
+            "ttft_p50_ms": self.percentile_ms(ttfts, 50),
+            "ttft_p99_ms": self.percentile_ms(ttfts, 99),
+            "itl_p50_ms": self.percentile_ms(itls, 50),
+            "itl_p99_ms": self.percentile_ms(itls, 99),
+        }
 
 
 async def run_streams(one: Callable[[int], Awaitable[Result]], *, streams: int, rounds: int, spacing_s: float) -> Side:
@@ -103,9 +107,10 @@ async def run_streams(one: Callable[[int], Awaitable[Result]], *, streams: int, 
 
 async def direct_one(engine: Engine, i: int, max_tokens: int) -> Result:
     request = GenerationRequest(
-        request_id=str(uuid.uuid4()), sampling=Sampling(max_tokens=max_tokens, temperature=0.7),
+        request_id=str(uuid.uuid4()),
+        sampling=Sampling(max_tokens=max_tokens, temperature=0.7),
         messages=[Message(role="user", content=prompt(i))],
-    )  # fmt: skip
+    )
     started = last = time.perf_counter()
     ttft, gaps, tokens = None, [], 0
     async for out in engine.generate(request):
@@ -121,10 +126,16 @@ async def direct_one(engine: Engine, i: int, max_tokens: int) -> Result:
 
 
 async def stack_one(pool: Http1Pool, model: str, i: int, max_tokens: int) -> Result:
-    body = orjson.dumps({
-        "model": model, "messages": [{"role": "user", "content": prompt(i)}], "max_tokens": max_tokens,
-        "temperature": 0.7, "stream": True, "stream_options": {"include_usage": True},
-    })  # fmt: skip
+    body = orjson.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt(i)}],
+            "max_tokens": max_tokens,
+            "temperature": 0.7,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     result = await send_one(pool, body, stream=True, timeout_s=600)
     return Result(result.ttft_s or 0.0, result.itls_s, result.output_tokens, result.error)
 
@@ -143,9 +154,11 @@ async def measure_direct(args: argparse.Namespace, spacing_s: float) -> Side:
     try:
         await direct_one(engine, 0, 4)  # warm-up
         side = await run_streams(
-            lambda i: direct_one(engine, i, args.max_tokens), streams=args.streams, rounds=args.rounds,
+            lambda i: direct_one(engine, i, args.max_tokens),
+            streams=args.streams,
+            rounds=args.rounds,
             spacing_s=spacing_s,
-        )  # fmt: skip
+        )
     finally:
         await engine.stop()
     side.name = "direct engine"
@@ -154,15 +167,19 @@ async def measure_direct(args: argparse.Namespace, spacing_s: float) -> Side:
 
 async def measure_stack(args: argparse.Namespace, gateway_url: str, key: str, spacing_s: float) -> Side:
     pool = Http1Pool(
-        f"{gateway_url}/v1/chat/completions", headers=request_headers(key), max_idle_connections=args.streams,
+        f"{gateway_url}/v1/chat/completions",
+        headers=request_headers(key),
+        max_idle_connections=args.streams,
         connect_timeout_s=10,
-    )  # fmt: skip
+    )
     try:
         await stack_one(pool, args.model, 0, 4)  # warm-up
         side = await run_streams(
-            lambda i: stack_one(pool, args.model, i, args.max_tokens), streams=args.streams, rounds=args.rounds,
+            lambda i: stack_one(pool, args.model, i, args.max_tokens),
+            streams=args.streams,
+            rounds=args.rounds,
             spacing_s=spacing_s,
-        )  # fmt: skip
+        )
     finally:
         await pool.aclose()
     side.name = "full stack"
@@ -186,13 +203,19 @@ async def answer_duration_s(args: argparse.Namespace) -> float:
 
 def report(args: argparse.Namespace, direct: Side, stack: Side, spacing_s: float) -> dict:
     d, s = direct.figures(), stack.figures()
-    print(f"\n{args.engine} engine, {args.streams} streams x {args.rounds} requests of {args.max_tokens} tokens, "
-          f"arrival {args.arrival} (stream k starts at k x {spacing_s * 1000:.0f} ms); {os.cpu_count()} CPUs")  # fmt: skip
-    print(f"{'path':<14} {'requests':>8} {'errors':>6} {'tokens':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
-          f"{'ITL p50 ms':>11} {'ITL p99 ms':>11} {'output tok/s':>13}")  # fmt: skip
+    print(
+        f"\n{args.engine} engine, {args.streams} streams x {args.rounds} requests of {args.max_tokens} tokens, "
+        f"arrival {args.arrival} (stream k starts at k x {spacing_s * 1000:.0f} ms); {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'path':<14} {'requests':>8} {'errors':>6} {'tokens':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
+        f"{'ITL p50 ms':>11} {'ITL p99 ms':>11} {'output tok/s':>13}"
+    )
     for name, f in ((direct.name, d), (stack.name, s)):
-        print(f"{name:<14} {f['requests']:>8} {f['errors']:>6} {f['tokens']:>7} {f['ttft_p50_ms']:>12.1f} "
-              f"{f['ttft_p99_ms']:>12.1f} {f['itl_p50_ms']:>11.2f} {f['itl_p99_ms']:>11.2f} {f['output_tok_s']:>13.1f}")  # fmt: skip
+        print(
+            f"{name:<14} {f['requests']:>8} {f['errors']:>6} {f['tokens']:>7} {f['ttft_p50_ms']:>12.1f} "
+            f"{f['ttft_p99_ms']:>12.1f} {f['itl_p50_ms']:>11.2f} {f['itl_p99_ms']:>11.2f} {f['output_tok_s']:>13.1f}"
+        )
     added = {
         "throughput_ratio": s["output_tok_s"] / d["output_tok_s"] if d["output_tok_s"] else float("nan"),
         "ttft_added_p50_ms": s["ttft_p50_ms"] - d["ttft_p50_ms"],
@@ -203,11 +226,18 @@ def report(args: argparse.Namespace, direct: Side, stack: Side, spacing_s: float
     def verdict(ok: bool) -> str:
         return "ok" if ok else "MISSED"
 
-    print(f"stack/direct output tok/s = {added['throughput_ratio']:.3f} (target >= 0.97: "
-          f"{verdict(added['throughput_ratio'] >= 0.97)})")  # fmt: skip
-    print(f"TTFT added: p50 {added['ttft_added_p50_ms']:+.1f} ms (target <= 5: {verdict(added['ttft_added_p50_ms'] <= 5)}), "
-          f"p99 {added['ttft_added_p99_ms']:+.1f} ms (target <= 25: {verdict(added['ttft_added_p99_ms'] <= 25)})")  # fmt: skip
-    print(f"ITL added: p50 {added['itl_added_p50_ms']:+.2f} ms (target <= 1: {verdict(added['itl_added_p50_ms'] <= 1)})")
+    print(
+        f"stack/direct output tok/s = {added['throughput_ratio']:.3f} (target >= 0.97: "
+        f"{verdict(added['throughput_ratio'] >= 0.97)})"
+    )
+    print(
+        f"TTFT added: p50 {added['ttft_added_p50_ms']:+.1f} ms "
+        f"(target <= 5: {verdict(added['ttft_added_p50_ms'] <= 5)}), "
+        f"p99 {added['ttft_added_p99_ms']:+.1f} ms (target <= 25: {verdict(added['ttft_added_p99_ms'] <= 25)})"
+    )
+    print(
+        f"ITL added: p50 {added['itl_added_p50_ms']:+.2f} ms (target <= 1: {verdict(added['itl_added_p50_ms'] <= 1)})"
+    )
     return {"direct": d, "stack": s, **added}
 
 

@@ -51,11 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
 from harness import UNLIMITED, BenchEnvironment, Process, cpu_seconds, free_port, wait_ready
+
 from shared.http1 import Http1Pool
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
+
 MODEL = "bench-model"
 BODY = json.dumps(
     {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello in five words."}]}
@@ -71,11 +72,20 @@ LIMITS = UNLIMITED
 
 _CANNED = json.dumps(
     {
-        "id": "chatcmpl-bench", "object": "chat.completion", "created": 1763790000, "model": MODEL,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there, how are you?"},
-                     "logprobs": None, "finish_reason": "stop"}],
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1763790000,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello there, how are you?"},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
         "usage": {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18},
-    }  # fmt: skip
+    }
 ).encode()
 _READY = b'{"status":"ready"}'
 
@@ -136,9 +146,13 @@ def _switch_off_auth_and_limits(app) -> None:
     from shared.keys import KeyRecord
 
     record = KeyRecord(
-        id="key_0123456789abcdef", name="bench", tenant="key_0123456789abcdef", display="axk_be…ench",
-        limits=LIMITS, created_at=dt.datetime.now(dt.UTC),
-    )  # fmt: skip
+        id="key_0123456789abcdef",
+        name="bench",
+        tenant="key_0123456789abcdef",
+        display="axk_be…ench",
+        limits=LIMITS,
+        created_at=dt.datetime.now(dt.UTC),
+    )
 
     class FixedCaller:
         async def authenticate(self, authorization: str | None) -> KeyRecord:
@@ -182,13 +196,20 @@ def serve(role: str, port: int) -> None:
     if role == "gateway-open":
         _switch_off_auth_and_limits(app)
     limits = ConnectionLimits(
-        head_timeout_s=settings.request_head_timeout_s, max_head_bytes=settings.max_header_bytes,
-        stall_timeout_s=settings.client_stall_timeout_s, send_buffer_bytes=settings.client_send_buffer_bytes,
-    )  # fmt: skip
+        head_timeout_s=settings.request_head_timeout_s,
+        max_head_bytes=settings.max_header_bytes,
+        stall_timeout_s=settings.client_stall_timeout_s,
+        send_buffer_bytes=settings.client_send_buffer_bytes,
+    )
     uvicorn.run(
-        app, host="127.0.0.1", port=port, http=guarded_protocol(limits), log_config=None, access_log=False,
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=guarded_protocol(limits),
+        log_config=None,
+        access_log=False,
         timeout_graceful_shutdown=10,
-    )  # fmt: skip
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,8 +259,9 @@ async def drive(url: str, key: str, *, concurrency: int, seconds: float, into: S
     pool = Http1Pool(
         url + "/v1/chat/completions",
         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-        max_idle_connections=concurrency, connect_timeout_s=5,
-    )  # fmt: skip
+        max_idle_connections=concurrency,
+        connect_timeout_s=5,
+    )
     latencies: list[float] = []
     errors: dict[str, int] = {}
     clock = time.perf_counter
@@ -298,7 +320,10 @@ async def measure(args: argparse.Namespace, variants: dict[str, Process], key: s
     results: dict[str, dict[str, Samples]] = {"throughput": {}, "latency": {}}
     for process in variants.values():  # warm-up: connections, key caches, lazily built routes
         await drive(process.url, key, concurrency=args.concurrency, seconds=args.warmup, into=None)
-    phases = [("throughput", args.concurrency, args.seconds), ("latency", args.latency_concurrency, args.latency_seconds)]
+    phases = [
+        ("throughput", args.concurrency, args.seconds),
+        ("latency", args.latency_concurrency, args.latency_seconds),
+    ]
     for phase, concurrency, seconds in phases:
         for name in variants:
             results[phase][name] = Samples()
@@ -317,8 +342,9 @@ async def measure(args: argparse.Namespace, variants: dict[str, Process], key: s
                 print(
                     f"  {phase:<10} round {round_no + 1:>2}/{args.rounds} {name}: {samples.round_rps[-1]:7.0f} req/s, "
                     f"p50 {samples.round_p50_ms[-1]:6.2f} ms",
-                    file=sys.stderr, flush=True,
-                )  # fmt: skip
+                    file=sys.stderr,
+                    flush=True,
+                )
     return results
 
 
@@ -357,24 +383,46 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Samples]]) -> 
         print(f"{label:<48}{value:>8.3f}   {note}")
 
     line("throughput ratio A/B (all rounds)", ratio, f"target >= 0.85  {'ok' if ratio >= 0.85 else 'MISSED'}")
-    line("throughput ratio A/B (median of round pairs)", pair_ratio, f"target >= 0.85  {'ok' if pair_ratio >= 0.85 else 'MISSED'}")
-    line("gateway CPU per request, B/A", cpu_ratio, "(the ratio a saturated, otherwise idle gateway would show)")
-    line(f"p50 added latency, {args.latency_concurrency} in flight (ms)", added_p50, f"target <= 1 ms  {'ok' if added_p50 <= 1 else 'MISSED'}")
-    line(f"p50 added latency, median of round pairs (ms)", pair_added_p50, f"target <= 1 ms  {'ok' if pair_added_p50 <= 1 else 'MISSED'}")
     line(
-        f"p50 added latency, {args.concurrency} in flight (ms)", t_a.percentile_ms(50) - t_b.percentile_ms(50),
+        "throughput ratio A/B (median of round pairs)",
+        pair_ratio,
+        f"target >= 0.85  {'ok' if pair_ratio >= 0.85 else 'MISSED'}",
+    )
+    line("gateway CPU per request, B/A", cpu_ratio, "(the ratio a saturated, otherwise idle gateway would show)")
+    line(
+        f"p50 added latency, {args.latency_concurrency} in flight (ms)",
+        added_p50,
+        f"target <= 1 ms  {'ok' if added_p50 <= 1 else 'MISSED'}",
+    )
+    line(
+        "p50 added latency, median of round pairs (ms)",
+        pair_added_p50,
+        f"target <= 1 ms  {'ok' if pair_added_p50 <= 1 else 'MISSED'}",
+    )
+    line(
+        f"p50 added latency, {args.concurrency} in flight (ms)",
+        t_a.percentile_ms(50) - t_b.percentile_ms(50),
         "(queueing: in-flight / throughput)",
-    )  # fmt: skip
-    errors = {f"{phase} {name}: {text}": count for phase in results for name, s in results[phase].items()
-              for text, count in s.errors.items()}  # fmt: skip
+    )
+    errors = {
+        f"{phase} {name}: {text}": count
+        for phase in results
+        for name, s in results[phase].items()
+        for text, count in s.errors.items()
+    }
     for text, count in errors.items():
         print(f"error x{count}: {text}")
 
     def figures(s: Samples) -> dict:
         return {
-            "requests": len(s.latencies_s), "rps": s.rps, "p50_ms": s.percentile_ms(50), "p99_ms": s.percentile_ms(99),
-            "cpu_us_per_request": s.cpu_us_per_request, "round_rps": s.round_rps, "round_p50_ms": s.round_p50_ms,
-        }  # fmt: skip
+            "requests": len(s.latencies_s),
+            "rps": s.rps,
+            "p50_ms": s.percentile_ms(50),
+            "p99_ms": s.percentile_ms(99),
+            "cpu_us_per_request": s.cpu_us_per_request,
+            "round_rps": s.round_rps,
+            "round_p50_ms": s.round_p50_ms,
+        }
 
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "serve"},
@@ -398,7 +446,9 @@ def main() -> int:
     parser.add_argument("--latency-seconds", type=float, default=1.5, help="length of one latency round")
     parser.add_argument("--rounds", type=int, default=8, help="rounds per variant and phase")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up per variant")
-    parser.add_argument("--postgres", default=os.environ.get("AXON_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
+    parser.add_argument(
+        "--postgres", default=os.environ.get("AXON_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    )
     parser.add_argument("--redis", default=os.environ.get("AXON_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--log-level", default="INFO", help="the gateways' AXON_LOG_LEVEL (production: INFO)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")

@@ -148,9 +148,13 @@ class BenchEnvironment:
         """The environment of a service of this run (the caller's own AXON_* settings dropped)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("AXON_")}
         env.update(
-            AXON_NAMESPACE=self.namespace, AXON_REDIS_URL=self.redis_url, AXON_AMQP_URL=self.amqp_url,
-            AXON_DATABASE_URL=self.database_url, AXON_ADMIN_TOKEN=ADMIN_TOKEN, AXON_LOG_LEVEL="INFO",
-        )  # fmt: skip
+            AXON_NAMESPACE=self.namespace,
+            AXON_REDIS_URL=self.redis_url,
+            AXON_AMQP_URL=self.amqp_url,
+            AXON_DATABASE_URL=self.database_url,
+            AXON_ADMIN_TOKEN=ADMIN_TOKEN,
+            AXON_LOG_LEVEL="INFO",
+        )
         env.update(extra or {})
         return env
 
@@ -167,7 +171,9 @@ class BenchEnvironment:
 
         return asyncio.run(create())
 
-    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None, port: int | None = None) -> Process:
+    def start(
+        self, name: str, argv: list[str], *, env: dict[str, str] | None = None, port: int | None = None
+    ) -> Process:
         process = start_process(name, argv, self.env(env), self.log_dir, port or free_port())
         self.processes.append(process)
         return process
@@ -176,9 +182,11 @@ class BenchEnvironment:
         """An Axon service (`worker`, `sessions`, `gateway`) as its console script runs it, once ready."""
         port = free_port()
         process = self.start(
-            name or kind, [sys.executable, "-m", SERVICE_MODULES[kind]], env={_PORT_VARIABLES[kind]: str(port), **(env or {})},
+            name or kind,
+            [sys.executable, "-m", SERVICE_MODULES[kind]],
+            env={_PORT_VARIABLES[kind]: str(port), **(env or {})},
             port=port,
-        )  # fmt: skip
+        )
         wait_ready(process)
         return process
 

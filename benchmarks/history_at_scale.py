@@ -75,14 +75,22 @@ async def load(pool: asyncpg.Pool, messages: int, sessions: int) -> list[tuple[s
         for conversation in picks[start : start + chunk]:
             counts[conversation] += 1
             seq = counts[conversation]
-            records.append((
-                uuid.uuid4(), conversation, seq, "user" if seq % 2 else "assistant",
-                f"message {seq} " + "lorem ipsum " * 10, "complete", base + dt.timedelta(seconds=seq),
-            ))  # fmt: skip
+            records.append(
+                (
+                    uuid.uuid4(),
+                    conversation,
+                    seq,
+                    "user" if seq % 2 else "assistant",
+                    f"message {seq} " + "lorem ipsum " * 10,
+                    "complete",
+                    base + dt.timedelta(seconds=seq),
+                )
+            )
         await pool.copy_records_to_table(
-            "messages", records=records,
+            "messages",
+            records=records,
             columns=["id", "conversation_id", "seq", "role", "content", "status", "created_at"],
-        )  # fmt: skip
+        )
         print(f"  loaded {min(start + chunk, messages):,} / {messages:,} messages", flush=True)
     await pool.execute("ANALYZE")
     print(f"loaded {sessions:,} sessions and {messages:,} messages in {time.perf_counter() - started:.0f} s")
@@ -103,8 +111,10 @@ async def measure(name: str, runs: int, call, pool: asyncpg.Pool, recorder: Reco
         plan = await pool.fetch(f"EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) {query}", *args)
         scans += [node for r in plan if "Scan" in (node := r[0].strip().lstrip("-> "))]
     times.sort()
-    print(f"{name:<28} p50 {statistics.median(times):6.2f} ms  p99 {times[int(len(times) * 0.99)]:6.2f} ms  "
-          f"plan: {'; '.join(scans)}")  # fmt: skip
+    print(
+        f"{name:<28} p50 {statistics.median(times):6.2f} ms  p99 {times[int(len(times) * 0.99)]:6.2f} ms  "
+        f"plan: {'; '.join(scans)}"
+    )
 
 
 async def main() -> None:
@@ -125,9 +135,14 @@ async def main() -> None:
     names = Names(f"axon_bench_{run}")
     recorder = RecordingPool(pool)
     store = SessionStore(
-        client=client, db=recorder, names=names, outbox=Outbox(client, names), metrics=SessionsMetrics(),
-        history_max_messages=200, cache_ttl_s=3600,
-    )  # fmt: skip
+        client=client,
+        db=recorder,
+        names=names,
+        outbox=Outbox(client, names),
+        metrics=SessionsMetrics(),
+        history_max_messages=200,
+        cache_ttl_s=3600,
+    )
     try:
         sessions = await load(pool, args.messages, args.sessions)
         by_tenant: dict[str, list[tuple[uuid.UUID, int]]] = {}

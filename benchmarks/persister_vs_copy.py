@@ -15,12 +15,12 @@ import uuid
 
 import asyncpg
 
+from services.sessions.metrics import SessionsMetrics
+from services.sessions.persister import Batch, Persister
 from shared.clients import create_redis
 from shared.migrations import drop_database, migrate, split_database_url
 from shared.names import Names
 from shared.outbox import MessageRow, Outbox
-from services.sessions.metrics import SessionsMetrics
-from services.sessions.persister import Batch, Persister
 
 SESSIONS = 200
 
@@ -29,10 +29,14 @@ def make_rows(conversations: list[uuid.UUID], count: int, *, start_seq: int) -> 
     now = dt.datetime.now(dt.UTC)
     return [
         MessageRow(
-            id=str(uuid.uuid4()), conversation_id=str(conversations[i % len(conversations)]),
-            seq=start_seq + i // len(conversations), role="user" if i % 2 else "assistant",
-            content=f"message {i} " + "lorem ipsum " * 8, status="complete", created_at=now,
-        )  # fmt: skip
+            id=str(uuid.uuid4()),
+            conversation_id=str(conversations[i % len(conversations)]),
+            seq=start_seq + i // len(conversations),
+            role="user" if i % 2 else "assistant",
+            content=f"message {i} " + "lorem ipsum " * 8,
+            status="complete",
+            created_at=now,
+        )
         for i in range(count)
     ]
 
@@ -85,9 +89,15 @@ async def main() -> None:
 
         def new_persister() -> TimedPersister:
             return TimedPersister(
-                client=client, db=pool, names=names, metrics=SessionsMetrics(), batch_size=args.batch_size,
-                flush_interval_ms=args.flush_interval_ms, reclaim_after_ms=60_000, concurrency=args.concurrency,
-            )  # fmt: skip
+                client=client,
+                db=pool,
+                names=names,
+                metrics=SessionsMetrics(),
+                batch_size=args.batch_size,
+                flush_interval_ms=args.flush_interval_ms,
+                reclaim_after_ms=60_000,
+                concurrency=args.concurrency,
+            )
 
         await new_persister().ensure_group()
 
@@ -116,9 +126,10 @@ async def main() -> None:
             started = time.perf_counter()
             async with pool.acquire() as conn:
                 await conn.copy_records_to_table(
-                    "messages", records=records,
+                    "messages",
+                    records=records,
                     columns=["id", "conversation_id", "seq", "role", "content", "status", "job_id", "created_at"],
-                )  # fmt: skip
+                )
             copy_runs.append(time.perf_counter() - started)
         count = await pool.fetchval("SELECT count(*) FROM messages")
         assert count == 2 * args.rows * args.repeat, count
@@ -144,8 +155,10 @@ async def main() -> None:
         print(f"persister: {args.rows} rows in {persister_s:.2f} s = {args.rows / persister_s:,.0f} rows/s")
         print(f"COPY:      {args.rows} rows in {copy_s:.2f} s = {args.rows / copy_s:,.0f} rows/s")
         print(f"ratio persister/COPY = {copy_s / persister_s:.2f} (target >= 0.8)")
-        print(f"lag at {args.rate} msg/s for {args.seconds:.0f} s: p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, "
-              f"max {lags[-1] * 1000:.0f} ms, mean {statistics.mean(lags) * 1000:.0f} ms (target p99 <= 1000 ms)")
+        print(
+            f"lag at {args.rate} msg/s for {args.seconds:.0f} s: p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, "
+            f"max {lags[-1] * 1000:.0f} ms, mean {statistics.mean(lags) * 1000:.0f} ms (target p99 <= 1000 ms)"
+        )
     finally:
         await client.delete(names.outbox)
         await client.aclose()

@@ -86,9 +86,12 @@ def main() -> int:
     duration_s = args.minutes * 60
     warmup_s = min(60.0, duration_s / 5)
     worker_env = {
-        "AXON_ENGINE": "sim", "AXON_MODEL": MODEL, "AXON_SIM_TTFT_MS": "0", "AXON_SIM_ITL_MS": "0",
+        "AXON_ENGINE": "sim",
+        "AXON_MODEL": MODEL,
+        "AXON_SIM_TTFT_MS": "0",
+        "AXON_SIM_ITL_MS": "0",
         "AXON_SIM_MAX_SEQS": "512",
-    }  # fmt: skip
+    }
     with BenchEnvironment() as env:
         stack = env.start_stack(worker_env)
         key = env.create_key()
@@ -96,16 +99,37 @@ def main() -> int:
         if args.rate is None:
             capacity_rps = measure_capacity(env, stack["gateway"].url, key, {n: [p.pid] for n, p in stack.items()})
             args.rate = round(args.fraction * capacity_rps, 1)
-            print(f"capacity: {capacity_rps:.1f} req/s (best of {', '.join(map(str, CAPACITY_STREAMS))} streams in "
-                  f"flight, zero errors); soaking at {args.fraction:g} x that", flush=True)  # fmt: skip
+            print(
+                f"capacity: {capacity_rps:.1f} req/s (best of {', '.join(map(str, CAPACITY_STREAMS))} streams in "
+                f"flight, zero errors); soaking at {args.fraction:g} x that",
+                flush=True,
+            )
         sampler = MemorySampler({name: process.pid for name, process in stack.items()})
-        print(f"soak: {args.rate:g} req/s for {args.minutes:g} min (logs in {env.log_dir})", file=sys.stderr, flush=True)
+        print(
+            f"soak: {args.rate:g} req/s for {args.minutes:g} min (logs in {env.log_dir})", file=sys.stderr, flush=True
+        )
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             argv = [
-                sys.executable, "-m", "services.cli.main", "bench", "--base-url", f"{stack['gateway'].url}/v1",
-                "--model", MODEL, "--num-requests", str(int(args.rate * duration_s)), "--request-rate", str(args.rate),
-                "--input-len", "16", "--output-len", str(args.output_len), "--no-progress", "--json", out.name,
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "services.cli.main",
+                "bench",
+                "--base-url",
+                f"{stack['gateway'].url}/v1",
+                "--model",
+                MODEL,
+                "--num-requests",
+                str(int(args.rate * duration_s)),
+                "--request-rate",
+                str(args.rate),
+                "--input-len",
+                "16",
+                "--output-len",
+                str(args.output_len),
+                "--no-progress",
+                "--json",
+                out.name,
+            ]
             sampler.start()
             subprocess.run(argv, env={**os.environ, "OPENAI_API_KEY": key}, stdout=subprocess.DEVNULL, check=False)
             sampler.stopping.set()
@@ -117,24 +141,39 @@ def main() -> int:
     growth = {name: last[name] / after_warmup[name] - 1 for name in sampler.pids}
     failed = summary["requests"]["failed"]
     unexpected = sum(e["count"] for e in summary["errors"] if not (args.expect_overload and e["message"] == OVERLOADED))
-    print(f"\nsoak: {args.rate:g} req/s offered for {args.minutes:g} min; {summary['requests']['completed']} requests "
-          f"completed, {failed} failed in {summary['duration_s']:.0f} s ({summary['request_throughput_rps']:.1f} req/s "
-          f"completed); TTFT p50 {summary['ttft_ms']['p50']:.1f} ms, p99 {summary['ttft_ms']['p99']:.1f} ms")  # fmt: skip
+    print(
+        f"\nsoak: {args.rate:g} req/s offered for {args.minutes:g} min; {summary['requests']['completed']} requests "
+        f"completed, {failed} failed in {summary['duration_s']:.0f} s ({summary['request_throughput_rps']:.1f} req/s "
+        f"completed); TTFT p50 {summary['ttft_ms']['p50']:.1f} ms, p99 {summary['ttft_ms']['p99']:.1f} ms"
+    )
     for error in summary["errors"]:
         print(f"  error x{error['count']}: {error['message']}")
     print(f"resident memory after the warm-up ({after_warmup['t_s']:g} s) and at the end ({elapsed_s:g} s):")
     for name in sampler.pids:
-        print(f"  {name:<9} {after_warmup[name] / 2**20:7.1f} MiB -> {last[name] / 2**20:7.1f} MiB  "
-              f"({growth[name] * 100:+.1f}%, limit +{args.max_growth * 100:g}%)")  # fmt: skip
+        print(
+            f"  {name:<9} {after_warmup[name] / 2**20:7.1f} MiB -> {last[name] / 2**20:7.1f} MiB  "
+            f"({growth[name] * 100:+.1f}%, limit +{args.max_growth * 100:g}%)"
+        )
     flat = all(g < args.max_growth for g in growth.values())
     allowed = "only overload refusals" if args.expect_overload else "zero errors"
-    print(f"verdict: {'ok' if unexpected == 0 and flat else 'FAILED'} ({allowed}: {unexpected == 0}, memory flat: {flat})")
+    print(
+        f"verdict: {'ok' if unexpected == 0 and flat else 'FAILED'} ({allowed}: {unexpected == 0}, memory flat: {flat})"
+    )
     if args.json:
-        args.json.write_text(json.dumps(
-            {"config": vars(args) | {"json": None}, "capacity_rps": capacity_rps, "bench": summary,
-             "rss_samples": sampler.samples, "growth": growth},
-            indent=2, default=str,
-        ) + "\n")  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "config": vars(args) | {"json": None},
+                    "capacity_rps": capacity_rps,
+                    "bench": summary,
+                    "rss_samples": sampler.samples,
+                    "growth": growth,
+                },
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
     return 0 if unexpected == 0 and flat else 1
 
 
@@ -147,11 +186,24 @@ def measure_capacity(env: BenchEnvironment, gateway_url: str, key: str, pids: di
     levels = []
     for streams in CAPACITY_STREAMS:
         print(f"capacity: {streams} streams...", file=sys.stderr, flush=True)
-        levels.append(run_level(env, gateway_url, key, pids, concurrency=streams, requests=CAPACITY_REQUESTS,
-                                output_tokens=16, warmup=200))  # fmt: skip
+        levels.append(
+            run_level(
+                env,
+                gateway_url,
+                key,
+                pids,
+                concurrency=streams,
+                requests=CAPACITY_REQUESTS,
+                output_tokens=16,
+                warmup=200,
+            )
+        )
         summary = levels[-1]["summary"]
-        print(f"capacity: {streams:>4} streams {summary['request_throughput_rps']:7.1f} req/s, "
-              f"{summary['requests']['failed']} errors", flush=True)  # fmt: skip
+        print(
+            f"capacity: {streams:>4} streams {summary['request_throughput_rps']:7.1f} req/s, "
+            f"{summary['requests']['failed']} errors",
+            flush=True,
+        )
     best = best_clean_level(levels, "request_throughput_rps")
     if best is None:
         raise RuntimeError("no capacity level ran without errors")

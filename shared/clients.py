@@ -18,9 +18,7 @@ from shared.names import Names
 MAX_JOB_PRIORITY = 9
 
 
-def create_redis(
-    url: str, *, timeout_s: float, for_pubsub: bool = False, max_connections: int = 256
-) -> redis.Redis:
+def create_redis(url: str, *, timeout_s: float, for_pubsub: bool = False, max_connections: int = 256) -> redis.Redis:
     """Return a Redis client whose every command times out after `timeout_s`.
 
     Args:
@@ -75,9 +73,7 @@ async def declare_job_queue(
     )
     dead_queue = await channel.declare_queue(names.dead_letter_queue, durable=True)
     await dead_queue.bind(dead_exchange)
-    jobs_exchange = await channel.declare_exchange(
-        names.jobs_exchange, aio_pika.ExchangeType.DIRECT, durable=True
-    )
+    jobs_exchange = await channel.declare_exchange(names.jobs_exchange, aio_pika.ExchangeType.DIRECT, durable=True)
     queue = await channel.declare_queue(
         names.jobs_queue(model),
         durable=True,

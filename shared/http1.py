@@ -276,8 +276,10 @@ class Http1Client:
     def head(self, method: str, target: str, headers: Iterable[tuple[str, str]]) -> bytes:
         """A request head (without Content-Length and the blank line), to render once and reuse."""
         lines = "".join(f"{name}: {value}\r\n" for name, value in headers)
-        return f"{method} {self.base_path}{target} HTTP/1.1\r\n".encode("latin-1") + self._host_line + lines.encode(
-            "latin-1"
+        return (
+            f"{method} {self.base_path}{target} HTTP/1.1\r\n".encode("latin-1")
+            + self._host_line
+            + lines.encode("latin-1")
         )
 
     async def request(
@@ -376,9 +378,10 @@ class Http1Pool:
     ) -> None:
         parts = urlsplit(url)
         self._client = Http1Client(
-            f"{parts.scheme}://{parts.netloc}", max_idle_connections=max_idle_connections,
+            f"{parts.scheme}://{parts.netloc}",
+            max_idle_connections=max_idle_connections,
             connect_timeout_s=connect_timeout_s,
-        )  # fmt: skip
+        )
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self._head = self._client.head("POST", target, [("Connection", "keep-alive"), *headers.items()])
 

@@ -96,7 +96,9 @@ def _record(row: asyncpg.Record) -> KeyRecord:
     )
 
 
-_COLUMNS = "id, name, tenant, display, rpm_limit, tpm_limit, max_concurrent, priority, created_at, last_used_at, revoked_at"
+_COLUMNS = (
+    "id, name, tenant, display, rpm_limit, tpm_limit, max_concurrent, priority, created_at, last_used_at, revoked_at"
+)
 
 
 class KeyRepository:
@@ -110,11 +112,19 @@ class KeyRepository:
         key = generate_key()
         key_id = "key_" + secrets.token_hex(8)
         row = await self._pool.fetchrow(
-            f"INSERT INTO api_keys (id, name, key_hash, display, tenant, rpm_limit, tpm_limit, max_concurrent, priority)"
+            "INSERT INTO api_keys"
+            " (id, name, key_hash, display, tenant, rpm_limit, tpm_limit, max_concurrent, priority)"
             f" VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING {_COLUMNS}",
-            key_id, name, hash_key(key), display_form(key), tenant or key_id,
-            limits.rpm, limits.tpm, limits.max_concurrent, limits.priority,
-        )  # fmt: skip
+            key_id,
+            name,
+            hash_key(key),
+            display_form(key),
+            tenant or key_id,
+            limits.rpm,
+            limits.tpm,
+            limits.max_concurrent,
+            limits.priority,
+        )
         return key, _record(row)
 
     async def find_by_hash(self, key_hash: bytes) -> KeyRecord | None:

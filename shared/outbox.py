@@ -45,14 +45,19 @@ class MessageRow(BaseModel):
     def _storable(cls, value: str) -> str:
         return postgres_text(value)
 
-
     def copy_line(self) -> bytes:
         """The row in PostgreSQL's COPY text format, rendered once here so the persister only
         concatenates lines (its hot path)."""
         fields = (
-            self.id, self.conversation_id, str(self.seq), self.role, self.content, self.status,
-            self.job_id, self.created_at.isoformat(),
-        )  # fmt: skip
+            self.id,
+            self.conversation_id,
+            str(self.seq),
+            self.role,
+            self.content,
+            self.status,
+            self.job_id,
+            self.created_at.isoformat(),
+        )
         return ("\t".join(_copy_escape(f) for f in fields) + "\n").encode()
 
 

@@ -33,7 +33,8 @@ local function gcra(key, limit, cost)
   local new_tat = tat + cost * interval
   local allow_at = new_tat - period
   if allow_at > now then
-    return {0, tat, math.max(0, math.floor((period - (tat - now)) / interval)), math.ceil(tat - now), math.ceil(allow_at - now)}
+    return {0, tat, math.max(0, math.floor((period - (tat - now)) / interval)), math.ceil(tat - now),
+            math.ceil(allow_at - now)}
   end
   return {1, new_tat, math.max(0, math.floor((period - (new_tat - now)) / interval)), math.ceil(new_tat - now), 0}
 end
@@ -135,8 +136,7 @@ def refusal(decision: Decision) -> RateLimited:
     """The 429 for a refused decision, with `Retry-After` (s) and `retry-after-ms` from the limiter's state."""
     retry_ms = max(1, decision.retry_after_ms)
     return RateLimited(
-        f"Rate limit reached for {_LIMIT_NAMES.get(decision.denied or '', decision.denied)}; "
-        f"retry in {retry_ms} ms.",
+        f"Rate limit reached for {_LIMIT_NAMES.get(decision.denied or '', decision.denied)}; retry in {retry_ms} ms.",
         headers={
             **rate_limit_headers(decision),
             "Retry-After": str(max(1, math.ceil(retry_ms / 1000))),
@@ -167,9 +167,14 @@ class RateLimiter:
         """
         keys = [self._names.rate_limit(kind, key_id) for kind in ("rpm", "tpm", "conc")]
         args = [
-            limits.rpm or 0, limits.tpm or 0, limits.max_concurrent or 0, max(0, token_cost),
-            lease_id, int(lease_ttl_s * 1000), PERIOD_MS,
-        ]  # fmt: skip
+            limits.rpm or 0,
+            limits.tpm or 0,
+            limits.max_concurrent or 0,
+            max(0, token_cost),
+            lease_id,
+            int(lease_ttl_s * 1000),
+            PERIOD_MS,
+        ]
         denied, retry_ms, req_left, req_reset, tok_left, tok_reset = await self._pipe.evalsha(_CHECK, keys, args)
         denied = denied.decode() if isinstance(denied, bytes) else denied
         return Decision(

@@ -35,14 +35,14 @@ class WorkerRegistry:
         self._redis = client
         self._names = names
 
-    async def heartbeat(
-        self, *, worker_id: str, model: str, ttl_s: float, max_seqs: int, context_tokens: int
-    ) -> None:
+    async def heartbeat(self, *, worker_id: str, model: str, ttl_s: float, max_seqs: int, context_tokens: int) -> None:
         """Announce that `worker_id` serves `model` for the next `ttl_s` seconds."""
         entry = {
-            "model": model, "expires_at": time.time() + ttl_s, "max_seqs": max_seqs,
+            "model": model,
+            "expires_at": time.time() + ttl_s,
+            "max_seqs": max_seqs,
             "context_tokens": context_tokens,
-        }  # fmt: skip
+        }
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(self._names.workers_key, worker_id, orjson.dumps(entry))
             pipe.sadd(self._names.models_key, model)
@@ -94,8 +94,9 @@ class WorkerRegistry:
         if target not in live:
             raise Conflict(
                 f"No live worker serves '{target}'; an alias can only point at a served model.",
-                param="target", code="alias_target_unavailable",
-            )  # fmt: skip
+                param="target",
+                code="alias_target_unavailable",
+            )
         if alias in live:
             raise InvalidRequest(f"'{alias}' is a served model's name, not an alias.", param="alias")
         await self._redis.hset(self._names.aliases_key, alias, target)

@@ -13,8 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.errors import AxonError, InvalidRequest, PayloadTooLarge, RequestTimeout, Unavailable, error_body
@@ -35,12 +35,17 @@ class HttpMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
-            "axon_http_requests_total", "HTTP requests answered.", ["route", "method", "status"],
+            "axon_http_requests_total",
+            "HTTP requests answered.",
+            ["route", "method", "status"],
             registry=registry,
         )
         self.duration = Histogram(
-            "axon_http_request_duration_seconds", "From request to the end of the response body.",
-            ["route", "method"], buckets=LATENCY_BUCKETS_S, registry=registry,
+            "axon_http_request_duration_seconds",
+            "From request to the end of the response body.",
+            ["route", "method"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
         )
 
     def observe(self, scope: Scope, status: int, duration_s: float) -> None:
@@ -104,7 +109,13 @@ def invalid_request(errors: list[dict[str, Any]]) -> InvalidRequest:
 
 
 # Dependencies being unreachable: the client can do nothing but come back, so say when.
-_DEPENDENCY_ERRORS = (RedisError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError, ConnectionError, TimeoutError)
+_DEPENDENCY_ERRORS = (
+    RedisError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    ConnectionError,
+    TimeoutError,
+)
 
 
 def exception_response(exc: BaseException) -> Response | None:
@@ -354,10 +365,12 @@ async def send_json(send: Send, status: int, body: bytes, headers: Sequence[tupl
             "type": "http.response.start",
             "status": status,
             "headers": [
-                (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), *headers,
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(body)),
+                *headers,
             ],
         }
-    )  # fmt: skip
+    )
     await send({"type": "http.response.body", "body": body})
 
 

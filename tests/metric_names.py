@@ -29,9 +29,23 @@ _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\
 # An identifier that does not continue a number (0.95, 1e3, 5m) and is not a function call.
 _IDENTIFIER = re.compile(r"(?<![\w.:])([A-Za-z_:][\w:]*)(?![\w:])(?!\s*\()")
 _KEYWORDS = frozenset(
-    {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",
-     "inf", "nan", "atan2"}
-)  # fmt: skip
+    {
+        "and",
+        "or",
+        "unless",
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "offset",
+        "bool",
+        "inf",
+        "nan",
+        "atan2",
+    }
+)
 _SELECTOR_WITH_JOB = re.compile(r'([A-Za-z_:][\w:]*)\s*\{[^{}]*\bjob\s*=\s*"([^"]+)"')
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 

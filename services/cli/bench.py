@@ -140,10 +140,7 @@ def synthetic_prompts(count: int, *, input_len: int, seed: int) -> list[PromptEn
     """`count` distinct prompts of about `input_len` words each, the same for the same seed."""
     rng = random.Random(f"{seed}:prompts")
     body_len = max(input_len - 2, 0)
-    return [
-        PromptEntry(prompt=f"Request {i}: " + " ".join(rng.choices(_WORDS, k=body_len)))
-        for i in range(count)
-    ]
+    return [PromptEntry(prompt=f"Request {i}: " + " ".join(rng.choices(_WORDS, k=body_len))) for i in range(count)]
 
 
 def build_bodies(config: BenchConfig, entries: Sequence[PromptEntry], count: int) -> list[bytes]:
@@ -227,9 +224,17 @@ class StreamParser:
     """
 
     __slots__ = (
-        "started_s", "ttft_s", "last_s", "itls_s", "content_chunks",
-        "completion_tokens", "prompt_tokens", "error", "done", "_buffer",
-    )  # fmt: skip
+        "_buffer",
+        "completion_tokens",
+        "content_chunks",
+        "done",
+        "error",
+        "itls_s",
+        "last_s",
+        "prompt_tokens",
+        "started_s",
+        "ttft_s",
+    )
 
     def __init__(self, started_s: float) -> None:
         self.started_s = started_s
@@ -312,9 +317,13 @@ class RequestResult:
 def _from_stream(parser: StreamParser, e2e_s: float) -> RequestResult:
     error = parser.error or (None if parser.done else "stream ended before data: [DONE]")
     return RequestResult(
-        e2e_s=e2e_s, ttft_s=parser.ttft_s, itls_s=parser.itls_s, output_tokens=parser.output_tokens,
-        prompt_tokens=parser.prompt_tokens, error=error,
-    )  # fmt: skip
+        e2e_s=e2e_s,
+        ttft_s=parser.ttft_s,
+        itls_s=parser.itls_s,
+        output_tokens=parser.output_tokens,
+        prompt_tokens=parser.prompt_tokens,
+        error=error,
+    )
 
 
 def _from_body(raw: bytes, e2e_s: float) -> RequestResult:
@@ -349,7 +358,7 @@ async def send_one(poster: "Poster", body: bytes, *, stream: bool, timeout_s: fl
             status, raw = await poster.post(body, sink=parser.feed if stream else None)
     except TimeoutError:
         return _failed(parser, started_s, f"timed out after {timeout_s:g} s")
-    except Exception as exc:  # a load generator records a failure and goes on
+    except Exception as exc:  # noqa: BLE001 - a load generator records a failure and goes on
         return _failed(parser, started_s, f"{type(exc).__name__}: {exc}".rstrip(": "))
     e2e_s = perf() - started_s
     if status != 200:
@@ -424,13 +433,18 @@ def make_poster(config: BenchConfig, *, api_key: str, transport: Any = None) -> 
     headers = request_headers(api_key)
     if transport is None and Http1Pool.supports(config.url):
         return Http1Pool(
-            config.url, headers=headers, max_idle_connections=config.max_concurrency,
+            config.url,
+            headers=headers,
+            max_idle_connections=config.max_concurrency,
             connect_timeout_s=min(config.timeout_s, _CONNECT_TIMEOUT_S),
-        )  # fmt: skip
+        )
     return HttpxPoster(
-        config.url, headers=headers, max_connections=config.max_concurrency, timeout_s=config.timeout_s,
+        config.url,
+        headers=headers,
+        max_connections=config.max_concurrency,
+        timeout_s=config.timeout_s,
         transport=transport,
-    )  # fmt: skip
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -569,8 +583,12 @@ def summarize(outcome: RunOutcome, config: BenchConfig) -> dict[str, Any]:
         "config": _config_dict(config),
         "interrupted": outcome.interrupted,
         "duration_s": duration_s,
-        "requests": {"sent": len(outcome.results) + outcome.cancelled, "completed": len(ok), "failed": failed,
-                     "cancelled": outcome.cancelled},  # fmt: skip
+        "requests": {
+            "sent": len(outcome.results) + outcome.cancelled,
+            "completed": len(ok),
+            "failed": failed,
+            "cancelled": outcome.cancelled,
+        },
         "request_throughput_rps": len(ok) / duration_s if duration_s > 0 else 0.0,
         "output_token_throughput_tps": output_tokens / duration_s if duration_s > 0 else 0.0,
         "total_output_tokens": output_tokens,
@@ -608,8 +626,9 @@ def render_summary(summary: dict[str, Any], console: Any) -> None:
         f"axon bench{' (interrupted)' if summary['interrupted'] else ''}: {config['model']} at {config['url']}\n"
         f"{requests['sent']} requests, concurrency {config['max_concurrency'] or 'unlimited'}, "
         f"rate {rate if rate == 'inf' else f'{rate:g}'} req/s, {'streamed' if config['stream'] else 'not streamed'}",
-        highlight=False, soft_wrap=True,
-    )  # fmt: skip
+        highlight=False,
+        soft_wrap=True,
+    )
     table = Table(show_header=True, header_style="bold")
     table.add_column("metric")
     for column in ("mean", "p50", "p90", "p99"):
@@ -619,12 +638,15 @@ def render_summary(summary: dict[str, Any], console: Any) -> None:
     console.print(table)
     lines = [
         ("duration", f"{summary['duration_s']:.2f} s"),
-        ("requests", f"{requests['completed']} completed, {requests['failed']} failed"
-                     + (f", {requests['cancelled']} cancelled" if requests["cancelled"] else "")),
+        (
+            "requests",
+            f"{requests['completed']} completed, {requests['failed']} failed"
+            + (f", {requests['cancelled']} cancelled" if requests["cancelled"] else ""),
+        ),
         ("request throughput", f"{summary['request_throughput_rps']:.2f} req/s"),
         ("output token throughput", f"{summary['output_token_throughput_tps']:.1f} tok/s"),
         ("output tokens", f"{summary['total_output_tokens']} (input tokens: {summary['total_input_tokens']})"),
-    ]  # fmt: skip
+    ]
     for label, value in lines:
         console.print(f"{label + ':':<25} {value}", highlight=False, soft_wrap=True)
     for error in summary["errors"]:
@@ -691,46 +713,92 @@ def add_bench_command(commands: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     target = bench.add_argument_group("target")
-    target.add_argument("--base-url", default=DEFAULT_BASE_URL,
-                        help="OpenAI-compatible base URL (default: %(default)s)")  # fmt: skip
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "unused"),
-                        help="bearer API key (default: $OPENAI_API_KEY, else 'unused')")  # fmt: skip
+    target.add_argument(
+        "--base-url", default=DEFAULT_BASE_URL, help="OpenAI-compatible base URL (default: %(default)s)"
+    )
+    target.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", "unused"),
+        help="bearer API key (default: $OPENAI_API_KEY, else 'unused')",
+    )
     target.add_argument("--model", help="model name (default: the first model GET /models lists)")
-    target.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
-                        help="/chat/completions or /completions (default: %(default)s)")  # fmt: skip
+    target.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="/chat/completions or /completions (default: %(default)s)",
+    )
     load = bench.add_argument_group("load")
-    load.add_argument("--num-requests", type=_positive_int,
-                      help="requests to measure (default: one per line of --prompts-file, "
-                      f"else {DEFAULT_SYNTHETIC_REQUESTS}); "
-                      "prompts are reused in turn when there are fewer")  # fmt: skip
-    load.add_argument("--max-concurrency", type=_positive_int,
-                      help="most requests in flight at once, also the connection pool size "
-                      "(default: no limit)")  # fmt: skip
-    load.add_argument("--request-rate", type=_positive_float, default=math.inf,
-                      help="mean requests/s, Poisson arrivals; 'inf' sends all at once (default: inf)")  # fmt: skip
-    load.add_argument("--warmup", type=_non_negative_int, default=0,
-                      help="requests sent first and not measured (default: %(default)s)")  # fmt: skip
-    load.add_argument("--seed", type=int, default=0,
-                      help="seed for synthetic prompts and arrival times (default: %(default)s)")  # fmt: skip
-    load.add_argument("--timeout-s", type=_positive_float, default=300.0,
-                      help="deadline for each request, send to last byte (default: %(default)s)")  # fmt: skip
+    load.add_argument(
+        "--num-requests",
+        type=_positive_int,
+        help="requests to measure (default: one per line of --prompts-file, "
+        f"else {DEFAULT_SYNTHETIC_REQUESTS}); "
+        "prompts are reused in turn when there are fewer",
+    )
+    load.add_argument(
+        "--max-concurrency",
+        type=_positive_int,
+        help="most requests in flight at once, also the connection pool size (default: no limit)",
+    )
+    load.add_argument(
+        "--request-rate",
+        type=_positive_float,
+        default=math.inf,
+        help="mean requests/s, Poisson arrivals; 'inf' sends all at once (default: inf)",
+    )
+    load.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=0,
+        help="requests sent first and not measured (default: %(default)s)",
+    )
+    load.add_argument(
+        "--seed", type=int, default=0, help="seed for synthetic prompts and arrival times (default: %(default)s)"
+    )
+    load.add_argument(
+        "--timeout-s",
+        type=_positive_float,
+        default=300.0,
+        help="deadline for each request, send to last byte (default: %(default)s)",
+    )
     work = bench.add_argument_group("workload")
-    work.add_argument("--input-len", type=_positive_int, default=128,
-                      help="words per synthetic prompt, about one token each (default: %(default)s)")  # fmt: skip
-    work.add_argument("--output-len", type=_positive_int, default=128,
-                      help="max_tokens per request unless the prompts file sets it (default: %(default)s)")  # fmt: skip
-    work.add_argument("--prompts-file", metavar="JSONL",
-                      help='one {"prompt": "..."} or {"messages": [...]} object per line, optional "max_tokens"; '
-                      "replaces the synthetic prompts")  # fmt: skip
-    work.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
-                      help="stream the answers as server-sent events (default: stream); without streaming, "
-                      "TTFT is the whole latency and there is no TPOT/ITL")  # fmt: skip
+    work.add_argument(
+        "--input-len",
+        type=_positive_int,
+        default=128,
+        help="words per synthetic prompt, about one token each (default: %(default)s)",
+    )
+    work.add_argument(
+        "--output-len",
+        type=_positive_int,
+        default=128,
+        help="max_tokens per request unless the prompts file sets it (default: %(default)s)",
+    )
+    work.add_argument(
+        "--prompts-file",
+        metavar="JSONL",
+        help='one {"prompt": "..."} or {"messages": [...]} object per line, optional "max_tokens"; '
+        "replaces the synthetic prompts",
+    )
+    work.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stream the answers as server-sent events (default: stream); without streaming, "
+        "TTFT is the whole latency and there is no TPOT/ITL",
+    )
     work.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s)")
     out = bench.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH",
-                     help="write every summary figure and the configuration to this JSON file")  # fmt: skip
-    out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                     help="show a progress bar on stderr (default: on)")  # fmt: skip
+    out.add_argument(
+        "--json", metavar="PATH", help="write every summary figure and the configuration to this JSON file"
+    )
+    out.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show a progress bar on stderr (default: on)",
+    )
     bench.set_defaults(func=bench_command)
     return bench
 
@@ -787,11 +855,21 @@ async def _bench_main(args: argparse.Namespace, entries: list[PromptEntry] | Non
     from rich.console import Console
 
     config = BenchConfig(
-        base_url=args.base_url, model=args.model or "", endpoint=args.endpoint, num_requests=num_requests,
-        max_concurrency=args.max_concurrency, request_rate=args.request_rate, input_len=args.input_len,
-        output_len=args.output_len, prompts_file=args.prompts_file, stream=args.stream, seed=args.seed,
-        temperature=args.temperature, timeout_s=args.timeout_s, warmup=args.warmup,
-    )  # fmt: skip
+        base_url=args.base_url,
+        model=args.model or "",
+        endpoint=args.endpoint,
+        num_requests=num_requests,
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        prompts_file=args.prompts_file,
+        stream=args.stream,
+        seed=args.seed,
+        temperature=args.temperature,
+        timeout_s=args.timeout_s,
+        warmup=args.warmup,
+    )
     stop = asyncio.Event()
     with _stop_on_sigint(stop):
         if not config.model:
@@ -885,9 +963,15 @@ class _ProgressBar:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self._bar = Progress(
-            TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[failed]} failed"),
-            TimeElapsedColumn(), console=self._console, refresh_per_second=4, transient=True,
-        )  # fmt: skip
+            TextColumn("bench"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[failed]} failed"),
+            TimeElapsedColumn(),
+            console=self._console,
+            refresh_per_second=4,
+            transient=True,
+        )
         task_id = self._bar.add_task("bench", total=self._total, failed=0)
         self._bar.start()
         bar = self._bar

@@ -26,8 +26,10 @@ def _create(args: argparse.Namespace) -> int:
             rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent, priority=args.priority, defaults=settings
         )
         key, record = await repository.create(name=args.name, limits=limits, tenant=args.tenant)
-        print(f"created {record.id} ({record.name}) tenant={record.tenant} rpm={limits.rpm} tpm={limits.tpm} "
-              f"max_concurrent={limits.max_concurrent} priority={limits.priority}")
+        print(
+            f"created {record.id} ({record.name}) tenant={record.tenant} rpm={limits.rpm} tpm={limits.tpm} "
+            f"max_concurrent={limits.max_concurrent} priority={limits.priority}"
+        )
         print("store this key now; it is not shown again:")
         return key
 
@@ -38,14 +40,18 @@ def _create(args: argparse.Namespace) -> int:
 def _list(_args: argparse.Namespace) -> int:
     async def action(repository: KeyRepository, _settings: CommonSettings) -> None:
         records = await repository.list()
-        print(f"{'id':<21} {'name':<20} {'key':<13} {'rpm':>7} {'tpm':>9} {'conc':>5} {'prio':>4}  "
-              f"{'created':<20} {'last used':<20} status")
+        print(
+            f"{'id':<21} {'name':<20} {'key':<13} {'rpm':>7} {'tpm':>9} {'conc':>5} {'prio':>4}  "
+            f"{'created':<20} {'last used':<20} status"
+        )
         for r in records:
             last = r.last_used_at.strftime("%Y-%m-%d %H:%M:%S") if r.last_used_at else "never"
-            print(f"{r.id:<21} {r.name[:20]:<20} {r.display:<13} {r.limits.rpm or '-':>7} "
-                  f"{r.limits.tpm or '-':>9} {r.limits.max_concurrent or '-':>5} {r.limits.priority:>4}  "
-                  f"{r.created_at.strftime('%Y-%m-%d %H:%M:%S'):<20} {last:<20} "
-                  f"{'revoked' if r.revoked_at else 'active'}")
+            print(
+                f"{r.id:<21} {r.name[:20]:<20} {r.display:<13} {r.limits.rpm or '-':>7} "
+                f"{r.limits.tpm or '-':>9} {r.limits.max_concurrent or '-':>5} {r.limits.priority:>4}  "
+                f"{r.created_at.strftime('%Y-%m-%d %H:%M:%S'):<20} {last:<20} "
+                f"{'revoked' if r.revoked_at else 'active'}"
+            )
 
     asyncio.run(_with_repository(action))
     return 0
@@ -78,8 +84,14 @@ def add_keys_command(commands: argparse._SubParsersAction) -> None:
     create.add_argument("--rpm", type=int, help="requests per minute (default AXON_DEFAULT_RPM)")
     create.add_argument("--tpm", type=int, help="tokens per minute (default AXON_DEFAULT_TPM)")
     create.add_argument("--max-concurrent", type=int, help="requests in flight (default AXON_DEFAULT_MAX_CONCURRENT)")
-    create.add_argument("--priority", type=int, choices=range(10), default=0, metavar="0-9",
-                        help="job priority on the queue; higher is served first")
+    create.add_argument(
+        "--priority",
+        type=int,
+        choices=range(10),
+        default=0,
+        metavar="0-9",
+        help="job priority on the queue; higher is served first",
+    )
     create.set_defaults(func=_create)
     keys.add_parser("list", help="list keys (display form only)").set_defaults(func=_list)
     revoke = keys.add_parser("revoke", help="revoke a key; gateways refuse it within a second")

@@ -4,14 +4,14 @@ import argparse
 import asyncio
 import sys
 
-from shared.logging import configure_logging
-from shared.migrations import migrate
-from shared.settings import CommonSettings
 from services.cli.bench import add_bench_command
 from services.cli.checks import HOW_TO_START, check_dependencies
 from services.cli.keys import add_keys_command
 from services.cli.models import add_models_command
 from services.cli.up import run_up
+from shared.logging import configure_logging
+from shared.migrations import migrate
+from shared.settings import CommonSettings
 
 
 def _migrate(_args: argparse.Namespace) -> int:
@@ -42,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="check dependencies, migrate, and run all services locally")
     up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     up.set_defaults(func=_up)
-    commands.add_parser("migrate", help="create the database if missing and apply migrations").set_defaults(func=_migrate)
-    commands.add_parser("check", help="check that Redis, RabbitMQ and PostgreSQL are reachable").set_defaults(func=_check)
+    commands.add_parser("migrate", help="create the database if missing and apply migrations").set_defaults(
+        func=_migrate
+    )
+    commands.add_parser("check", help="check that Redis, RabbitMQ and PostgreSQL are reachable").set_defaults(
+        func=_check
+    )
     add_keys_command(commands)
     add_models_command(commands)
     add_bench_command(commands)

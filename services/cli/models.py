@@ -50,7 +50,9 @@ def _unalias(args: argparse.Namespace) -> int:
 
 
 def add_models_command(commands: argparse._SubParsersAction) -> None:
-    models = commands.add_parser("models", help="live models and aliases").add_subparsers(dest="models_command", required=True)
+    models = commands.add_parser("models", help="live models and aliases").add_subparsers(
+        dest="models_command", required=True
+    )
     models.add_parser("list", help="models live workers serve, and aliases").set_defaults(func=_list)
     alias = models.add_parser("alias", help="point a public model name at a served model (atomic switch)")
     alias.add_argument("name", help="the public name clients use")

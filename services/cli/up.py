@@ -9,14 +9,13 @@ import sys
 import time
 from dataclasses import dataclass
 
+import asyncpg
 import httpx
 
-import asyncpg
-
+from services.cli.checks import HOW_TO_START, check_dependencies
 from shared.keys import KeyLimits, KeyRepository
 from shared.migrations import migrate
 from shared.settings import CommonSettings
-from services.cli.checks import HOW_TO_START, check_dependencies
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +150,7 @@ def run_up(*, ready_timeout_s: float) -> int:
     if admin_token_generated:
         env["AXON_ADMIN_TOKEN"] = secrets.token_urlsafe(24)
     children = _children(env)
-    processes = {
-        c.name: subprocess.Popen([sys.executable, "-m", c.module], env=env) for c in children
-    }
+    processes = {c.name: subprocess.Popen([sys.executable, "-m", c.module], env=env) for c in children}
     stopping = False
 
     def on_signal(_signum: int, _frame: object) -> None:

@@ -9,6 +9,12 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from services.gateway import playground
+from services.gateway.api import admin, routes
+from services.gateway.auth import Admitter, Authenticator
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.service import Forwarder, GatewayService, InFlightLimit
+from services.gateway.settings import GatewaySettings
 from shared.clients import create_redis
 from shared.http1 import Http1Client, RemoteProtocolError
 from shared.keys import KeyRepository
@@ -17,14 +23,13 @@ from shared.names import Names
 from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.web import (
-    NO_FASTAPI_TELEMETRY, HotRoutes, ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response,
+    NO_FASTAPI_TELEMETRY,
+    HotRoutes,
+    ORJSONResponse,
+    RequestContextMiddleware,
+    install_error_handlers,
+    metrics_response,
 )
-from services.gateway import playground
-from services.gateway.api import admin, routes
-from services.gateway.auth import Admitter, Authenticator
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.service import Forwarder, GatewayService, InFlightLimit
-from services.gateway.settings import GatewaySettings
 
 log = get_logger(__name__)
 
@@ -55,16 +60,21 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         # Idle upstream connections are dropped before the session manager's keep-alive
         # timeout, so the gateway never reuses one the other side is closing.
         upstream = Http1Client(
-            settings.sessions_url, max_idle_connections=settings.max_requests_in_flight,
-            connect_timeout_s=settings.upstream_connect_timeout_s, read_timeout_s=settings.upstream_timeout_s,
+            settings.sessions_url,
+            max_idle_connections=settings.max_requests_in_flight,
+            connect_timeout_s=settings.upstream_connect_timeout_s,
+            read_timeout_s=settings.upstream_timeout_s,
             idle_timeout_s=UPSTREAM_KEEPALIVE_S,
-        )  # fmt: skip
+        )
         client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
         # The hot path's commands (rate-limit checks and releases), batched per loop iteration.
         pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
         # min_size=0: the gateway starts (and serves cached keys) even while PostgreSQL is down.
         db = await asyncpg.create_pool(
-            settings.database_url, min_size=0, max_size=10, timeout=settings.connect_timeout_s,
+            settings.database_url,
+            min_size=0,
+            max_size=10,
+            timeout=settings.connect_timeout_s,
             command_timeout=settings.connect_timeout_s,
         )
         keys = KeyRepository(db)
@@ -75,18 +85,27 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             app.state.keys = keys
             app.state.names = names
             app.state.authenticator = Authenticator(
-                repository=keys, client=client, names=names, metrics=metrics,
-                local_ttl_s=settings.key_cache_local_ttl_s, redis_ttl_s=settings.key_cache_ttl_s,
-            )  # fmt: skip
+                repository=keys,
+                client=client,
+                names=names,
+                metrics=metrics,
+                local_ttl_s=settings.key_cache_local_ttl_s,
+                redis_ttl_s=settings.key_cache_ttl_s,
+            )
             admitter = Admitter(
-                limiter=RateLimiter(pipe, names), metrics=metrics,
-                fail_open=settings.rate_limit_fail_open, lease_s=settings.concurrency_lease_s,
-            )  # fmt: skip
+                limiter=RateLimiter(pipe, names),
+                metrics=metrics,
+                fail_open=settings.rate_limit_fail_open,
+                lease_s=settings.concurrency_lease_s,
+            )
             app.state.gateway = GatewayService(
-                forwarder=Forwarder(upstream), authenticator=app.state.authenticator,
-                admitter=admitter, in_flight=InFlightLimit(settings.max_requests_in_flight, metrics.overloaded),
-                max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.request_body_timeout_s,
-            )  # fmt: skip
+                forwarder=Forwarder(upstream),
+                authenticator=app.state.authenticator,
+                admitter=admitter,
+                in_flight=InFlightLimit(settings.max_requests_in_flight, metrics.overloaded),
+                max_body_bytes=settings.max_body_bytes,
+                body_timeout_s=settings.request_body_timeout_s,
+            )
             log.info("gateway_ready", port=settings.gateway_port, sessions_url=settings.sessions_url)
             yield
         finally:

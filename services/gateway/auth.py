@@ -9,13 +9,13 @@ import asyncpg
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
+from services.gateway.metrics import GatewayMetrics
 from shared.errors import InvalidRequest, Unauthorized, Unavailable
 from shared.keys import KEY_PREFIX, KeyRecord, KeyRepository, decode_cached, encode_cached, hash_key
 from shared.logging import get_logger
 from shared.names import Names
 from shared.ratelimit import Decision, RateLimiter, rate_limit_headers, refusal
 from shared.tasks import BackgroundTasks
-from services.gateway.metrics import GatewayMetrics
 
 log = get_logger(__name__)
 

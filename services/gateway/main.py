@@ -4,10 +4,10 @@ import sys
 
 import uvicorn
 
-from shared.guarded_http import ConnectionLimits, guarded_protocol
-from shared.logging import configure_logging, get_logger
 from services.gateway.app import InsecureConfiguration, create_app
 from services.gateway.settings import GatewaySettings
+from shared.guarded_http import ConnectionLimits, guarded_protocol
+from shared.logging import configure_logging, get_logger
 
 
 def main() -> None:
@@ -19,9 +19,11 @@ def main() -> None:
         get_logger(__name__).error("refusing_to_start", reason=str(exc))
         sys.exit(2)
     limits = ConnectionLimits(
-        head_timeout_s=settings.request_head_timeout_s, max_head_bytes=settings.max_header_bytes,
-        stall_timeout_s=settings.client_stall_timeout_s, send_buffer_bytes=settings.client_send_buffer_bytes,
-    )  # fmt: skip
+        head_timeout_s=settings.request_head_timeout_s,
+        max_head_bytes=settings.max_header_bytes,
+        stall_timeout_s=settings.client_stall_timeout_s,
+        send_buffer_bytes=settings.client_send_buffer_bytes,
+    )
     uvicorn.run(
         app,
         host=settings.host,

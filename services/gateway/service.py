@@ -6,18 +6,19 @@ Completions, the route every generated token takes, are answered by a plain ASGI
 FastAPI (`GatewayService.call`). Both forward with the lean HTTP/1.1 client of `shared/http1.py`.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote, quote_from_bytes
 
 import orjson
 from fastapi import Request
-from fastapi.routing import APIRoute
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from prometheus_client import Counter
 from starlette.types import Receive, Scope, Send
 
+from services.gateway.auth import Admission, Admitter, Authenticator
 from shared.errors import DeadlineExceeded, InvalidRequest, Unavailable, error_body
 from shared.http1 import ConnectError, Http1Client, ReadTimeout, RemoteProtocolError
 from shared.http1 import Response as UpstreamResponse
@@ -25,7 +26,6 @@ from shared.keys import KeyRecord
 from shared.logging import bind_contextvars, get_logger
 from shared.tokens import estimate_tokens
 from shared.web import SSE_END, DisconnectWatch, header, read_body, unless_disconnected
-from services.gateway.auth import Admission, Admitter, Authenticator
 
 log = get_logger(__name__)
 

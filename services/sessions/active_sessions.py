@@ -2,13 +2,13 @@
 
 from prometheus_client import Gauge
 
-from shared.schemas import Message
 from services.sessions.history import SessionStore
 from services.sessions.turns import Turn, Turns
+from shared.schemas import Message
 
 
 class CountedTurns(Turns):
-    """`Turns` that keeps a gauge of open turns: +1 once a session is locked for a turn, −1
+    """`Turns` that keeps a gauge of open turns: +1 once a session is locked for a turn, -1
     when its answer is stored or the turn is abandoned. Each open turn holds its session's
     lock, so this is the number of sessions being answered."""
 

@@ -7,11 +7,22 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-import asyncpg
-
+from services.sessions.active_sessions import CountedTurns
+from services.sessions.api import sessions as sessions_api
+from services.sessions.api.routes import HOT_ROUTES, router
+from services.sessions.catalog import ModelCatalog
+from services.sessions.history import SessionStore
+from services.sessions.jobs import JobPublisher
+from services.sessions.metrics import SessionsMetrics
+from services.sessions.persister import Persister
+from services.sessions.queue_depth import QueueDepthPoller
+from services.sessions.relay import TokenRelay
+from services.sessions.service import CompletionService
+from services.sessions.settings import SessionsSettings
 from shared.clients import connect_amqp, create_redis
 from shared.logging import get_logger
 from shared.names import Names
@@ -20,20 +31,13 @@ from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
 from shared.web import (
-    NO_FASTAPI_TELEMETRY, HotRoutes, ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response,
+    NO_FASTAPI_TELEMETRY,
+    HotRoutes,
+    ORJSONResponse,
+    RequestContextMiddleware,
+    install_error_handlers,
+    metrics_response,
 )
-from services.sessions.active_sessions import CountedTurns
-from services.sessions.api import sessions as sessions_api
-from services.sessions.api.routes import HOT_ROUTES, router
-from services.sessions.history import SessionStore
-from services.sessions.persister import Persister
-from services.sessions.catalog import ModelCatalog
-from services.sessions.jobs import JobPublisher
-from services.sessions.metrics import SessionsMetrics
-from services.sessions.queue_depth import QueueDepthPoller
-from services.sessions.relay import TokenRelay
-from services.sessions.service import CompletionService
-from services.sessions.settings import SessionsSettings
 
 log = get_logger(__name__)
 
@@ -103,9 +107,12 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
         connection = await connect_amqp(settings.amqp_url, timeout_s=settings.connect_timeout_s)
         relay = TokenRelay(
-            settings.redis_url, names, buffer_chunks=settings.stream_buffer_chunks,
-            subscribe_timeout_s=settings.subscribe_timeout_s, spare_streams=settings.subscribe_ahead,
-        )  # fmt: skip
+            settings.redis_url,
+            names,
+            buffer_chunks=settings.stream_buffer_chunks,
+            subscribe_timeout_s=settings.subscribe_timeout_s,
+            spare_streams=settings.subscribe_ahead,
+        )
         publisher = JobPublisher(
             connection,
             names,
@@ -114,20 +121,32 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         )
         # min_size=0: the session manager starts, and chats keep working, while PostgreSQL is down.
         db = await asyncpg.create_pool(
-            settings.database_url, min_size=0, max_size=10, timeout=settings.connect_timeout_s,
+            settings.database_url,
+            min_size=0,
+            max_size=10,
+            timeout=settings.connect_timeout_s,
             command_timeout=settings.connect_timeout_s * 2,
         )
         outbox = Outbox(client, names)
         store = SessionStore(
-            client=client, db=db, names=names, outbox=outbox, metrics=metrics,
-            history_max_messages=settings.history_max_messages, cache_ttl_s=settings.session_cache_ttl_s,
-        )  # fmt: skip
+            client=client,
+            db=db,
+            names=names,
+            outbox=outbox,
+            metrics=metrics,
+            history_max_messages=settings.history_max_messages,
+            cache_ttl_s=settings.session_cache_ttl_s,
+        )
         persister = Persister(
             client=client,
-            db=db, names=names, metrics=metrics, batch_size=settings.persist_batch_size,
-            flush_interval_ms=settings.persist_flush_interval_ms, reclaim_after_ms=settings.persist_reclaim_after_ms,
+            db=db,
+            names=names,
+            metrics=metrics,
+            batch_size=settings.persist_batch_size,
+            flush_interval_ms=settings.persist_flush_interval_ms,
+            reclaim_after_ms=settings.persist_reclaim_after_ms,
             concurrency=settings.persist_concurrency,
-        )  # fmt: skip
+        )
         instance_id = uuid.uuid4().hex
         persisting = asyncio.create_task(persister.run())
         alive = asyncio.create_task(_announce_alive(client, names.sessions_instance(instance_id)))
@@ -138,7 +157,9 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 WorkerRegistry(client, names),
                 cache_ttl_s=settings.models_cache_ttl_s,
             )
-            poller = QueueDepthPoller(connection=connection, catalog=catalog, client=client, names=names, metrics=metrics)
+            poller = QueueDepthPoller(
+                connection=connection, catalog=catalog, client=client, names=names, metrics=metrics
+            )
             polling = asyncio.create_task(poller.run())
             app.state.redis = client
             app.state.amqp = connection
@@ -155,9 +176,11 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 pipe=pipe,
                 limiter=RateLimiter(pipe, names),
                 turns=CountedTurns(
-                    store, instance_id=instance_id, lock_ttl_s=settings.request_timeout_s + 30,
+                    store,
+                    instance_id=instance_id,
+                    lock_ttl_s=settings.request_timeout_s + 30,
                     gauge=metrics.active_sessions,
-                ),  # fmt: skip
+                ),
                 metrics=metrics,
             )
             log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)
@@ -178,9 +201,12 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
             await db.close()
 
     app = FastAPI(
-        title="Axon session manager", lifespan=lifespan, docs_url=None, redoc_url=None,
+        title="Axon session manager",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
         telemetry=NO_FASTAPI_TELEMETRY,
-    )  # fmt: skip
+    )
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(HotRoutes, routes=HOT_ROUTES)  # inside the request context below

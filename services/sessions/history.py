@@ -13,10 +13,10 @@ import asyncpg
 import redis.asyncio as redis
 from pydantic import BaseModel
 
+from services.sessions.metrics import SessionsMetrics
 from shared.errors import NotFound
 from shared.names import Names
 from shared.outbox import MessageRow, Outbox
-from services.sessions.metrics import SessionsMetrics
 
 _TOMBSTONE = b"-"
 # Compare-and-delete: only the holder releases a session's lock.
@@ -87,9 +87,14 @@ def _session_id(raw: str) -> str:
 
 def _info(row: asyncpg.Record) -> SessionInfo:
     return SessionInfo(
-        id=str(row["id"]), tenant=row["tenant"], title=row["title"], system_prompt=row["system_prompt"],
-        model=row["model"], created_at=row["created_at"], updated_at=row["updated_at"],
-    )  # fmt: skip
+        id=str(row["id"]),
+        tenant=row["tenant"],
+        title=row["title"],
+        system_prompt=row["system_prompt"],
+        model=row["model"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
 
 
 class SessionStore:
@@ -115,12 +120,18 @@ class SessionStore:
         self._steal = client.register_script(_STEAL)
 
     # Sessions
-    async def create(self, tenant: str, *, title: str | None, system_prompt: str | None, model: str | None) -> SessionInfo:
+    async def create(
+        self, tenant: str, *, title: str | None, system_prompt: str | None, model: str | None
+    ) -> SessionInfo:
         row = await self._db.fetchrow(
             f"INSERT INTO conversations (id, tenant, title, system_prompt, model) VALUES ($1, $2, $3, $4, $5)"
             f" RETURNING {_COLUMNS}",
-            uuid.uuid4(), tenant, title, system_prompt, model,
-        )  # fmt: skip
+            uuid.uuid4(),
+            tenant,
+            title,
+            system_prompt,
+            model,
+        )
         info = _info(row)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self._names.session(info.id), info.model_dump_json(), ex=self._ttl_s)
@@ -156,16 +167,20 @@ class SessionStore:
             f"SELECT {_COLUMNS} FROM conversations WHERE tenant = $1"
             " AND ($2::timestamptz IS NULL OR (created_at, id) < ($2, $3))"
             " ORDER BY created_at DESC, id DESC LIMIT $4",
-            tenant, cursor.created_at if cursor else None, uuid.UUID(cursor.id) if cursor else None, limit + 1,
-        )  # fmt: skip
+            tenant,
+            cursor.created_at if cursor else None,
+            uuid.UUID(cursor.id) if cursor else None,
+            limit + 1,
+        )
         return [_info(r) for r in rows[:limit]], len(rows) > limit
 
     async def rename(self, tenant: str, session_id: str, *, title: str | None) -> SessionInfo:
         info = await self.get(tenant, session_id)
         row = await self._db.fetchrow(
             f"UPDATE conversations SET title = $2, updated_at = now() WHERE id = $1 RETURNING {_COLUMNS}",
-            uuid.UUID(info.id), title,
-        )  # fmt: skip
+            uuid.UUID(info.id),
+            title,
+        )
         updated = _info(row)
         await self._redis.set(self._names.session(info.id), updated.model_dump_json(), ex=self._ttl_s)
         return updated
@@ -206,8 +221,9 @@ class SessionStore:
         rows = await self._db.fetch(
             "SELECT id, seq, role, content, status, job_id, created_at FROM"
             " (SELECT * FROM messages WHERE conversation_id = $1 ORDER BY seq DESC LIMIT $2) recent ORDER BY seq",
-            uuid.UUID(info.id), self._history_max,
-        )  # fmt: skip
+            uuid.UUID(info.id),
+            self._history_max,
+        )
         messages = [_message(r) for r in rows]
         if messages:
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -222,8 +238,10 @@ class SessionStore:
         rows = await self._db.fetch(
             "SELECT id, seq, role, content, status, job_id, created_at FROM messages"
             " WHERE conversation_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
-            uuid.UUID(info.id), after_seq, limit + 1,
-        )  # fmt: skip
+            uuid.UUID(info.id),
+            after_seq,
+            limit + 1,
+        )
         by_seq = {r["seq"]: _message(r) for r in rows}
         for message in await self.history(info):
             if message.seq > after_seq:
@@ -241,12 +259,19 @@ class SessionStore:
             await self._redis.set(key, last, nx=True)
         return int(await self._redis.incr(key))
 
-    async def append(self, info: SessionInfo, *, role: str, content: str, status: str, job_id: str | None) -> StoredMessage:
+    async def append(
+        self, info: SessionInfo, *, role: str, content: str, status: str, job_id: str | None
+    ) -> StoredMessage:
         """Store a message: in the Redis history and, in the same round trip, in the outbox."""
         message = StoredMessage(
-            id=str(uuid.uuid4()), seq=await self._next_seq(info.id), role=role, content=content,
-            status=status, job_id=job_id, created_at=dt.datetime.now(dt.UTC),
-        )  # fmt: skip
+            id=str(uuid.uuid4()),
+            seq=await self._next_seq(info.id),
+            role=role,
+            content=content,
+            status=status,
+            job_id=job_id,
+            created_at=dt.datetime.now(dt.UTC),
+        )
         row = MessageRow(conversation_id=info.id, **message.model_dump())
         key = self._names.history(info.id)
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -260,6 +285,11 @@ class SessionStore:
 
 def _message(row: asyncpg.Record) -> StoredMessage:
     return StoredMessage(
-        id=str(row["id"]), seq=row["seq"], role=row["role"], content=row["content"], status=row["status"],
-        job_id=str(row["job_id"]) if row["job_id"] else None, created_at=row["created_at"],
-    )  # fmt: skip
+        id=str(row["id"]),
+        seq=row["seq"],
+        role=row["role"],
+        content=row["content"],
+        status=row["status"],
+        job_id=str(row["job_id"]) if row["job_id"] else None,
+        created_at=row["created_at"],
+    )

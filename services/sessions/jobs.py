@@ -47,9 +47,7 @@ class JobPublisher:
             return
         async with self._declare_lock:
             if model not in self._declared:
-                await declare_job_queue(
-                    self._channel, self._names, model, max_queued_jobs=self._max_queued_jobs
-                )
+                await declare_job_queue(self._channel, self._names, model, max_queued_jobs=self._max_queued_jobs)
                 self._declared.add(model)
 
     async def publish(self, job: Job, *, priority: int, request_id: str) -> None:
@@ -79,9 +77,13 @@ class JobPublisher:
             await self._ensure_queue(job.model)
             channel = await self._channel.get_underlay_channel()
             confirmation = await channel.basic_publish(
-                job.model_dump_json().encode(), exchange=self._names.jobs_exchange, routing_key=job.model,
-                properties=properties, mandatory=True, timeout=self._publish_timeout_s,
-            )  # fmt: skip
+                job.model_dump_json().encode(),
+                exchange=self._names.jobs_exchange,
+                routing_key=job.model,
+                properties=properties,
+                mandatory=True,
+                timeout=self._publish_timeout_s,
+            )
         except DeliveryError as exc:
             raise Unavailable(
                 f"Too many requests are queued for model '{job.model}'; try again shortly.",

@@ -2,9 +2,9 @@
 
 import uvicorn
 
-from shared.logging import configure_logging
 from services.sessions.app import create_app
 from services.sessions.settings import SessionsSettings
+from shared.logging import configure_logging
 
 
 def main() -> None:

@@ -13,78 +13,103 @@ class SessionsMetrics:
         self.registry = CollectorRegistry()
         self.http = HttpMetrics(self.registry)
         self.jobs_published = Counter(
-            "axon_sessions_jobs_published_total", "Jobs confirmed by the broker.", ["model"],
+            "axon_sessions_jobs_published_total",
+            "Jobs confirmed by the broker.",
+            ["model"],
             registry=self.registry,
         )
         self.outcomes = Counter(
-            "axon_sessions_requests_total", "Completions by outcome.", ["model", "outcome"],
+            "axon_sessions_requests_total",
+            "Completions by outcome.",
+            ["model", "outcome"],
             registry=self.registry,
         )
         self.ttft = Histogram(
             "axon_sessions_time_to_first_token_seconds",
-            "From accepting a request to relaying its first chunk.", ["model"],
-            buckets=LATENCY_BUCKETS_S, registry=self.registry,
+            "From accepting a request to relaying its first chunk.",
+            ["model"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
         )
         self.inter_token = Histogram(
-            "axon_sessions_inter_chunk_latency_seconds", "Time between consecutive chunks of a stream.",
-            ["model"], buckets=INTER_TOKEN_BUCKETS_S, registry=self.registry,
+            "axon_sessions_inter_chunk_latency_seconds",
+            "Time between consecutive chunks of a stream.",
+            ["model"],
+            buckets=INTER_TOKEN_BUCKETS_S,
+            registry=self.registry,
         )
         self.output_tokens = Counter(
-            "axon_sessions_output_tokens_total", "Tokens relayed to clients.", ["model"],
+            "axon_sessions_output_tokens_total",
+            "Tokens relayed to clients.",
+            ["model"],
             registry=self.registry,
         )
         self.history_cache = Counter(
-            "axon_sessions_history_cache_total", "History reads, by whether Redis had them.", ["result"],
+            "axon_sessions_history_cache_total",
+            "History reads, by whether Redis had them.",
+            ["result"],
             registry=self.registry,
         )
         self.persisted_rows = Counter(
             "axon_sessions_persisted_rows_total", "Outbox rows committed to PostgreSQL.", registry=self.registry
         )
         self.persist_batch_size = Histogram(
-            "axon_sessions_persist_batch_size", "Rows per persister batch.",
-            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000, 2000, 5000), registry=self.registry,
+            "axon_sessions_persist_batch_size",
+            "Rows per persister batch.",
+            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000, 2000, 5000),
+            registry=self.registry,
         )
         self.persist_duration = Histogram(
-            "axon_sessions_persist_batch_duration_seconds", "Time to commit one persister batch.",
-            buckets=LATENCY_BUCKETS_S, registry=self.registry,
+            "axon_sessions_persist_batch_duration_seconds",
+            "Time to commit one persister batch.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
         )
-        self.outbox_length = Gauge(
-            "axon_sessions_outbox_length", "Rows waiting in the outbox.", registry=self.registry
-        )
+        self.outbox_length = Gauge("axon_sessions_outbox_length", "Rows waiting in the outbox.", registry=self.registry)
         self.outbox_lag = Gauge(
-            "axon_sessions_outbox_oldest_age_seconds", "Age of the oldest row waiting in the outbox.",
+            "axon_sessions_outbox_oldest_age_seconds",
+            "Age of the oldest row waiting in the outbox.",
             registry=self.registry,
         )
         self.active_streams = Gauge(
-            "axon_sessions_active_streams", "Jobs whose chunks this process is relaying.",
+            "axon_sessions_active_streams",
+            "Jobs whose chunks this process is relaying.",
             registry=self.registry,
         )
         self.active_sessions = Gauge(
-            "axon_sessions_active_sessions", "Sessions with a turn this process is answering now.",
+            "axon_sessions_active_sessions",
+            "Sessions with a turn this process is answering now.",
             registry=self.registry,
         )
         self.completion_requests = Counter(
             "axon_sessions_completion_requests_total",
             "Completion requests by route, model and the HTTP status they were answered with "
             "(200 for a stream, even if it later ends with an error event; see axon_sessions_requests_total).",
-            ["route", "model", "status"], registry=self.registry,
+            ["route", "model", "status"],
+            registry=self.registry,
         )
         # Polled every few seconds (queue_depth.py); every session manager reports the same
         # values, so dashboards take max by (model).
         self.queue_depth = Gauge(
-            "axon_sessions_queue_depth", "Jobs ready in the model's RabbitMQ queue, not yet delivered to a worker.",
-            ["model"], registry=self.registry,
+            "axon_sessions_queue_depth",
+            "Jobs ready in the model's RabbitMQ queue, not yet delivered to a worker.",
+            ["model"],
+            registry=self.registry,
         )
         self.queue_consumers = Gauge(
-            "axon_sessions_queue_consumers", "Consumers (worker processes) on the model's RabbitMQ queue.",
-            ["model"], registry=self.registry,
+            "axon_sessions_queue_consumers",
+            "Consumers (worker processes) on the model's RabbitMQ queue.",
+            ["model"],
+            registry=self.registry,
         )
         self.live_workers = Gauge(
             "axon_sessions_live_workers",
             "Workers with a live heartbeat, for every model ever served in the namespace (0: none now).",
-            ["model"], registry=self.registry,
+            ["model"],
+            registry=self.registry,
         )
         self.queue_poll_errors = Counter(
-            "axon_sessions_queue_poll_errors_total", "Queue depth polls that failed (RabbitMQ or Redis unreachable).",
+            "axon_sessions_queue_poll_errors_total",
+            "Queue depth polls that failed (RabbitMQ or Redis unreachable).",
             registry=self.registry,
         )

@@ -22,9 +22,9 @@ import orjson
 import redis.asyncio as redis
 from redis.exceptions import ResponseError
 
+from services.sessions.metrics import SessionsMetrics
 from shared.logging import get_logger
 from shared.names import Names
-from services.sessions.metrics import SessionsMetrics
 
 log = get_logger(__name__)
 

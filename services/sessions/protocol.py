@@ -29,9 +29,7 @@ class ChatMessageIn(BaseModel):
         if isinstance(self.content, str):
             return Message(role=self.role, content=self.content)
         if any(part.type != "text" for part in self.content):
-            raise InvalidRequest(
-                "Only text content parts are supported.", param=f"messages.{index}.content"
-            )
+            raise InvalidRequest("Only text content parts are supported.", param=f"messages.{index}.content")
         return Message(role=self.role, content="".join(part.text or "" for part in self.content))
 
 
@@ -146,7 +144,12 @@ class ResponseBuilder:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if finish_reason is not None and not text and not first:
                 delta = {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": openai_finish_reason(finish_reason),
+            }
             return self._envelope([choice], "chat.completion.chunk")
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
         return self._envelope([choice], "text_completion")

@@ -12,10 +12,10 @@ import redis.asyncio as redis
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from aiormq.exceptions import ChannelNotFoundEntity
 
-from shared.logging import get_logger
-from shared.names import Names
 from services.sessions.catalog import ModelCatalog
 from services.sessions.metrics import SessionsMetrics
+from shared.logging import get_logger
+from shared.names import Names
 
 log = get_logger(__name__)
 

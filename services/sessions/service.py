@@ -11,13 +11,20 @@ import asyncio
 import datetime as dt
 import time
 from collections.abc import AsyncIterator
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 
 import orjson
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from services.sessions.catalog import ModelCatalog
+from services.sessions.jobs import JobPublisher
+from services.sessions.metrics import SessionsMetrics
+from services.sessions.protocol import ChatCompletionRequest, CompletionRequest, Kind, ResponseBuilder
+from services.sessions.relay import STREAM_LOST, TokenRelay, TokenStream
+from services.sessions.settings import SessionsSettings
+from services.sessions.turns import Turn, Turns
 from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
 from shared.logging import bind_contextvars, get_logger
 from shared.names import Names
@@ -28,13 +35,6 @@ from shared.registry import LiveModel
 from shared.schemas import Job, Message, Sampling, TokenChunk, Usage
 from shared.tasks import BackgroundTasks
 from shared.web import SSE_END
-from services.sessions.catalog import ModelCatalog
-from services.sessions.jobs import JobPublisher
-from services.sessions.metrics import SessionsMetrics
-from services.sessions.protocol import ChatCompletionRequest, CompletionRequest, Kind, ResponseBuilder
-from services.sessions.relay import STREAM_LOST, TokenRelay, TokenStream
-from services.sessions.settings import SessionsSettings
-from services.sessions.turns import Turn, Turns
 
 log = get_logger(__name__)
 
@@ -209,15 +209,24 @@ class CompletionService:
             if isinstance(body, ChatCompletionRequest) and body.session_id is not None:
                 assert messages is not None
                 turn = await self._turns.begin(
-                    tenant=caller.tenant, session_id=body.session_id, job_id=job_id, new_messages=messages,
+                    tenant=caller.tenant,
+                    session_id=body.session_id,
+                    job_id=job_id,
+                    new_messages=messages,
                     budget_tokens=live.context_tokens - sampling.max_tokens,
-                )  # fmt: skip
+                )
                 messages = turn.prompt
             job = Job(
-                job_id=job_id, model=model, messages=messages, prompt=prompt, sampling=sampling,
-                channel=stream.channel, deadline=time.time() + self._settings.request_timeout_s,
-                session_id=turn.info.id if turn else None, tenant=caller.tenant,
-            )  # fmt: skip
+                job_id=job_id,
+                model=model,
+                messages=messages,
+                prompt=prompt,
+                sampling=sampling,
+                channel=stream.channel,
+                deadline=time.time() + self._settings.request_timeout_s,
+                session_id=turn.info.id if turn else None,
+                tenant=caller.tenant,
+            )
             await self._publisher.publish(job, priority=caller.priority, request_id=request_id)
         except BaseException as exc:
             await stream.close()
@@ -362,7 +371,9 @@ class CompletionService:
         self._metrics.outcomes.labels(active.job.model, outcome).inc()
         await active.stream.close()
         # Submitted now, it goes out before the history is written.
-        cancel = None if active.finished else self._pipe.submit("PUBLISH", self._names.cancel_channel, active.job.job_id)
+        cancel = (
+            None if active.finished else self._pipe.submit("PUBLISH", self._names.cancel_channel, active.job.job_id)
+        )
         not_stored: Exception | None = None
         if active.turn is not None:
             status = {"stop": "complete", "length": "complete", "cancelled": "cancelled"}.get(outcome, "failed")
@@ -387,10 +398,15 @@ class CompletionService:
         job, caller, usage = active.job, active.caller, active.usage
         if usage is not None:
             row = UsageRow(
-                job_id=job.job_id, tenant=caller.tenant, key_id=caller.key_id, model=job.model,
-                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                latency_ms=int((time.perf_counter() - active.started) * 1000), created_at=dt.datetime.now(dt.UTC),
-            )  # fmt: skip
+                job_id=job.job_id,
+                tenant=caller.tenant,
+                key_id=caller.key_id,
+                model=job.model,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                latency_ms=int((time.perf_counter() - active.started) * 1000),
+                created_at=dt.datetime.now(dt.UTC),
+            )
             fields = entry_fields("usage", row)
             writes["usage_record"] = self._pipe.submit("XADD", self._names.outbox, "*", *chain(*fields.items()))
             cost = usage.completion_tokens + usage.prompt_tokens - caller.prompt_estimate
@@ -411,8 +427,9 @@ _STORAGE_ERRORS = (RedisError, ConnectionError, TimeoutError)
 def _history_unavailable() -> Unavailable:
     return Unavailable(
         "The session's history could not be saved, so this answer was not kept; try again shortly.",
-        retry_after_s=2, code="history_unavailable",
-    )  # fmt: skip
+        retry_after_s=2,
+        code="history_unavailable",
+    )
 
 
 def _retrieved(future: asyncio.Future) -> None:

@@ -9,12 +9,12 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from services.sessions.history import SessionInfo, SessionStore, StoredMessage
 from shared.errors import Conflict
 from shared.logging import get_logger
 from shared.schemas import Message
 from shared.tasks import BackgroundTasks
 from shared.tokens import estimate_tokens
-from services.sessions.history import SessionInfo, SessionStore, StoredMessage
 
 log = get_logger(__name__)
 # Between retries of a session lock's release while Redis is away.
@@ -116,7 +116,9 @@ class Turns:
     async def record_question(self, turn: Turn) -> None:
         """Store the new messages (after the job was accepted by the broker)."""
         for message in turn.new_messages:
-            await self._store.append(turn.info, role=message.role, content=message.content, status="complete", job_id=turn.job_id)
+            await self._store.append(
+                turn.info, role=message.role, content=message.content, status="complete", job_id=turn.job_id
+            )
 
     async def record_answer(self, turn: Turn, *, text: str, status: str) -> None:
         """Store the answer (complete, cancelled or failed) and release the session."""

@@ -12,19 +12,23 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from services.worker.engines import Engine
+from services.worker.engines.factory import create_engine
+from services.worker.metrics import WorkerMetrics
+from services.worker.service import Heartbeat, JobRunner, consume, listen_for_cancellations
+from services.worker.settings import WorkerSettings
 from shared.clients import connect_amqp, create_redis, declare_job_queue
 from shared.logging import get_logger
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
 from shared.web import (
-    NO_FASTAPI_TELEMETRY, ORJSONResponse, RequestContextMiddleware, install_error_handlers, metrics_response,
+    NO_FASTAPI_TELEMETRY,
+    ORJSONResponse,
+    RequestContextMiddleware,
+    install_error_handlers,
+    metrics_response,
 )
-from services.worker.engines import Engine
-from services.worker.engines.factory import create_engine
-from services.worker.metrics import WorkerMetrics
-from services.worker.service import Heartbeat, JobRunner, consume, listen_for_cancellations
-from services.worker.settings import WorkerSettings
 
 log = get_logger(__name__)
 
@@ -44,9 +48,13 @@ class Worker:
         self.pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
         self.registry = WorkerRegistry(self.redis, self.names)
         self.runner = JobRunner(
-            engine=engine, pipe=self.pipe, names=self.names, metrics=self.metrics,
-            max_deliveries=settings.max_deliveries, dead_letter=self._dead_letter,
-        )  # fmt: skip
+            engine=engine,
+            pipe=self.pipe,
+            names=self.names,
+            metrics=self.metrics,
+            max_deliveries=settings.max_deliveries,
+            dead_letter=self._dead_letter,
+        )
         self.not_ready_reason: str | None = "starting"
         # Why the process must exit non-zero (the engine failed), so an orchestrator restarts it.
         self.fatal: str | None = None
@@ -67,10 +75,12 @@ class Worker:
             self.fail(f"engine failed to start: {exc}")
             return
         self.metrics.observe_engine(
-            model=self.engine.model_name, max_seqs=self.engine.max_seqs,
-            in_flight=lambda: self.runner.in_flight, generating=lambda: self.runner.generating,
+            model=self.engine.model_name,
+            max_seqs=self.engine.max_seqs,
+            in_flight=lambda: self.runner.in_flight,
+            generating=lambda: self.runner.generating,
             kv_cache_usage=self.engine.kv_cache_usage if self.engine.reports_kv_cache else None,
-        )  # fmt: skip
+        )
         await self._connect_until_up()
         heartbeat = Heartbeat(
             self.registry,
@@ -82,11 +92,13 @@ class Worker:
         )
         self._tasks += [
             asyncio.create_task(heartbeat.run()),
-            asyncio.create_task(listen_for_cancellations(
-                create_redis(self.settings.redis_url, timeout_s=self.settings.connect_timeout_s, for_pubsub=True),
-                self.names,
-                self.runner,
-            )),
+            asyncio.create_task(
+                listen_for_cancellations(
+                    create_redis(self.settings.redis_url, timeout_s=self.settings.connect_timeout_s, for_pubsub=True),
+                    self.names,
+                    self.runner,
+                )
+            ),
         ]
         self._heartbeat = heartbeat
         self.not_ready_reason = None
@@ -122,7 +134,9 @@ class Worker:
                 self._channel = await self._connection.channel()
                 await self._channel.set_qos(prefetch_count=self.engine.max_seqs)
                 self._queue = await declare_job_queue(
-                    self._channel, self.names, self.engine.model_name,
+                    self._channel,
+                    self.names,
+                    self.engine.model_name,
                     max_queued_jobs=self.settings.max_queued_jobs,
                 )
                 self._consumer_tag = await consume(self._queue, self.runner)
@@ -178,9 +192,12 @@ def create_app(settings: WorkerSettings | None = None, engine: Engine | None = N
             await worker.shutdown()
 
     app = FastAPI(
-        title="Axon inference worker", lifespan=lifespan, docs_url=None, redoc_url=None,
+        title="Axon inference worker",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
         telemetry=NO_FASTAPI_TELEMETRY,
-    )  # fmt: skip
+    )
     app.state.worker = worker
     install_error_handlers(app)
     app.add_middleware(
@@ -200,7 +217,9 @@ def create_app(settings: WorkerSettings | None = None, engine: Engine | None = N
         current: Worker = request.app.state.worker
         if current.not_ready_reason is not None:
             return ORJSONResponse({"status": "not_ready", "reason": current.not_ready_reason}, status_code=503)
-        return ORJSONResponse({"status": "ready", "model": current.engine.model_name, "in_flight": current.runner.in_flight})
+        return ORJSONResponse(
+            {"status": "ready", "model": current.engine.model_name, "in_flight": current.runner.in_flight}
+        )
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -6,9 +6,9 @@ from types import FrameType
 
 import uvicorn
 
-from shared.logging import configure_logging
 from services.worker.app import Worker, create_app
 from services.worker.settings import WorkerSettings
+from shared.logging import configure_logging
 
 
 class DrainingServer(uvicorn.Server):

@@ -15,32 +15,45 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self.http = HttpMetrics(self.registry)
         self.jobs = Counter(
-            "axon_worker_jobs_total", "Jobs finished, by outcome.", ["model", "outcome"],
+            "axon_worker_jobs_total",
+            "Jobs finished, by outcome.",
+            ["model", "outcome"],
             registry=self.registry,
         )
         self.output_tokens = Counter(
             "axon_worker_output_tokens_total", "Tokens generated.", ["model"], registry=self.registry
         )
         self.prompt_tokens = Counter(
-            "axon_worker_prompt_tokens_total", "Prompt tokens processed.", ["model"],
+            "axon_worker_prompt_tokens_total",
+            "Prompt tokens processed.",
+            ["model"],
             registry=self.registry,
         )
         self.running = Gauge(
-            "axon_worker_running_sequences", "Sequences being generated now.", ["model"],
+            "axon_worker_running_sequences",
+            "Sequences being generated now.",
+            ["model"],
             registry=self.registry,
         )
         self.max_seqs = Gauge(
-            "axon_worker_max_sequences", "Sequences the engine runs at once.", ["model"],
+            "axon_worker_max_sequences",
+            "Sequences the engine runs at once.",
+            ["model"],
             registry=self.registry,
         )
         self.ttft = Histogram(
             "axon_worker_time_to_first_token_seconds",
-            "From taking a job to publishing its first token.", ["model"],
-            buckets=LATENCY_BUCKETS_S, registry=self.registry,
+            "From taking a job to publishing its first token.",
+            ["model"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
         )
         self.job_duration = Histogram(
-            "axon_worker_job_duration_seconds", "From taking a job to its final chunk.", ["model"],
-            buckets=LATENCY_BUCKETS_S, registry=self.registry,
+            "axon_worker_job_duration_seconds",
+            "From taking a job to its final chunk.",
+            ["model"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
         )
 
     def observe_engine(
@@ -56,16 +69,22 @@ class WorkerMetrics:
         that report it), GPU memory (where a GPU exists)."""
         self.max_seqs.labels(model).set(max_seqs)
         Gauge(
-            "axon_worker_waiting_sequences", "Jobs taken from the queue but not yet generating.", ["model"],
+            "axon_worker_waiting_sequences",
+            "Jobs taken from the queue but not yet generating.",
+            ["model"],
             registry=self.registry,
         ).labels(model).set_function(lambda: max(0, in_flight() - generating()))
         Gauge(
-            "axon_worker_batch_utilization", "Running sequences / the most the engine runs at once.", ["model"],
+            "axon_worker_batch_utilization",
+            "Running sequences / the most the engine runs at once.",
+            ["model"],
             registry=self.registry,
         ).labels(model).set_function(lambda: generating() / max_seqs)
         if kv_cache_usage is not None:
             Gauge(
-                "axon_worker_kv_cache_usage_ratio", "Fraction of the engine's KV cache in use.", ["model"],
+                "axon_worker_kv_cache_usage_ratio",
+                "Fraction of the engine's KV cache in use.",
+                ["model"],
                 registry=self.registry,
             ).labels(model).set_function(lambda: kv_cache_usage() or 0.0)
         self._observe_gpu_memory()
@@ -80,11 +99,12 @@ class WorkerMetrics:
         except Exception:  # noqa: BLE001 - no GPU, no driver or no NVML: nothing to report
             return
         gauge = Gauge(
-            "axon_worker_gpu_memory_used_bytes", "GPU memory in use (all processes), per device.", ["device"],
+            "axon_worker_gpu_memory_used_bytes",
+            "GPU memory in use (all processes), per device.",
+            ["device"],
             registry=self.registry,
         )
         for index in range(count):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             gauge.labels(str(index)).set_function(lambda h=handle: pynvml.nvmlDeviceGetMemoryInfo(h).used)
         log.info("gpu_metrics_enabled", devices=count)
-

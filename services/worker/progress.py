@@ -9,9 +9,9 @@ import time
 
 import orjson
 
+from services.worker.engines import EngineOutput, Resume
 from shared.names import Names
 from shared.redis_pipe import PipeScript, RedisPipe
-from services.worker.engines import EngineOutput, Resume
 
 # Progress outlives the job's deadline by this much, then Redis forgets it.
 _PROGRESS_GRACE_S = 60
@@ -110,10 +110,17 @@ class JobStream:
             _PUBLISH_WITH_PROGRESS,
             list(self._keys),
             [
-                self._channel, orjson.dumps(chunk),
-                int(final), self.seq + 1, self.completion_tokens, self.prompt_tokens, text, expire_s, *token_ids,
+                self._channel,
+                orjson.dumps(chunk),
+                int(final),
+                self.seq + 1,
+                self.completion_tokens,
+                self.prompt_tokens,
+                text,
+                expire_s,
+                *token_ids,
             ],
-        )  # fmt: skip
+        )
         self.seq += 1
 
 

@@ -16,14 +16,14 @@ from aio_pika.exceptions import AMQPError
 from aiormq.exceptions import ChannelInvalidStateError
 from pydantic import ValidationError
 
+from services.worker.engines import Engine, EngineError, EngineOutput, GenerationRequest, InvalidPrompt, Resume
+from services.worker.metrics import WorkerMetrics
+from services.worker.progress import Coalescer, JobStream
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
 from shared.schemas import FinishReason, Job
-from services.worker.engines import Engine, EngineError, EngineOutput, GenerationRequest, InvalidPrompt, Resume
-from services.worker.metrics import WorkerMetrics
-from services.worker.progress import Coalescer, JobStream
 
 log = get_logger(__name__)
 
@@ -121,7 +121,7 @@ class JobRunner:
             await asyncio.shield(_settle(message, requeue=True))
             self._metrics.jobs.labels(job.model, "handed_back").inc()
             raise
-        except Exception as exc:  # noqa: BLE001 - any failure must end the client's stream
+        except Exception as exc:
             log.exception("job_crashed", error=repr(exc))
             self._metrics.jobs.labels(job.model, "failed").inc()
             await _settle(message, requeue=True)  # counted on redelivery; dead-lettered past the limit
@@ -142,7 +142,8 @@ class JobRunner:
         """Count a redelivery; past `max_deliveries`, dead-letter the job and tell its client."""
         key = self._names.job_deliveries(job.job_id)
         redeliveries, _ = await asyncio.gather(
-            self._pipe.submit("INCR", key), self._pipe.submit("EXPIRE", key, max(1, int(job.deadline - time.time()) + 60))
+            self._pipe.submit("INCR", key),
+            self._pipe.submit("EXPIRE", key, max(1, int(job.deadline - time.time()) + 60)),
         )
         deliveries = int(redeliveries) + 1
         if deliveries <= self._max_deliveries:

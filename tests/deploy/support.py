@@ -40,6 +40,7 @@ AXON_NAME = re.compile(r"\bAXON_[A-Z0-9_]*[A-Z0-9]\b")
 
 # --- settings ------------------------------------------------------------------------------------
 
+
 def settings_classes() -> list[type]:
     """Every pydantic-settings class of shared/settings.py and services/*/settings.py."""
     from pydantic_settings import BaseSettings
@@ -114,6 +115,7 @@ def metric_names_in_promql(expr: str) -> set[str]:
 
 # --- helm ----------------------------------------------------------------------------------------
 
+
 def helm_binary() -> str:
     """helm from the venv (infra/scripts/install-helm.sh) or PATH; skip, or fail under CI, if absent."""
     candidates = [Path(sys.executable).parent / "helm", ROOT / ".venv" / "bin" / "helm"]
@@ -158,6 +160,7 @@ def load_manifests(text: str) -> list[dict]:
 
 # --- docker build, modelled --------------------------------------------------------------------------
 
+
 def _dockerignore_regex(pattern: str) -> re.Pattern:
     pattern = str(PurePosixPath(pattern.strip().lstrip("/")))
     out, i = "", 0
@@ -180,7 +183,7 @@ class DockerIgnore:
     rules: list[tuple[bool, re.Pattern]] = field(default_factory=list)
 
     @classmethod
-    def load(cls, path: Path) -> "DockerIgnore":
+    def load(cls, path: Path) -> DockerIgnore:
         rules = []
         for line in path.read_text().splitlines():
             line = line.strip()
@@ -295,7 +298,11 @@ def image_files(dockerfile: Path, target: str | None = None) -> dict[str, str]:
                         src = str(PurePosixPath("/", source))
                         picked = {p: r for p, r in origin.items() if p == src or p.startswith(src.rstrip("/") + "/")}
                         for path, repo_path in picked.items():
-                            tail = PurePosixPath(path).relative_to(src) if path != src else PurePosixPath(PurePosixPath(src).name)
+                            tail = (
+                                PurePosixPath(path).relative_to(src)
+                                if path != src
+                                else PurePosixPath(PurePosixPath(src).name)
+                            )
                             if path == src and not dest_dir:
                                 image[dest] = repo_path
                             else:

@@ -50,7 +50,7 @@ def interpolate(text: str, env: dict[str, str]) -> str:
         name = match.group(1) or match.group(4)
         op, arg = match.group(2), match.group(3)
         value = env.get(name)
-        if op in (":-", ":?") and not value or op in ("-", "?") and value is None:
+        if (op in (":-", ":?") and not value) or (op in ("-", "?") and value is None):
             if op.endswith("?"):
                 raise KeyError(f"{name}: {arg}")
             return arg
@@ -90,12 +90,23 @@ def healthcheck_url(service: dict) -> str | None:
 
 # --- the file itself -------------------------------------------------------------------------------
 
+
 def test_compose_file_follows_the_compose_specification(raw_text: str) -> None:
     for env in ({}, {"AXON_TENSOR_PARALLEL_SIZE": "4", "AXON_ADMIN_TOKEN": "x" * 32}):
         project = PyOptions(apply_merge=True).from_yaml(interpolate(raw_text, env))
         project.validate()  # every network, volume, config and secret a service uses is declared
-        assert set(project.service_names()) >= {"redis", "rabbitmq", "postgres", "migrate", "gateway", "sessions",
-                                                   "worker", "worker-gpu", "prometheus", "grafana"}
+        assert set(project.service_names()) >= {
+            "redis",
+            "rabbitmq",
+            "postgres",
+            "migrate",
+            "gateway",
+            "sessions",
+            "worker",
+            "worker-gpu",
+            "prometheus",
+            "grafana",
+        }
 
 
 def test_compose_spec_rejects_what_compose_would(raw_text: str) -> None:
@@ -147,6 +158,7 @@ def test_bind_mounts_and_builds_exist(services: dict) -> None:
 
 # --- drift against the code ------------------------------------------------------------------------
 
+
 def test_every_axon_variable_in_compose_is_a_setting(raw_text: str, services: dict) -> None:
     known = settings_env_names()
     used = axon_names_in_text(raw_text)
@@ -175,7 +187,9 @@ def test_ports_match_the_settings(services: dict, name: str) -> None:
     assert int(env.get(port_var, default)) == default
     assert urlsplit(healthcheck_url(service)).port == default
     assert urlsplit(healthcheck_url(service)).path == "/ready"
-    published = [str(p).rsplit(":", 1)[-1] for p in service.get("ports", [])] + [str(p) for p in service.get("expose", [])]
+    published = [str(p).rsplit(":", 1)[-1] for p in service.get("ports", [])] + [
+        str(p) for p in service.get("expose", [])
+    ]
     assert str(default) in published, f"{name} does not expose {default}"
 
 
@@ -214,6 +228,7 @@ def test_admin_token_is_a_marked_development_value(services: dict) -> None:
 
 
 # --- infrastructure services ---------------------------------------------------------------------------
+
 
 def test_redis_keeps_an_append_only_file_on_a_volume(services: dict) -> None:
     redis = services["redis"]
@@ -274,6 +289,7 @@ def test_axon_containers_are_hardened_like_the_chart(services: dict) -> None:
 
 # --- Prometheus and Grafana -------------------------------------------------------------------------------
 
+
 def test_prometheus_scrapes_every_axon_service(services: dict) -> None:
     mount = [v for v in services["prometheus"]["volumes"] if v.endswith(":/etc/prometheus/prometheus.yml:ro")]
     assert mount
@@ -326,7 +342,7 @@ def test_dashboards_query_metrics_the_code_exports(path: Path) -> None:
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", []) if "expr" in t]
     templating = json.dumps(dashboard.get("templating", {}))
     assert exprs
-    for expr in exprs + [templating]:
+    for expr in [*exprs, templating]:
         missing = metric_names_in_promql(expr) - exported
         assert not missing, f"{path.name} queries metrics the code does not export: {missing}"
     ids = [p["id"] for p in dashboard["panels"]]

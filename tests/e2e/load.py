@@ -78,7 +78,9 @@ async def stream_request(
                         shaped = set(error) == {"message", "type", "param", "code"}
                     except (orjson.JSONDecodeError, KeyError, TypeError):
                         shaped = False
-                    return done("refused" if shaped else "lost", response.status_code, detail=raw[:200].decode(errors="replace"))
+                    return done(
+                        "refused" if shaped else "lost", response.status_code, detail=raw[:200].decode(errors="replace")
+                    )
                 text, errored = [], None
                 async for line in response.aiter_lines():
                     if not line.startswith("data: "):

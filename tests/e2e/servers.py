@@ -60,7 +60,9 @@ class _Server:
         try:
             _wait_port(self.port, up=True, timeout_s=self.start_timeout_s)
         except TimeoutError:
-            raise TimeoutError(f"{self.name} did not start:\n{self.log_path.read_text(errors='replace')[-3000:]}") from None
+            raise TimeoutError(
+                f"{self.name} did not start:\n{self.log_path.read_text(errors='replace')[-3000:]}"
+            ) from None
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -88,9 +90,22 @@ class PrivateRedis(_Server):
 
     def argv(self) -> list[str]:
         return [
-            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.root),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
-        ]  # fmt: skip
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.root),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+        ]
 
 
 class PrivateRabbitMQ(_Server):
@@ -114,14 +129,19 @@ class PrivateRabbitMQ(_Server):
 
     def env(self) -> dict[str, str]:
         return {
-            **os.environ, "HOME": str(self.root), "RABBITMQ_NODENAME": self.node, "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
-            "RABBITMQ_NODE_PORT": str(self.port), "RABBITMQ_DIST_PORT": str(self.dist_port),
-            "RABBITMQ_MNESIA_BASE": str(self.root / "mnesia"), "RABBITMQ_LOG_BASE": str(self.root / "log"),
+            **os.environ,
+            "HOME": str(self.root),
+            "RABBITMQ_NODENAME": self.node,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(self.root / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.root / "log"),
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.root / "enabled_plugins"),
             "RABBITMQ_CONFIG_FILE": str(self.root / "none"),
             # The start script then runs the Erlang VM in its own process: SIGTERM stops the broker.
             "RUNNING_UNDER_SYSTEMD": "true",
-        }  # fmt: skip
+        }
 
 
 class PrivatePostgres(_Server):
@@ -144,10 +164,21 @@ class PrivatePostgres(_Server):
         return ["runuser", "-u", self._user, "--", *argv] if self._user else argv
 
     def argv(self) -> list[str]:
-        return self._as_user([
-            str(POSTGRES_BIN / "postgres"), "-D", str(self.data), "-p", str(self.port), "-k", str(self.root),
-            "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
-        ])  # fmt: skip
+        return self._as_user(
+            [
+                str(POSTGRES_BIN / "postgres"),
+                "-D",
+                str(self.data),
+                "-p",
+                str(self.port),
+                "-k",
+                str(self.root),
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "fsync=off",
+            ]
+        )
 
     def remove(self) -> None:
         """Delete its data (stop it first)."""
@@ -159,8 +190,9 @@ class PrivatePostgres(_Server):
                 shutil.chown(self.root, user=self._user)
             subprocess.run(
                 self._as_user([str(POSTGRES_BIN / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres"]),
-                check=True, capture_output=True,
-            )  # fmt: skip
+                check=True,
+                capture_output=True,
+            )
         super().start()
 
 

@@ -46,8 +46,10 @@ def test_unknown_model_is_404_model_not_found(client: OpenAI) -> None:
 )
 def test_invalid_bodies_are_400_in_openai_shape(gateway: Service, auth: dict, body: bytes, param: str | None) -> None:
     response = httpx.post(
-        f"{gateway.url}/v1/chat/completions", content=body,
-        headers={"content-type": "application/json", **auth}, timeout=10,
+        f"{gateway.url}/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json", **auth},
+        timeout=10,
     )
     error = _assert_openai_error(response, 400)
     assert error["type"] == "invalid_request_error"
@@ -94,7 +96,10 @@ def test_killed_worker_leaves_models_within_15s_then_503_fast(
 def short_deadline_sessions(stack: Stack) -> Service:
     """A second session manager whose requests expire after 1 s, and slow sim workers behind it."""
     stack.start("worker:slow-start", env={"AXON_ENGINE": "sim", "AXON_MODEL": "slow-start", "AXON_SIM_TTFT_MS": "3000"})
-    stack.start("worker:slow-tail", env={"AXON_ENGINE": "sim", "AXON_MODEL": "slow-tail", "AXON_SIM_TTFT_MS": "0", "AXON_SIM_ITL_MS": "400"})
+    stack.start(
+        "worker:slow-tail",
+        env={"AXON_ENGINE": "sim", "AXON_MODEL": "slow-tail", "AXON_SIM_TTFT_MS": "0", "AXON_SIM_ITL_MS": "400"},
+    )
     return stack.start("sessions:short", env={"AXON_REQUEST_TIMEOUT_S": "1"})
 
 
@@ -114,7 +119,10 @@ def test_deadline_before_first_token_is_504(short_deadline_sessions: Service, st
 
 def test_deadline_mid_stream_ends_with_an_error_event(short_deadline_sessions: Service) -> None:
     client = OpenAI(
-        base_url=f"{short_deadline_sessions.url}/v1", api_key="unused", max_retries=0, timeout=10,
+        base_url=f"{short_deadline_sessions.url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=10,
         default_headers=INTERNAL_HEADERS,
     )
     stream = client.chat.completions.create(model="slow-tail", messages=MESSAGES, max_tokens=20, stream=True)

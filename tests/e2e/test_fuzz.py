@@ -141,7 +141,9 @@ def test_fuzz_with_key(gateway_schema: schemathesis.BaseSchema, gateway: Service
         case.headers = {**(case.headers or {}), **headers}
         response = _call(case, gateway, headers)
         statuses[response.status_code] += 1
-        assert response.status_code < 500, f"{response.status_code} {response.text[:500]}\n{case.as_curl_command(headers)}"
+        assert response.status_code < 500, (
+            f"{response.status_code} {response.text[:500]}\n{case.as_curl_command(headers)}"
+        )
         if response.status_code >= 400:
             _assert_openai_error(response)
         case.validate_response(
@@ -162,7 +164,9 @@ def test_fuzz_without_key_is_always_401(gateway_schema: schemathesis.BaseSchema,
         for headers in ({}, {"Authorization": "Bearer axk_not-a-real-key-000000000000000000000000"}):
             response = _call(case, gateway, headers)
             statuses[response.status_code] += 1
-            assert response.status_code == 401, f"{response.status_code} {response.text[:500]}\n{case.as_curl_command()}"
+            assert response.status_code == 401, (
+                f"{response.status_code} {response.text[:500]}\n{case.as_curl_command()}"
+            )
             _assert_openai_error(response)
             assert response.json()["error"]["type"] == "authentication_error"
 
@@ -174,8 +178,13 @@ def _report(fault: str, statuses: Counter[int]) -> None:
     """The generated requests' status codes (a case may be answered more than once: Hypothesis
     replays, and the with-key checks re-send it)."""
     server_errors = sum(n for status, n in statuses.items() if status >= 500)
-    report(fault, checked=statuses.total(), server_errors=server_errors, hung=0,
-           statuses={str(k): v for k, v in sorted(statuses.items())})  # fmt: skip
+    report(
+        fault,
+        checked=statuses.total(),
+        server_errors=server_errors,
+        hung=0,
+        statuses={str(k): v for k, v in sorted(statuses.items())},
+    )
 
 
 # Regressions: what the fuzz found, pinned down as plain cases.
@@ -188,7 +197,13 @@ def fuzz_api(gateway: Service, fuzz_key: str) -> httpx.Client:
 
 @pytest.mark.parametrize(
     "path",
-    ["/v1/sessions/%0F", "/v1/sessions/%0A%C2%85/messages", "/v1/sessions/%2E%2E/messages", "/v1/sessions/%2E", "/v1/sessions/a%25b"],
+    [
+        "/v1/sessions/%0F",
+        "/v1/sessions/%0A%C2%85/messages",
+        "/v1/sessions/%2E%2E/messages",
+        "/v1/sessions/%2E",
+        "/v1/sessions/a%25b",
+    ],
 )
 def test_odd_session_ids_reach_their_own_route_as_one_parameter(fuzz_api: httpx.Client, path: str) -> None:
     """Percent-escapes in a path parameter used to be decoded into the forwarded URL: control
@@ -234,7 +249,12 @@ def test_nul_in_a_chat_message_does_not_stop_persistence(fuzz_api: httpx.Client,
     from any tenant, reached PostgreSQL. It is stored with U+FFFD in its place."""
     session_id = fuzz_api.post("/v1/sessions", json={}).json()["id"]
     for content in ("a\u0000b", "after"):
-        body = {"model": SIM_MODEL, "session_id": session_id, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+        body = {
+            "model": SIM_MODEL,
+            "session_id": session_id,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": content}],
+        }
         response = fuzz_api.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
     deadline = time.monotonic() + 10
@@ -248,6 +268,8 @@ def test_a_key_limit_beyond_the_database_column_is_a_400(gateway: Service) -> No
     """The admin API used to pass a limit above PostgreSQL's integer range to the INSERT (a 500)."""
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     for field in ("rpm", "tpm", "max_concurrent"):
-        response = httpx.post(f"{gateway.url}/admin/keys", json={"name": "huge", field: 10**12}, headers=admin, timeout=TIMEOUT_S)
+        response = httpx.post(
+            f"{gateway.url}/admin/keys", json={"name": "huge", field: 10**12}, headers=admin, timeout=TIMEOUT_S
+        )
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == field

@@ -20,18 +20,27 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "hostile-sim"
 LIMITS = {
-    "AXON_REQUEST_HEAD_TIMEOUT_S": "1", "AXON_REQUEST_BODY_TIMEOUT_S": "1", "AXON_MAX_HEADER_BYTES": "8192",
-    "AXON_CLIENT_STALL_TIMEOUT_S": "2", "AXON_CLIENT_SEND_BUFFER_BYTES": "16384",
-}  # fmt: skip
+    "AXON_REQUEST_HEAD_TIMEOUT_S": "1",
+    "AXON_REQUEST_BODY_TIMEOUT_S": "1",
+    "AXON_MAX_HEADER_BYTES": "8192",
+    "AXON_CLIENT_STALL_TIMEOUT_S": "2",
+    "AXON_CLIENT_SEND_BUFFER_BYTES": "16384",
+}
 
 
 @pytest.fixture(scope="module")
 def hostile(stack: Stack) -> Iterator[tuple[Service, Service]]:
     """A fast sim worker, its session manager (long answers allowed) and a gateway with short limits."""
     worker = stack.start(
-        "worker:hostile", env={"AXON_ENGINE": "sim", "AXON_MODEL": MODEL, "AXON_SIM_TTFT_MS": "0",
-                               "AXON_SIM_ITL_MS": "0.5", "AXON_SIM_CONTEXT_TOKENS": "100000"},
-    )  # fmt: skip
+        "worker:hostile",
+        env={
+            "AXON_ENGINE": "sim",
+            "AXON_MODEL": MODEL,
+            "AXON_SIM_TTFT_MS": "0",
+            "AXON_SIM_ITL_MS": "0.5",
+            "AXON_SIM_CONTEXT_TOKENS": "100000",
+        },
+    )
     sessions = stack.start("sessions:hostile", env={"AXON_MAX_TOKENS_LIMIT": "50000"})
     gateway = stack.start("gateway:hostile", env={"AXON_SESSIONS_URL": sessions.url, **LIMITS})
     yield gateway, worker
@@ -67,7 +76,9 @@ def test_a_half_sent_head_gets_408_and_the_connection_is_closed(hostile) -> None
     assert received.startswith(b"HTTP/1.1 408 ") and 0.8 < waited_s < 5
     error = orjson.loads(received.split(b"\r\n\r\n", 1)[1])["error"]
     assert error["code"] == "request_timeout" and set(error) == {"message", "type", "param", "code"}
-    report("half-sent request head (head timeout 1 s)", outcome="408 request_timeout", closed_after_s=round(waited_s, 1))
+    report(
+        "half-sent request head (head timeout 1 s)", outcome="408 request_timeout", closed_after_s=round(waited_s, 1)
+    )
 
 
 def test_a_huge_head_is_refused_at_once_with_431(hostile) -> None:
@@ -77,7 +88,9 @@ def test_a_huge_head_is_refused_at_once_with_431(hostile) -> None:
         received, waited_s = _read_all(sock, timeout_s=10)
     assert received.startswith(b"HTTP/1.1 431 ") and waited_s < 1
     assert orjson.loads(received.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_header_too_large"
-    report("64 KiB request head (limit 8 KiB)", outcome="431 request_header_too_large", closed_after_s=round(waited_s, 2))
+    report(
+        "64 KiB request head (limit 8 KiB)", outcome="431 request_header_too_large", closed_after_s=round(waited_s, 2)
+    )
 
 
 def test_a_half_sent_body_gets_408_in_openai_shape(hostile, auth: dict) -> None:
@@ -99,8 +112,9 @@ def test_a_half_sent_body_gets_408_in_openai_shape(hostile, auth: dict) -> None:
 async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(hostile, auth: dict) -> None:
     gateway, worker = hostile
     cancelled_before = metric(worker, "axon_worker_jobs_total", model=MODEL, outcome="cancelled")
-    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 40000,
-                         "stream": True})  # fmt: skip
+    body = orjson.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 40000, "stream": True}
+    )
     request = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {auth['Authorization']}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -116,9 +130,10 @@ async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(ho
         async with httpx.AsyncClient(timeout=30) as client:
             for _ in range(5):
                 other = await client.post(
-                    f"{gateway.url}/v1/chat/completions", headers=auth,
+                    f"{gateway.url}/v1/chat/completions",
+                    headers=auth,
                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
-                )  # fmt: skip
+                )
                 assert other.status_code == 200
         # Within the stall timeout (2 s) of its buffers filling, the gateway hangs up on it
         # (40,000 tokens at 0.5 ms take 20 s: the answer cannot have simply ended).
@@ -136,8 +151,14 @@ async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(ho
         assert time.monotonic() < deadline, "the stalled client's job was not cancelled"
         await asyncio.sleep(0.2)
     assert "client_stalled" in gateway.log_text()
-    report("client stops reading a 40,000-token stream", others_sent=5, others_completed=5, lost=0,
-           cut_off_after_s=round(cut_off_s, 1), gateway_rss_growth_kib=rss_growth_kib)  # fmt: skip
+    report(
+        "client stops reading a 40,000-token stream",
+        others_sent=5,
+        others_completed=5,
+        lost=0,
+        cut_off_after_s=round(cut_off_s, 1),
+        gateway_rss_growth_kib=rss_growth_kib,
+    )
 
 
 def _rss_kib(service: Service) -> int:
@@ -159,7 +180,7 @@ def _reset_by_peer(sock: socket.socket) -> bool:
 
 
 @pytest.fixture(scope="module")
-def narrow_gateway(stack: Stack, hostile) -> Service:  # noqa: ANN001 - the session manager must be up
+def narrow_gateway(stack: Stack, hostile) -> Service:
     """A second gateway in front of the hostile session manager, forwarding at most 4 requests at once."""
     sessions = next(service for service in stack.services if service.name == "sessions:hostile")
     return stack.start("gateway:narrow", env={"AXON_SESSIONS_URL": sessions.url, "AXON_MAX_REQUESTS_IN_FLIGHT": "4"})
@@ -204,5 +225,12 @@ async def test_a_flood_past_the_in_flight_limit_is_refused_at_once_and_the_admit
         after = await client.post(url, headers=auth, json={**long, "max_tokens": 4, "stream": False})
         assert after.status_code == 200
     assert metric(narrow_gateway, "axon_gateway_overloaded_total") == 20
-    report("flood of 20 past a gateway's 4 requests in flight", sent=24, completed=4, refused_503_overloaded=20,
-           lost=0, slowest_refusal_ms=round(slowest_refusal_ms, 1), next_request="200")  # fmt: skip
+    report(
+        "flood of 20 past a gateway's 4 requests in flight",
+        sent=24,
+        completed=4,
+        refused_503_overloaded=20,
+        lost=0,
+        slowest_refusal_ms=round(slowest_refusal_ms, 1),
+        next_request="200",
+    )

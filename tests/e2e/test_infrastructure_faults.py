@@ -17,8 +17,8 @@ import pytest
 
 from shared.keys import KeyLimits
 from shared.migrations import migrate
-from tests.conftest import AMQP_URL, POSTGRES_URL, create_key
-from tests.e2e.load import Load, report, stream_request, steady
+from tests.conftest import create_key
+from tests.e2e.load import Load, report, steady, stream_request
 from tests.e2e.servers import PrivatePostgres, PrivateRabbitMQ, PrivateRedis, available
 from tests.e2e.stack import Stack
 
@@ -125,8 +125,12 @@ async def test_redis_restarted_under_steady_load_loses_no_acknowledged_history(
 
             async def send(stream: int, n: int):
                 session_id, question = session_ids[stream], f"turn {n} of session {stream}"
-                body = {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 20,
-                        "session_id": session_id}  # fmt: skip
+                body = {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": question}],
+                    "max_tokens": 20,
+                    "session_id": session_id,
+                }
                 outcome = await stream_request(client, "/v1/chat/completions", body, headers, deadline_s=60)
                 if outcome.kind == "completed":
                     answered.setdefault(session_id, []).append((question, outcome.text))
@@ -156,8 +160,15 @@ async def test_redis_restarted_under_steady_load_loses_no_acknowledged_history(
         cache.stop()
     counts = load.counts()
     turns = sum(len(t) for t in answered.values())
-    report("redis restart", **counts, down_s=round(down_s, 1), recovery_s=round(recovery_s, 1),
-            answered_turns=turns, persisted_after_s=round(persisted_s, 1), history_lost=0)  # fmt: skip
+    report(
+        "redis restart",
+        **counts,
+        down_s=round(down_s, 1),
+        recovery_s=round(recovery_s, 1),
+        answered_turns=turns,
+        persisted_after_s=round(persisted_s, 1),
+        history_lost=0,
+    )
     assert counts["lost"] == counts["hung"] == 0, load.problems()
     assert recovery_s <= 5
     assert turns > 20
@@ -210,12 +221,17 @@ async def test_postgres_down_at_start_up_then_ready_when_it_appears(own_stack: S
             created = await client.post(f"{gateway.url}/v1/sessions", json={"title": "after"}, headers=headers)
             assert created.status_code == 201, created.text
             answer = await client.post(
-                f"{gateway.url}/v1/chat/completions", headers=headers,
+                f"{gateway.url}/v1/chat/completions",
+                headers=headers,
                 json={"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "session_id": created.json()["id"]},
-            )  # fmt: skip
+            )
             assert answer.status_code == 200, answer.text
-        report("postgres down at start-up", crashed=0, not_ready_reason=not_ready["reason"][:80],
-                ready_after_s=round(time.monotonic() - appeared, 1) if ready_s else 0)  # fmt: skip
+        report(
+            "postgres down at start-up",
+            crashed=0,
+            not_ready_reason=not_ready["reason"][:80],
+            ready_after_s=round(time.monotonic() - appeared, 1) if ready_s else 0,
+        )
     finally:
         database.stop()
         database.remove()

@@ -39,7 +39,10 @@ def gateways(stack: Stack, sessions: Service, gateway: Service) -> list[Service]
 def test_missing_or_wrong_key_is_401(gateway: Service, authorization: str | None) -> None:
     headers = {"Authorization": authorization} if authorization else {}
     response = httpx.post(
-        f"{gateway.url}/v1/chat/completions", json={"model": SIM_MODEL, "messages": MESSAGES}, headers=headers, timeout=10
+        f"{gateway.url}/v1/chat/completions",
+        json={"model": SIM_MODEL, "messages": MESSAGES},
+        headers=headers,
+        timeout=10,
     )
     assert response.status_code == 401
     error = response.json()["error"]
@@ -51,18 +54,37 @@ def test_health_ready_and_metrics_need_no_key(gateway: Service) -> None:
         assert httpx.get(f"{gateway.url}{path}", timeout=10).status_code == 200
 
 
-def test_cli_creates_lists_and_revokes_keys_effective_within_a_second(
-    stack: Stack, gateways: list[Service]
-) -> None:
+def test_cli_creates_lists_and_revokes_keys_effective_within_a_second(stack: Stack, gateways: list[Service]) -> None:
     env = stack.env({})
     created = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "keys", "create", "--name", "cli-test", "--rpm", "1000", "--priority", "3"],
-        env=env, capture_output=True, text=True, timeout=60, check=True,
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "keys",
+            "create",
+            "--name",
+            "cli-test",
+            "--rpm",
+            "1000",
+            "--priority",
+            "3",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     key = created.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"axk_[A-Za-z0-9_\-]{32,}", key)
     listing = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "keys", "list"], env=env, capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-m", "services.cli.main", "keys", "list"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
     assert key not in listing and f"{key[:6]}…{key[-4:]}" in listing
     key_id = re.search(r"(key_[0-9a-f]{16})\s+cli-test", listing).group(1)
@@ -70,7 +92,9 @@ def test_cli_creates_lists_and_revokes_keys_effective_within_a_second(
     headers = {"Authorization": f"Bearer {key}"}
     for gw in gateways:
         assert httpx.get(f"{gw.url}/v1/models", headers=headers, timeout=10).status_code == 200
-    subprocess.run([sys.executable, "-m", "services.cli.main", "keys", "revoke", key_id], env=env, check=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "keys", "revoke", key_id], env=env, check=True, timeout=60
+    )
     revoked_at = time.monotonic()
     time.sleep(1.0)
     for gw in gateways:
@@ -81,7 +105,12 @@ def test_cli_creates_lists_and_revokes_keys_effective_within_a_second(
 def test_admin_api_needs_the_admin_token_and_shows_a_key_once(gateway: Service) -> None:
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     assert httpx.get(f"{gateway.url}/admin/keys", timeout=10).status_code == 401
-    assert httpx.get(f"{gateway.url}/admin/keys", headers={"Authorization": "Bearer wrong-token-wrong-token"}, timeout=10).status_code == 401
+    assert (
+        httpx.get(
+            f"{gateway.url}/admin/keys", headers={"Authorization": "Bearer wrong-token-wrong-token"}, timeout=10
+        ).status_code
+        == 401
+    )
     created = httpx.post(f"{gateway.url}/admin/keys", json={"name": "via-admin", "rpm": 50}, headers=admin, timeout=10)
     assert created.status_code == 201
     body = created.json()
@@ -89,7 +118,9 @@ def test_admin_api_needs_the_admin_token_and_shows_a_key_once(gateway: Service) 
     assert body["limits"]["rpm"] == 50 and body["limits"]["tpm"]  # unspecified limits get defaults
     listed = httpx.get(f"{gateway.url}/admin/keys", headers=admin, timeout=10)
     assert key not in listed.text and body["id"] in listed.text
-    assert httpx.get(f"{gateway.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code == 200
+    assert (
+        httpx.get(f"{gateway.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code == 200
+    )
     assert httpx.delete(f"{gateway.url}/admin/keys/{body['id']}", headers=admin, timeout=10).status_code == 200
     assert httpx.delete(f"{gateway.url}/admin/keys/{body['id']}", headers=admin, timeout=10).status_code == 404
 
@@ -113,9 +144,9 @@ async def test_request_limit_holds_across_three_gateways(gateways: list[Service]
     headers = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(timeout=10) as client:
         started = time.monotonic()
-        responses = await asyncio.gather(*(
-            client.get(f"{gateways[i % 3].url}/v1/models", headers=headers) for i in range(2 * limit)
-        ))
+        responses = await asyncio.gather(
+            *(client.get(f"{gateways[i % 3].url}/v1/models", headers=headers) for i in range(2 * limit))
+        )
         elapsed = time.monotonic() - started
     accepted = [r for r in responses if r.status_code == 200]
     refused = [r for r in responses if r.status_code == 429]
@@ -157,6 +188,7 @@ async def test_concurrency_limit_refuses_the_extra_stream(gateway: Service, data
     headers = {"Authorization": f"Bearer {key}"}
     body = {"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 60, "stream": True}
     async with httpx.AsyncClient(timeout=30) as client:
+
         async def stream() -> int:
             async with client.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, headers=headers) as r:
                 await r.aread()
@@ -197,13 +229,17 @@ def test_token_limit_counts_prompt_estimate_and_real_usage(gateway: Service, dat
     key = _key(database_url, tpm=300)
     headers = {"Authorization": f"Bearer {key}"}
     huge = [{"role": "user", "content": "x" * 2000}]  # ~500 tokens: more than the whole budget
-    too_large = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": SIM_MODEL, "messages": huge}, headers=headers, timeout=10)
+    too_large = httpx.post(
+        f"{gateway.url}/v1/chat/completions", json={"model": SIM_MODEL, "messages": huge}, headers=headers, timeout=10
+    )
     assert too_large.status_code == 400 and too_large.json()["error"]["code"] == "request_too_large_for_limit"
     statuses = []
     for _ in range(10):
         r = httpx.post(
             f"{gateway.url}/v1/chat/completions",
-            json={"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 50}, headers=headers, timeout=10,
+            json={"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 50},
+            headers=headers,
+            timeout=10,
         )
         statuses.append(r.status_code)
         if r.status_code == 429:
@@ -248,10 +284,16 @@ def test_usage_is_recorded_per_key_and_summed_by_day(gateway: Service, database_
     client = OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0, timeout=30)
     answers = [client.chat.completions.create(model=SIM_MODEL, messages=MESSAGES, max_tokens=n) for n in (3, 5)]
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    key_id = next(k["id"] for k in httpx.get(f"{gateway.url}/admin/keys", headers=admin, timeout=10).json()["data"] if k["name"] == "usage")
+    key_id = next(
+        k["id"]
+        for k in httpx.get(f"{gateway.url}/admin/keys", headers=admin, timeout=10).json()["data"]
+        if k["name"] == "usage"
+    )
     deadline = time.monotonic() + 10
     while True:
-        rows = httpx.get(f"{gateway.url}/admin/usage", params={"key_id": key_id}, headers=admin, timeout=10).json()["data"]
+        rows = httpx.get(f"{gateway.url}/admin/usage", params={"key_id": key_id}, headers=admin, timeout=10).json()[
+            "data"
+        ]
         if rows and rows[0]["requests"] == 2:
             break
         assert time.monotonic() < deadline, rows

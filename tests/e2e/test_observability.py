@@ -59,16 +59,26 @@ def traffic(stack: Stack, gateway: Service, sessions: Service, database_url: str
     auth = {"Authorization": f"Bearer {api_key}"}
     assert _chat(gateway, api_key).status_code == 200
     with httpx.stream(
-        "POST", f"{gateway.url}/v1/chat/completions", headers=auth, timeout=30,
-        json={"model": SIM_MODEL, "messages": [{"role": "user", "content": "stream"}], "max_tokens": 6,
-              "stream": True, "stream_options": {"include_usage": True}},
-    ) as streamed:  # fmt: skip
+        "POST",
+        f"{gateway.url}/v1/chat/completions",
+        headers=auth,
+        timeout=30,
+        json={
+            "model": SIM_MODEL,
+            "messages": [{"role": "user", "content": "stream"}],
+            "max_tokens": 6,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as streamed:
         assert streamed.status_code == 200
         assert "data: [DONE]" in list(streamed.iter_lines())
     completion = httpx.post(
-        f"{gateway.url}/v1/completions", headers=auth, timeout=30,
+        f"{gateway.url}/v1/completions",
+        headers=auth,
+        timeout=30,
         json={"model": SIM_MODEL, "prompt": "Once", "max_tokens": 3},
-    )  # fmt: skip
+    )
     assert completion.status_code == 200
 
     session = httpx.post(f"{gateway.url}/v1/sessions", headers=auth, json={"title": "observed"}, timeout=10)
@@ -122,9 +132,10 @@ def test_every_metric_a_dashboard_or_alert_queries_is_exported(scrapes: dict[str
     assert not missing, f"queried but exported by no service: {missing}"
     quiet_allowed = ONLY_ON_FAILURE | GPU_ONLY_METRICS
     silent = {
-        name: sorted(where) for name, where in queried.items()
+        name: sorted(where)
+        for name, where in queried.items()
         if name in declared and name not in sampled and name not in quiet_allowed
-    }  # fmt: skip
+    }
     assert not silent, f"exported but without any series after the test traffic: {silent}"
     now_exported = sorted(PENDING_WORKER_METRICS & declared)
     assert not now_exported, f"the worker exports {now_exported} now: remove them from PENDING_WORKER_METRICS"
@@ -163,8 +174,9 @@ def test_traffic_is_counted_by_route_model_status_and_kind(traffic: dict, scrape
 def test_active_sessions_return_to_zero_after_their_turns(traffic: dict, sessions: Service) -> None:
     _eventually(
         lambda: _scrape(sessions).value("axon_sessions_active_sessions") == 0,
-        timeout_s=15, message="a finished session turn is still counted as active",
-    )  # fmt: skip
+        timeout_s=15,
+        message="a finished session turn is still counted as active",
+    )
 
 
 async def test_queue_depth_and_live_workers_follow_rabbitmq_and_heartbeats(
@@ -242,9 +254,11 @@ def test_logs_never_contain_an_api_key_or_prompt_or_answer_text(
     traffic: dict, stack: Stack, gateway: Service, api_key: str
 ) -> None:
     created = httpx.post(
-        f"{gateway.url}/admin/keys", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-        json={"name": "obs-log-check"}, timeout=10,
-    )  # fmt: skip
+        f"{gateway.url}/admin/keys",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        json={"name": "obs-log-check"},
+        timeout=10,
+    )
     assert created.status_code == 201
     admin_key = created.json()["key"]
     secret_prompt = f"prompt-marker-{uuid.uuid4().hex}"
@@ -257,10 +271,14 @@ def test_logs_never_contain_an_api_key_or_prompt_or_answer_text(
     assert _chat(gateway, admin_key, max_tokens=10**9).status_code == 400  # an error path logs too
     time.sleep(0.5)  # let the last lines reach the files
     secrets = {
-        "test API key": api_key, "rate-limited key": traffic["limited_key"], "admin-created key": admin_key,
-        "unknown key": bad_key, "admin token": ADMIN_TOKEN, "prompt text": secret_prompt,
+        "test API key": api_key,
+        "rate-limited key": traffic["limited_key"],
+        "admin-created key": admin_key,
+        "unknown key": bad_key,
+        "admin token": ADMIN_TOKEN,
+        "prompt text": secret_prompt,
         "answer text": answer,
-    }  # fmt: skip
+    }
     for service in stack.services:
         text = service.log_text()
         assert text, f"{service.name} wrote no log"

@@ -5,7 +5,6 @@ import json
 import time
 
 import httpx
-import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
@@ -35,7 +34,11 @@ def test_chat_non_streaming_returns_completion_with_usage(client: OpenAI) -> Non
 def test_chat_streaming_matches_non_streaming_and_reports_usage(client: OpenAI) -> None:
     whole = client.chat.completions.create(model=SIM_MODEL, messages=MESSAGES, max_tokens=12, seed=3)
     stream = client.chat.completions.create(
-        model=SIM_MODEL, messages=MESSAGES, max_tokens=12, seed=3, stream=True,
+        model=SIM_MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        seed=3,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -62,7 +65,11 @@ def test_completions_streaming_and_not(client: OpenAI) -> None:
     assert whole.object == "text_completion"
     assert whole.usage.completion_tokens == 6
     streamed = client.completions.create(
-        model=SIM_MODEL, prompt="Once upon a time", max_tokens=6, seed=5, stream=True,
+        model=SIM_MODEL,
+        prompt="Once upon a time",
+        max_tokens=6,
+        seed=5,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(streamed)

@@ -26,9 +26,14 @@ pytestmark = pytest.mark.e2e
 CHROMIUM = Path("/usr/bin/chromium")
 # As root Chromium needs --no-sandbox; the rest keep it from calling out of this closed network.
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
-]  # fmt: skip
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 # Long enough to stop mid-stream: 4000 sim tokens take 20 s at the e2e stack's 5 ms per token.
 LONG_ANSWER_TOKENS = 4000
 
@@ -213,13 +218,15 @@ def test_answers_render_as_sanitised_markdown(page: Page) -> None:
     ("status", "headers", "body", "shown"),
     [
         (
-            503, {"Retry-After": "7", "Content-Type": "application/json"},
+            503,
+            {"Retry-After": "7", "Content-Type": "application/json"},
             '{"error": {"message": "No worker is serving model \'sim-model\' right now.", "type": "server_error",'
             ' "param": null, "code": "no_worker"}}',
             "The service is unavailable (503): No worker is serving model 'sim-model' right now. Try again in 7 s.",
         ),
         (
-            200, {"Content-Type": "text/event-stream"},
+            200,
+            {"Content-Type": "text/event-stream"},
             'data: {"error": {"message": "The stream was interrupted.", "type": "server_error", "param": null,'
             ' "code": "stream_interrupted"}}\n\ndata: [DONE]\n\n',
             "The answer failed: The stream was interrupted.",
@@ -250,9 +257,11 @@ def test_a_rate_limit_is_explained_with_its_retry_time(page: Page, gateway: Serv
     # Two requests a minute: the page's start-up (models and sessions) spends both. The key comes
     # from the admin API: Playwright's event loop runs in this thread, so no asyncio.run here.
     created = httpx.post(
-        f"{gateway.url}/admin/keys", json={"name": "playground-rpm", "rpm": 2},
-        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10,
-    )  # fmt: skip
+        f"{gateway.url}/admin/keys",
+        json={"name": "playground-rpm", "rpm": 2},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=10,
+    )
     assert created.status_code == 201, created.text
     use_key(page, created.json()["key"])
     pick_model(page, SIM_MODEL)

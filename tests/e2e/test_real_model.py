@@ -1,6 +1,7 @@
 """The real CPU engine (transformers + the bundled SmolLM2 GGUF) behind the full stack."""
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -38,7 +39,11 @@ def test_capital_of_france_is_paris_streaming_and_not(model_client: OpenAI) -> N
     assert 0 < whole.usage.completion_tokens <= 32
     assert whole.usage.prompt_tokens > 10  # the chat template wraps the question
     stream = model_client.chat.completions.create(
-        model=MODEL, messages=FRANCE, temperature=0, max_tokens=32, stream=True,
+        model=MODEL,
+        messages=FRANCE,
+        temperature=0,
+        max_tokens=32,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -51,7 +56,9 @@ def test_max_tokens_and_stop_are_honoured(model_client: OpenAI) -> None:
     short = model_client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=3)
     assert short.choices[0].finish_reason == "length"
     assert short.usage.completion_tokens == 3
-    cut = model_client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=32, stop=["Paris"])
+    cut = model_client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=32, stop=["Paris"]
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert "Paris" not in cut.choices[0].message.content
 
@@ -65,10 +72,14 @@ def test_text_completion_continues_the_prompt(model_client: OpenAI) -> None:
 async def test_concurrent_requests_all_complete(model_client: OpenAI, gateway: Service, api_key: str) -> None:
     client = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=120)
     prompts = [f"Count from {i} to {i + 5}." for i in range(6)]
-    responses = await asyncio.gather(*(
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], temperature=0.7, max_tokens=16)
-        for p in prompts
-    ))
+    responses = await asyncio.gather(
+        *(
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": p}], temperature=0.7, max_tokens=16
+            )
+            for p in prompts
+        )
+    )
     assert all(r.choices[0].message.content for r in responses)
     assert all(r.usage.completion_tokens <= 16 for r in responses)
 
@@ -83,7 +94,9 @@ def test_failover_mid_stream_with_the_real_engine_at_temperature_0(
     )
     story = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
     reference = model_client.chat.completions.create(model=MODEL, messages=story, temperature=0, max_tokens=48)
-    stream = model_client.chat.completions.create(model=MODEL, messages=story, temperature=0, max_tokens=48, stream=True)
+    stream = model_client.chat.completions.create(
+        model=MODEL, messages=story, temperature=0, max_tokens=48, stream=True
+    )
     pieces, arrivals = [], []
     for chunk in stream:
         pieces.append(chunk.choices[0].delta.content or "")
@@ -91,5 +104,5 @@ def test_failover_mid_stream_with_the_real_engine_at_temperature_0(
         if len(pieces) == 8:
             holder([model_worker, second], MODEL).kill()
     assert "".join(pieces) == reference.choices[0].message.content
-    pause_s = max(b - a for a, b in zip(arrivals, arrivals[1:]))
+    pause_s = max(b - a for a, b in itertools.pairwise(arrivals))
     print(f"\nfailover pause (SmolLM2 CPU): {pause_s * 1000:.0f} ms")

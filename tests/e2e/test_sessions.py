@@ -28,7 +28,13 @@ class Api:
         self.http = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
     def chat(self, session_id: str, content: str, **extra) -> httpx.Response:
-        body = {"model": SIM_MODEL, "session_id": session_id, "messages": [{"role": "user", "content": content}], "max_tokens": 5, **extra}
+        body = {
+            "model": SIM_MODEL,
+            "session_id": session_id,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 5,
+            **extra,
+        }
         return self.http.post("/v1/chat/completions", json=body)
 
     def new_session(self, **fields) -> str:
@@ -57,7 +63,8 @@ async def _db_messages(database_url: str, session_id: str) -> list[tuple[int, st
     conn = await asyncpg.connect(database_url)
     try:
         rows = await conn.fetch(
-            "SELECT seq, role, content, status FROM messages WHERE conversation_id = $1 ORDER BY seq", uuid.UUID(session_id)
+            "SELECT seq, role, content, status FROM messages WHERE conversation_id = $1 ORDER BY seq",
+            uuid.UUID(session_id),
         )
         return [tuple(r) for r in rows]
     finally:
@@ -114,7 +121,10 @@ def test_chat_in_a_session_uses_and_stores_history(api: Api, database_url: str) 
     assert second.json()["usage"]["prompt_tokens"] > first.json()["usage"]["prompt_tokens"] + 5
     stored = api.messages(session_id)
     assert [(m["seq"], m["role"], m["status"]) for m in stored] == [
-        (1, "user", "complete"), (2, "assistant", "complete"), (3, "user", "complete"), (4, "assistant", "complete"),
+        (1, "user", "complete"),
+        (2, "assistant", "complete"),
+        (3, "user", "complete"),
+        (4, "assistant", "complete"),
     ]
     assert stored[1]["content"] == first.json()["choices"][0]["message"]["content"]
     assert stored[3]["content"] == second.json()["choices"][0]["message"]["content"]
@@ -124,8 +134,13 @@ def test_chat_in_a_session_uses_and_stores_history(api: Api, database_url: str) 
 
 def test_streamed_answer_is_stored_and_concurrent_turn_is_409(api: Api, gateway: Service, api_key: str) -> None:
     session_id = api.new_session()
-    body = {"model": SIM_MODEL, "session_id": session_id, "stream": True, "max_tokens": 400,
-            "messages": [{"role": "user", "content": "long answer please"}]}
+    body = {
+        "model": SIM_MODEL,
+        "session_id": session_id,
+        "stream": True,
+        "max_tokens": 400,
+        "messages": [{"role": "user", "content": "long answer please"}],
+    }
     headers = {"Authorization": f"Bearer {api_key}"}
     with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, headers=headers, timeout=30) as stream:
         lines = stream.iter_lines()
@@ -144,17 +159,24 @@ def test_streamed_answer_is_stored_and_concurrent_turn_is_409(api: Api, gateway:
     assert api.chat(session_id, "and now?").status_code == 200  # the session is free again
 
 
-def test_history_beyond_the_context_is_left_out_of_the_prompt_not_the_store(
-    stack: Stack, api: Api
-) -> None:
-    stack.start("worker:tiny", env={"AXON_ENGINE": "sim", "AXON_MODEL": "tiny-context", "AXON_SIM_CONTEXT_TOKENS": "200", "AXON_SIM_TTFT_MS": "0", "AXON_SIM_ITL_MS": "0"})
+def test_history_beyond_the_context_is_left_out_of_the_prompt_not_the_store(stack: Stack, api: Api) -> None:
+    stack.start(
+        "worker:tiny",
+        env={
+            "AXON_ENGINE": "sim",
+            "AXON_MODEL": "tiny-context",
+            "AXON_SIM_CONTEXT_TOKENS": "200",
+            "AXON_SIM_TTFT_MS": "0",
+            "AXON_SIM_ITL_MS": "0",
+        },
+    )
     session_id = api.new_session(system_prompt="sys")
     deadline = time.monotonic() + 5
     while api.chat(session_id, "warm up", model="tiny-context").status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.2)
     dropped = []
-    for turn in range(6):
+    for _ in range(6):
         response = api.chat(session_id, "word " * 60, model="tiny-context", max_tokens=10)
         assert response.status_code == 200, response.text
         dropped.append(int(response.headers["x-axon-history-dropped"]))
@@ -200,18 +222,27 @@ def test_deleted_session_is_gone_from_postgres_and_redis(api: Api, namespace: st
     assert asyncio.run(cached()) == 0
 
 
-def _burst(api_url: str, key: str, session_ids: list[str], turns: int, answered: list, stop_at: float | None = None) -> None:
+def _burst(
+    api_url: str, key: str, session_ids: list[str], turns: int, answered: list, stop_at: float | None = None
+) -> None:
     """Chat `turns` times in each session (turns in a session one after another); record answered turns."""
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=api_url, headers={"Authorization": f"Bearer {key}"}, timeout=15) as http:
+
             async def session_turns(session_id: str) -> None:
                 for turn in range(turns):
                     content = f"{session_id[:8]} turn {turn}"
                     try:
-                        r = await http.post("/v1/chat/completions", json={
-                            "model": SIM_MODEL, "session_id": session_id, "max_tokens": 3,
-                            "messages": [{"role": "user", "content": content}]})
+                        r = await http.post(
+                            "/v1/chat/completions",
+                            json={
+                                "model": SIM_MODEL,
+                                "session_id": session_id,
+                                "max_tokens": 3,
+                                "messages": [{"role": "user", "content": content}],
+                            },
+                        )
                     except httpx.HTTPError:
                         await asyncio.sleep(0.2)
                         continue
@@ -246,7 +277,9 @@ def test_kill_9_session_manager_mid_burst_loses_no_answered_message(
     started = time.monotonic()
     for session_id in session_ids:
         mine = [(c, a) for s, c, a in answered if s == session_id]
-        rows = wait_persisted(database_url, session_id, 2 * len(mine), timeout_s=max(0.5, 10 - (time.monotonic() - started)))
+        rows = wait_persisted(
+            database_url, session_id, 2 * len(mine), timeout_s=max(0.5, 10 - (time.monotonic() - started))
+        )
         seqs = [r[0] for r in rows]
         assert seqs == sorted(set(seqs)), "duplicates or disorder"
         contents = [(r[1], r[2]) for r in rows]
@@ -255,8 +288,14 @@ def test_kill_9_session_manager_mid_burst_loses_no_answered_message(
             assert contents[index + 1] == ("assistant", answer)
     persisted_s = time.monotonic() - started
     assert persisted_s < 10
-    report("session manager kill -9 mid-burst", sent=200, completed=len(answered), errored=200 - len(answered), lost=0,
-           persisted_within_s=round(persisted_s, 1))  # fmt: skip
+    report(
+        "session manager kill -9 mid-burst",
+        sent=200,
+        completed=len(answered),
+        errored=200 - len(answered),
+        lost=0,
+        persisted_within_s=round(persisted_s, 1),
+    )
     # Turn locks the dead process held are taken over once its liveness key expires (10 s).
     api = Api(gateway.url, api_key)
     deadline = time.monotonic() + 15
@@ -272,7 +311,9 @@ def test_postgres_down_30s_chats_go_on_and_outbox_drains(stack: Stack, api_key: 
     try:
         # A namespace of its own: no other session manager's persister may drain this outbox.
         own = {"AXON_NAMESPACE": f"{stack.namespace}-pg"}
-        stack.start("worker:pg-proxy", env={**own, "AXON_ENGINE": "sim", "AXON_MODEL": SIM_MODEL, "AXON_SIM_ITL_MS": "1"})
+        stack.start(
+            "worker:pg-proxy", env={**own, "AXON_ENGINE": "sim", "AXON_MODEL": SIM_MODEL, "AXON_SIM_ITL_MS": "1"}
+        )
         sessions = stack.start("sessions:pg-proxy", env={**own, "AXON_DATABASE_URL": proxied_url})
         gateway = stack.start("gateway:pg-proxy", env={**own, "AXON_SESSIONS_URL": sessions.url})
         api = Api(gateway.url, api_key)
@@ -303,8 +344,15 @@ def test_postgres_down_30s_chats_go_on_and_outbox_drains(stack: Stack, api_key: 
             rows = asyncio.run(_db_messages(database_url, session_id))
             expected = 2 + 2 * answered.count(session_id)
             assert [r[0] for r in rows] == list(range(1, expected + 1))
-        report("postgresql down 30 s under load", sent=len(answered), completed=len(answered), errored=0, lost=0,
-               outbox_peak=backlog, drained_within_s=round(drained_s, 1))  # fmt: skip
+        report(
+            "postgresql down 30 s under load",
+            sent=len(answered),
+            completed=len(answered),
+            errored=0,
+            lost=0,
+            outbox_peak=backlog,
+            drained_within_s=round(drained_s, 1),
+        )
     finally:
         proxy.close()
 

@@ -19,8 +19,11 @@ def test_one_minute_at_seventy_percent_of_capacity_without_errors_or_memory_grow
     figures = tmp_path / "soak.json"
     run = subprocess.run(
         [sys.executable, str(SOAK), "--minutes", "1", "--json", str(figures)],
-        capture_output=True, text=True, timeout=280, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     result = json.loads(figures.read_text())

@@ -2,11 +2,10 @@
 engine death, cancellation and zero-downtime model swaps, with real processes."""
 
 import asyncio
-import re
+import itertools
 import signal
 import threading
 import time
-import uuid
 
 import aio_pika
 import httpx
@@ -77,7 +76,7 @@ def test_worker_killed_mid_stream_the_stream_continues_without_gap_or_repeat(
         finish = chunk.choices[0].finish_reason
     assert "".join(pieces) == expected.choices[0].message.content
     assert finish == "length"
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     pause_s = max(gaps)
     print(f"\nfailover pause (sim): {pause_s * 1000:.0f} ms")
     assert pause_s < 5
@@ -319,9 +318,13 @@ def test_higher_priority_keys_jump_the_queue(stack: Stack, database_url: str) ->
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+
             async def ask(key: str, label: str) -> None:
-                r = await http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                                    json={"model": "prio-sim", "messages": MESSAGES, "max_tokens": 40})
+                r = await http.post(
+                    "/v1/chat/completions",
+                    headers={"Authorization": f"Bearer {key}"},
+                    json={"model": "prio-sim", "messages": MESSAGES, "max_tokens": 40},
+                )
                 assert r.status_code == 200
                 finished.append(label)
 

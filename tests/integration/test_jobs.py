@@ -6,11 +6,11 @@ import uuid
 import aio_pika
 import pytest
 
+from services.sessions.jobs import JobPublisher
 from shared.clients import connect_amqp, declare_job_queue
 from shared.errors import Unavailable
 from shared.names import Names
 from shared.schemas import Job
-from services.sessions.jobs import JobPublisher
 from tests.conftest import AMQP_URL
 
 
@@ -29,7 +29,13 @@ async def broker(namespace):
 
 def _job(names: Names, *, model: str = "m", deadline_in_s: float = 60) -> Job:
     job_id = str(uuid.uuid4())
-    return Job(job_id=job_id, model=model, prompt="hi", channel=names.tokens_channel(job_id), deadline=time.time() + deadline_in_s)
+    return Job(
+        job_id=job_id,
+        model=model,
+        prompt="hi",
+        channel=names.tokens_channel(job_id),
+        deadline=time.time() + deadline_in_s,
+    )
 
 
 async def test_published_job_is_persistent_with_id_priority_and_request_id(broker) -> None:

@@ -7,11 +7,11 @@ import uuid
 import asyncpg
 import pytest
 
-from shared.names import Names
-from tests.e2e.tcpproxy import TcpProxy
-from shared.outbox import MessageRow, Outbox, UsageRow
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.persister import Persister
+from shared.names import Names
+from shared.outbox import MessageRow, Outbox, UsageRow
+from tests.e2e.tcpproxy import TcpProxy
 
 
 @pytest.fixture
@@ -27,16 +27,26 @@ async def setup(database_url, redis_client, namespace):
 
 def _persister(redis_client, pool, names, *, reclaim_after_ms: int = 60_000) -> Persister:
     return Persister(
-        client=redis_client, db=pool, names=names, metrics=SessionsMetrics(),
-        batch_size=100, flush_interval_ms=50, reclaim_after_ms=reclaim_after_ms,
-    )  # fmt: skip
+        client=redis_client,
+        db=pool,
+        names=names,
+        metrics=SessionsMetrics(),
+        batch_size=100,
+        flush_interval_ms=50,
+        reclaim_after_ms=reclaim_after_ms,
+    )
 
 
 def _row(session: uuid.UUID, seq: int, content: str = "hi") -> MessageRow:
     return MessageRow(
-        id=str(uuid.uuid4()), conversation_id=str(session), seq=seq, role="user",
-        content=content, status="complete", created_at=dt.datetime.now(dt.UTC),
-    )  # fmt: skip
+        id=str(uuid.uuid4()),
+        conversation_id=str(session),
+        seq=seq,
+        role="user",
+        content=content,
+        status="complete",
+        created_at=dt.datetime.now(dt.UTC),
+    )
 
 
 async def _stop(persister: Persister, task: asyncio.Task) -> None:
@@ -80,9 +90,15 @@ async def test_usage_rows_travel_in_the_same_batches_as_messages(setup, redis_cl
     await outbox.append(
         "usage",
         UsageRow(
-            job_id=job_id, tenant="t", key_id=None, model="m", prompt_tokens=7, completion_tokens=9,
-            latency_ms=12, created_at=dt.datetime.now(dt.UTC),
-        ),  # fmt: skip
+            job_id=job_id,
+            tenant="t",
+            key_id=None,
+            model="m",
+            prompt_tokens=7,
+            completion_tokens=9,
+            latency_ms=12,
+            created_at=dt.datetime.now(dt.UTC),
+        ),
     )
     await outbox.append("message", _row(session, 2))
     persister = _persister(redis_client, pool, names)
@@ -91,7 +107,9 @@ async def test_usage_rows_travel_in_the_same_batches_as_messages(setup, redis_cl
         await _wait_drained(redis_client, names)
     finally:
         await _stop(persister, task)
-    usage = await pool.fetchrow("SELECT tenant, prompt_tokens, completion_tokens FROM usage WHERE job_id = $1", uuid.UUID(job_id))
+    usage = await pool.fetchrow(
+        "SELECT tenant, prompt_tokens, completion_tokens FROM usage WHERE job_id = $1", uuid.UUID(job_id)
+    )
     assert dict(usage) == {"tenant": "t", "prompt_tokens": 7, "completion_tokens": 9}
     count = await pool.fetchval("SELECT count(*) FROM messages WHERE conversation_id = $1", session)
     assert count == 2
@@ -128,9 +146,16 @@ async def test_everything_is_written_once_postgres_is_reachable_again(setup, red
     )
     outbox = Outbox(redis_client, names)
     persister = Persister(
-        client=redis_client, db=pool, names=names, metrics=SessionsMetrics(),
-        batch_size=10, flush_interval_ms=20, reclaim_after_ms=500, concurrency=3, commit_timeout_s=3,
-    )  # fmt: skip
+        client=redis_client,
+        db=pool,
+        names=names,
+        metrics=SessionsMetrics(),
+        batch_size=10,
+        flush_interval_ms=20,
+        reclaim_after_ms=500,
+        concurrency=3,
+        commit_timeout_s=3,
+    )
     task = asyncio.create_task(persister.run())
     try:
         seq = 0

@@ -6,10 +6,10 @@ import uuid
 
 import pytest
 
-from shared.names import Names
-from shared.redis_pipe import RedisPipe
 from services.worker.engines import EngineOutput
 from services.worker.progress import JobStream
+from shared.names import Names
+from shared.redis_pipe import RedisPipe
 from tests.conftest import REDIS_URL
 
 
@@ -32,7 +32,11 @@ async def test_a_crashed_attempt_is_resumed_and_a_finished_one_is_recognised(pip
 
     again = _stream(pipe, names, job_id)  # the worker died: another one takes the job over
     resume = await again.load()
-    assert resume is not None and (resume.text, resume.token_ids, resume.completion_tokens) == ("Hello world", (11, 12), 2)
+    assert resume is not None and (resume.text, resume.token_ids, resume.completion_tokens) == (
+        "Hello world",
+        (11, 12),
+        2,
+    )
     assert (again.seq, again.done) == (2, False)
     await again.publish(EngineOutput("!", 1, 7, 3, finish_reason="stop", token_ids=(13,)))
 

@@ -37,9 +37,7 @@ async def test_concurrent_commands_share_writes_and_each_gets_its_own_reply(pipe
 async def test_an_error_reply_fails_only_its_own_command(pipe, redis_client) -> None:
     key = f"test:pipe:{uuid.uuid4().hex}"
     await pipe.execute("SET", key, "text")
-    results = await asyncio.gather(
-        pipe.execute("INCR", key), pipe.execute("GET", key), return_exceptions=True
-    )
+    results = await asyncio.gather(pipe.execute("INCR", key), pipe.execute("GET", key), return_exceptions=True)
     assert isinstance(results[0], ResponseError) and results[1] == b"text"
     await redis_client.delete(key)
 

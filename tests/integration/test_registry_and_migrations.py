@@ -1,11 +1,9 @@
 """Worker registry against the real Redis; migrations against the real PostgreSQL."""
 
 import asyncio
-import time
 import uuid
 
 import asyncpg
-import pytest
 
 from shared.migrations import migrate
 from shared.names import Names
@@ -36,7 +34,9 @@ async def test_migrations_are_idempotent_and_safe_to_run_concurrently(run_id) ->
         assert applied[0] == [] and applied[1][0] == "0001_initial"
         assert await migrate(url) == []
         conn = await asyncpg.connect(url)
-        tables = {r["tablename"] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+        tables = {
+            r["tablename"] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        }
         await conn.close()
         assert {"api_keys", "conversations", "messages", "usage", "schema_migrations"} <= tables
     finally:

@@ -1,12 +1,11 @@
 """TokenRelay against the real Redis: subscribe-before-publish, fan-out, slow consumers, spares."""
 
 import asyncio
-import uuid
 
 import pytest
 
-from shared.names import Names
 from services.sessions.relay import STREAM_LOST, TokenRelay
+from shared.names import Names
 from tests.conftest import REDIS_URL
 from tests.e2e.tcpproxy import TcpProxy
 

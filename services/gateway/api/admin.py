@@ -6,10 +6,10 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, Field
 
+from services.gateway.api.deps import AdminDep, KeysDep
 from shared.errors import NotFound
 from shared.keys import KeyRecord, evict_key, limits_with_defaults
 from shared.registry import WorkerRegistry
-from services.gateway.api.deps import AdminDep, KeysDep
 
 router = APIRouter(prefix="/admin", dependencies=[AdminDep], include_in_schema=False)
 
@@ -35,7 +35,10 @@ class KeyCreated(KeyRecord):
 async def create_key(body: KeyCreate, keys: KeysDep, request: Request) -> KeyCreated:
     """Create an API key; the response is the only time the key is shown."""
     limits = limits_with_defaults(
-        rpm=body.rpm, tpm=body.tpm, max_concurrent=body.max_concurrent, priority=body.priority,
+        rpm=body.rpm,
+        tpm=body.tpm,
+        max_concurrent=body.max_concurrent,
+        priority=body.priority,
         defaults=request.app.state.settings,
     )
     key, record = await keys.create(name=body.name, limits=limits, tenant=body.tenant)
@@ -100,11 +103,16 @@ def _registry(request: Request) -> WorkerRegistry:
 @router.get("/models/aliases")
 async def list_aliases(request: Request) -> dict:
     """Public model names and the served models they point at."""
-    return {"object": "list", "data": [{"alias": a, "target": t} for a, t in sorted((await _registry(request).aliases()).items())]}
+    return {
+        "object": "list",
+        "data": [{"alias": a, "target": t} for a, t in sorted((await _registry(request).aliases()).items())],
+    }
 
 
 @router.put("/models/aliases/{alias}")
-async def set_alias(alias: Annotated[str, Path(min_length=1, max_length=256)], body: AliasTarget, request: Request) -> dict:
+async def set_alias(
+    alias: Annotated[str, Path(min_length=1, max_length=256)], body: AliasTarget, request: Request
+) -> dict:
     """Point an alias at a served model (atomic; 409 if no live worker serves the target)."""
     await _registry(request).set_alias(alias, body.target)
     return {"alias": alias, "target": body.target}

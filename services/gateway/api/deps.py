@@ -9,11 +9,11 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
+from services.gateway.auth import Authenticator
+from services.gateway.service import GatewayService
 from shared.errors import Unauthorized
 from shared.keys import KeyRecord, KeyRepository
 from shared.logging import bind_contextvars
-from services.gateway.auth import Authenticator
-from services.gateway.service import GatewayService
 
 
 async def get_caller(

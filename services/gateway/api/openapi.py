@@ -43,7 +43,13 @@ _SAMPLING = {
     "top_k": _nullable({"minimum": -1, "type": "integer"}),
     "stop": {"anyOf": [*_STRINGS["anyOf"], {"type": "null"}], "default": None, "description": "Up to 4 stop strings."},
     "seed": _nullable({"type": "integer"}),
-    "n": {"default": 1, "maximum": 1, "minimum": 1, "type": "integer", "description": "Only one choice per request is supported."},
+    "n": {
+        "default": 1,
+        "maximum": 1,
+        "minimum": 1,
+        "type": "integer",
+        "description": "Only one choice per request is supported.",
+    },
     "stream": {"default": False, "type": "boolean", "description": "Answer as server-sent events."},
     "stream_options": _nullable(_STREAM_OPTIONS),
 }
@@ -106,6 +112,7 @@ SESSION_UPDATE: dict[str, Any] = {
     "properties": {"title": _nullable({"maxLength": 200, "type": "string"})},
     "type": "object",
 }
+
 
 class ErrorDetail(BaseModel):
     message: str

@@ -9,8 +9,6 @@ from fastapi import APIRouter, Request, Security
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from shared.web import HotRoute
-
 from services.gateway.api.deps import CallerDep, ServiceDep
 from services.gateway.api.openapi import (
     CHAT_COMPLETION_REQUEST,
@@ -23,6 +21,7 @@ from services.gateway.api.openapi import (
     json_body,
     query,
 )
+from shared.web import HotRoute
 
 # The bearer scheme only documents the key in the schema; `CallerDep` checks it.
 router = APIRouter(dependencies=[Security(bearer_scheme)])
@@ -56,11 +55,15 @@ for _path, _name, _what, _body in [
     ("/v1/completions", "completions", "text completion", COMPLETION_REQUEST),
 ]:
     router.add_api_route(
-        _path, _answered_by_hot_route, methods=["POST"], responses=COMPLETION_RESPONSES,
-        openapi_extra=json_body(_body), summary=_name.replace("_", " ").title(),
+        _path,
+        _answered_by_hot_route,
+        methods=["POST"],
+        responses=COMPLETION_RESPONSES,
+        openapi_extra=json_body(_body),
+        summary=_name.replace("_", " ").title(),
         description=f"Create a {_what} (OpenAI-compatible; `stream: true` for server-sent events).",
         operation_id=f"{_name}{_path.replace('/', '_')}_post",
-    )  # fmt: skip
+    )
 
 
 @router.get("/v1/models", responses=error_responses())
@@ -69,7 +72,9 @@ async def list_models(request: Request, caller: CallerDep, service: ServiceDep) 
     return await service.call(request, caller)
 
 
-@router.post("/v1/sessions", status_code=201, responses=error_responses(400, 413), openapi_extra=json_body(SESSION_CREATE))
+@router.post(
+    "/v1/sessions", status_code=201, responses=error_responses(400, 413), openapi_extra=json_body(SESSION_CREATE)
+)
 async def create_session(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Create a session (optional `title`, `system_prompt`, `model`)."""
     return await service.call(request, caller)
@@ -87,7 +92,9 @@ async def get_session(session_id: str, request: Request, caller: CallerDep, serv
     return await service.call(request, caller)
 
 
-@router.patch("/v1/sessions/{session_id}", responses=error_responses(400, 404, 413), openapi_extra=json_body(SESSION_UPDATE))
+@router.patch(
+    "/v1/sessions/{session_id}", responses=error_responses(400, 404, 413), openapi_extra=json_body(SESSION_UPDATE)
+)
 async def update_session(session_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Rename one of your sessions (`title`)."""
     return await service.call(request, caller)

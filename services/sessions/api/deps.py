@@ -10,10 +10,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 from starlette.types import Scope
 
+from services.sessions.service import Caller
 from shared.errors import InvalidRequest
 from shared.logging import bind_contextvars
 from shared.web import header
-from services.sessions.service import Caller
 
 # Headers the gateway sets after authenticating the caller. The session manager is internal:
 # only the gateway can reach it (NetworkPolicy in the Helm chart).

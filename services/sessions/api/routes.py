@@ -12,12 +12,12 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from shared.errors import AxonError, ModelNotFound
-from shared.logging import bind_contextvars
-from shared.web import SSE_END, DisconnectWatch, HotRoute, ORJSONResponse, invalid_request, read_body, send_json
 from services.sessions.api.deps import caller_from
 from services.sessions.protocol import ChatCompletionRequest, CompletionRequest, Kind
 from services.sessions.service import Caller, CompletionService
+from shared.errors import AxonError, ModelNotFound
+from shared.logging import bind_contextvars
+from shared.web import SSE_END, DisconnectWatch, HotRoute, ORJSONResponse, invalid_request, read_body, send_json
 
 router = APIRouter()
 
@@ -105,4 +105,3 @@ async def list_models(request: Request) -> Response:
     """List the models that at least one live worker serves, and their aliases."""
     models = await request.app.state.catalog.listing()
     return ORJSONResponse({"object": "list", "data": models})
-

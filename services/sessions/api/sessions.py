@@ -5,9 +5,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.logging import bind_contextvars
 from services.sessions.api.deps import CallerDep
 from services.sessions.history import SessionStore
+from shared.logging import bind_contextvars
 
 
 async def _bind_session_id(request: Request) -> None:
@@ -68,7 +68,9 @@ async def list_sessions(
     caller: CallerDep,
     request: Request,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    after: Annotated[str | None, Query(max_length=64, description="id of the last session of the previous page")] = None,
+    after: Annotated[
+        str | None, Query(max_length=64, description="id of the last session of the previous page")
+    ] = None,
 ) -> dict:
     """List the caller's sessions, newest first."""
     items, has_more = await _store(request).list_sessions(caller.tenant, limit=limit, after=after)

@@ -21,9 +21,27 @@ from services.worker.engines.text import StopMatcher
 _TOKENS_PER_STEP = 64
 
 _WORDS = (
-    "the", "a", "model", "token", "stream", "queue", "worker", "fast", "data", "axon",
-    "batch", "cache", "reply", "light", "river", "stone", "cloud", "green", "north", "quiet",
-)  # fmt: skip
+    "the",
+    "a",
+    "model",
+    "token",
+    "stream",
+    "queue",
+    "worker",
+    "fast",
+    "data",
+    "axon",
+    "batch",
+    "cache",
+    "reply",
+    "light",
+    "river",
+    "stone",
+    "cloud",
+    "green",
+    "north",
+    "quiet",
+)
 
 
 def prompt_text(request: GenerationRequest) -> str:
@@ -111,9 +129,7 @@ class SimEngine(Engine):
                 last = count == sampling.max_tokens - 1
                 if last:
                     text += stops.flush()
-                yield EngineOutput(
-                    text, 1, prompt_tokens, count + 1, finish_reason="length" if last else None
-                )
+                yield EngineOutput(text, 1, prompt_tokens, count + 1, finish_reason="length" if last else None)
         finally:
             self._running_ids.discard(request.request_id)
             self._aborted.discard(request.request_id)

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from shared.logging import get_logger
 from services.worker.engines.base import (
     Engine,
     EngineError,
@@ -21,6 +20,7 @@ from services.worker.engines.base import (
     InvalidPrompt,
 )
 from services.worker.engines.text import IncrementalDetokenizer, StopMatcher
+from shared.logging import get_logger
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -140,9 +140,7 @@ class TransformersEngine(Engine):
     def _encode(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
             messages = [m.model_dump() for m in request.messages]
-            encoded = self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
+            encoded = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
         return list(self._tokenizer.encode(request.prompt or ""))
 

@@ -7,9 +7,9 @@ Written against vLLM's public API (`AsyncLLM`, `AsyncEngineArgs`, `SamplingParam
 from collections.abc import AsyncIterator
 from typing import Any
 
+from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest, InvalidPrompt
 from shared.logging import get_logger
 from shared.schemas import FinishReason, Sampling
-from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest, InvalidPrompt
 
 log = get_logger(__name__)
 
@@ -107,9 +107,7 @@ class VllmEngine(Engine):
 
         if self._engine is None:
             raise EngineError("The vLLM engine is not started.")
-        params = SamplingParams(
-            **sampling_kwargs(request.sampling), output_kind=RequestOutputKind.DELTA
-        )
+        params = SamplingParams(**sampling_kwargs(request.sampling), output_kind=RequestOutputKind.DELTA)
         prompt = self._prompt(request)
         completion_tokens = 0
         unsent_tokens = 0

@@ -2,6 +2,7 @@
 against a small fake OpenAI server (FastAPI under uvicorn on a loopback port)."""
 
 import asyncio
+import itertools
 import json
 import math
 import socket
@@ -78,8 +79,10 @@ def test_tpot_excludes_the_first_token() -> None:
 def test_distinct_errors_keep_first_appearance_order_and_counts() -> None:
     results = [RequestResult(error=e) for e in ["b", "a", "b", None, "c", "d", "e", "f"]]
     assert distinct_errors(results, limit=3) == [
-        {"message": "b", "count": 2}, {"message": "a", "count": 1}, {"message": "c", "count": 1},
-    ]  # fmt: skip
+        {"message": "b", "count": 2},
+        {"message": "a", "count": 1},
+        {"message": "c", "count": 1},
+    ]
 
 
 def test_summary_counts_only_completed_requests_in_throughput() -> None:
@@ -87,7 +90,9 @@ def test_summary_counts_only_completed_requests_in_throughput() -> None:
 
     ok = RequestResult(e2e_s=1.0, ttft_s=0.1, itls_s=[0.1] * 9, output_tokens=10, prompt_tokens=5)
     bad = RequestResult(e2e_s=0.01, error="HTTP 429: slow down")
-    summary = summarize(RunOutcome(results=[ok, ok, bad], duration_s=2.0), BenchConfig(base_url="http://x/v1", model="m"))
+    summary = summarize(
+        RunOutcome(results=[ok, ok, bad], duration_s=2.0), BenchConfig(base_url="http://x/v1", model="m")
+    )
     assert summary["requests"] == {"sent": 3, "completed": 2, "failed": 1, "cancelled": 0}
     assert summary["request_throughput_rps"] == 1.0
     assert summary["output_token_throughput_tps"] == 10.0
@@ -209,12 +214,15 @@ def test_prompts_file_reads_prompts_messages_and_max_tokens(tmp_path: Path) -> N
     path = tmp_path / "prompts.jsonl"
     path.write_text(
         '{"prompt": "hello"}\n\n'
-        '{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "max_tokens": 9}\n'
+        '{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],'
+        ' "max_tokens": 9}\n'
     )
     entries = load_prompts_file(path)
     assert entries == [
         PromptEntry(prompt="hello"),
-        PromptEntry(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], max_tokens=9),
+        PromptEntry(
+            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], max_tokens=9
+        ),
     ]
 
 
@@ -241,9 +249,13 @@ def test_bodies_cycle_entries_and_carry_sampling_and_usage_request() -> None:
     entries = [PromptEntry(prompt="a"), PromptEntry(messages=[{"role": "user", "content": "b"}], max_tokens=3)]
     bodies = [orjson.loads(b) for b in build_bodies(config, entries, 3)]
     assert bodies[0] == {
-        "model": "m", "stream": True, "temperature": 0.5, "stream_options": {"include_usage": True},
-        "max_tokens": 16, "messages": [{"role": "user", "content": "a"}],
-    }  # fmt: skip
+        "model": "m",
+        "stream": True,
+        "temperature": 0.5,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 16,
+        "messages": [{"role": "user", "content": "a"}],
+    }
     assert bodies[1]["messages"] == [{"role": "user", "content": "b"}] and bodies[1]["max_tokens"] == 3
     assert bodies[2] == bodies[0]
 
@@ -267,7 +279,7 @@ def test_synthetic_prompts_have_about_input_len_words_and_are_reproducible() -> 
 
 def test_poisson_arrivals_have_mean_gap_one_over_rate() -> None:
     offsets = arrival_offsets_s(20_000, request_rate=50.0, seed=1)
-    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
     assert offsets[0] == 0.0
     assert all(gap >= 0 for gap in gaps)
     assert statistics.fmean(gaps) == pytest.approx(1 / 50.0, rel=0.03)
@@ -297,7 +309,7 @@ def build_fake_openai() -> FastAPI:
 
     @app.post("/v1/chat/completions")
     @app.post("/v1/completions")
-    async def complete(request: Request):  # noqa: ANN202
+    async def complete(request: Request):
         body = await request.json()
         chat = "messages" in body
         text = body["messages"][-1]["content"] if chat else body["prompt"]
@@ -308,7 +320,11 @@ def build_fake_openai() -> FastAPI:
         if not body.get("stream"):
             usage = {"prompt_tokens": 3, "completion_tokens": n_tokens, "total_tokens": 3 + n_tokens}
             answer = " ".join(["w"] * n_tokens)
-            choice = {"index": 0, "message": {"role": "assistant", "content": answer}} if chat else {"index": 0, "text": answer}
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": answer}}
+                if chat
+                else {"index": 0, "text": answer}
+            )
             return {"object": "chat.completion", "choices": [choice], "usage": usage}
 
         def chunk(piece: str) -> bytes:
@@ -353,7 +369,7 @@ def base_url() -> Iterator[str]:
     sock.close()
 
 
-async def bench(  # noqa: ANN201
+async def bench(
     config: BenchConfig, entries: list[PromptEntry], count: int, *, transport: object = None, **kwargs: object
 ):
     poster = make_poster(config, api_key="test-key", transport=transport)
@@ -367,9 +383,13 @@ async def bench(  # noqa: ANN201
 CLIENTS = {"http1": lambda: None, "httpx": httpx.AsyncHTTPTransport}
 
 
-MIXED = [PromptEntry(prompt="story one", max_tokens=8), PromptEntry(prompt="please ratelimit me"),
-         PromptEntry(prompt="story two", max_tokens=4), PromptEntry(prompt="midstream failure", max_tokens=8),
-         PromptEntry(prompt="story three", max_tokens=12)]  # fmt: skip
+MIXED = [
+    PromptEntry(prompt="story one", max_tokens=8),
+    PromptEntry(prompt="please ratelimit me"),
+    PromptEntry(prompt="story two", max_tokens=4),
+    PromptEntry(prompt="midstream failure", max_tokens=8),
+    PromptEntry(prompt="story three", max_tokens=12),
+]
 
 
 @pytest.mark.parametrize("client", CLIENTS)
@@ -399,8 +419,12 @@ async def test_streamed_run_counts_requests_tokens_and_errors(base_url: str, end
 @pytest.mark.parametrize("client", CLIENTS)
 async def test_unstreamed_run_takes_tokens_from_usage(base_url: str, client: str) -> None:
     config = BenchConfig(base_url=base_url, model=FAKE_MODEL, stream=False, max_concurrency=2, timeout_s=10)
-    outcome = await bench(config, [PromptEntry(prompt="hi", max_tokens=5), PromptEntry(prompt="ratelimit")], 4,
-                          transport=CLIENTS[client]())  # fmt: skip
+    outcome = await bench(
+        config,
+        [PromptEntry(prompt="hi", max_tokens=5), PromptEntry(prompt="ratelimit")],
+        4,
+        transport=CLIENTS[client](),
+    )
     summary = summarize(outcome, config)
     assert summary["requests"]["completed"] == 2 and summary["requests"]["failed"] == 2
     assert summary["errors"] == [{"message": f"HTTP 429: {RATE_LIMIT_MESSAGE}", "count": 2}]
@@ -460,23 +484,65 @@ def test_help_documents_every_option() -> None:
     bench_parser = build_parser()._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
     help_text = bench_parser.format_help()
     for option in (
-        "--base-url", "--api-key", "--model", "--endpoint", "--num-requests", "--max-concurrency",
-        "--request-rate", "--input-len", "--output-len", "--prompts-file", "--stream", "--no-stream",
-        "--seed", "--temperature", "--timeout-s", "--json", "--warmup", "--progress",
-    ):  # fmt: skip
+        "--base-url",
+        "--api-key",
+        "--model",
+        "--endpoint",
+        "--num-requests",
+        "--max-concurrency",
+        "--request-rate",
+        "--input-len",
+        "--output-len",
+        "--prompts-file",
+        "--stream",
+        "--no-stream",
+        "--seed",
+        "--temperature",
+        "--timeout-s",
+        "--json",
+        "--warmup",
+        "--progress",
+    ):
         assert option in help_text
     for action in bench_parser._actions:
         assert action.help, action.option_strings
 
 
-def test_command_prints_a_table_and_writes_json(base_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_command_prints_a_table_and_writes_json(
+    base_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": e.prompt, "max_tokens": e.max_tokens}) if e.max_tokens
-                                 else json.dumps({"prompt": e.prompt}) for e in MIXED))  # fmt: skip
+    prompts.write_text(
+        "\n".join(
+            json.dumps({"prompt": e.prompt, "max_tokens": e.max_tokens})
+            if e.max_tokens
+            else json.dumps({"prompt": e.prompt})
+            for e in MIXED
+        )
+    )
     out = tmp_path / "out" / "result.json"
-    status = main(["bench", "--base-url", base_url, "--prompts-file", str(prompts), "--num-requests", "10",
-                   "--max-concurrency", "3", "--request-rate", "500", "--warmup", "2", "--json", str(out),
-                   "--no-progress", "--timeout-s", "10"])  # fmt: skip
+    status = main(
+        [
+            "bench",
+            "--base-url",
+            base_url,
+            "--prompts-file",
+            str(prompts),
+            "--num-requests",
+            "10",
+            "--max-concurrency",
+            "3",
+            "--request-rate",
+            "500",
+            "--warmup",
+            "2",
+            "--json",
+            str(out),
+            "--no-progress",
+            "--timeout-s",
+            "10",
+        ]
+    )
     assert status == 1  # some requests failed
     summary = json.loads(out.read_text())
     assert summary["config"]["model"] == FAKE_MODEL  # found through GET /models
@@ -491,8 +557,24 @@ def test_command_prints_a_table_and_writes_json(base_url: str, tmp_path: Path, c
 
 
 def test_command_succeeds_with_synthetic_prompts(base_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    status = main(["bench", "--base-url", base_url, "--model", FAKE_MODEL, "--num-requests", "8",
-                   "--input-len", "10", "--output-len", "5", "--endpoint", "completions", "--no-progress"])  # fmt: skip
+    status = main(
+        [
+            "bench",
+            "--base-url",
+            base_url,
+            "--model",
+            FAKE_MODEL,
+            "--num-requests",
+            "8",
+            "--input-len",
+            "10",
+            "--output-len",
+            "5",
+            "--endpoint",
+            "completions",
+            "--no-progress",
+        ]
+    )
     assert status == 0
     assert "8 completed, 0 failed" in capsys.readouterr().out
 

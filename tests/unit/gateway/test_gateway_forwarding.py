@@ -37,7 +37,9 @@ def client() -> TestClient:
         ("/v1/sessions/%C3%A9?after=%C3%A9&x=%0A", "/v1/sessions/%C3%A9?after=%C3%A9&x=%0A"),
     ],
 )
-def test_upstream_target_keeps_each_parameter_one_escaped_segment(client: TestClient, sent: str, forwarded: str) -> None:
+def test_upstream_target_keeps_each_parameter_one_escaped_segment(
+    client: TestClient, sent: str, forwarded: str
+) -> None:
     assert client.get(sent).json()["target"] == forwarded
 
 
@@ -58,5 +60,10 @@ def test_prompt_estimate_takes_any_shape(body: dict) -> None:
 
 
 def test_prompt_estimate_counts_text() -> None:
-    body = {"messages": [{"role": "user", "content": "x" * 40}, {"role": "user", "content": [{"type": "text", "text": "y" * 8}]}]}
+    body = {
+        "messages": [
+            {"role": "user", "content": "x" * 40},
+            {"role": "user", "content": [{"type": "text", "text": "y" * 8}]},
+        ]
+    }
     assert estimate_prompt_tokens(body) == 12 + 2 * 4

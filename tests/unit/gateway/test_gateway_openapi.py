@@ -54,12 +54,19 @@ def schema() -> dict[str, Any]:
 
 def test_public_routes_document_their_bodies_the_key_and_openai_errors(schema: dict[str, Any]) -> None:
     paths = schema["paths"]
-    for path, method in [("/v1/chat/completions", "post"), ("/v1/completions", "post"), ("/v1/sessions", "post"),
-                         ("/v1/sessions/{session_id}", "patch")]:  # fmt: skip
+    for path, method in [
+        ("/v1/chat/completions", "post"),
+        ("/v1/completions", "post"),
+        ("/v1/sessions", "post"),
+        ("/v1/sessions/{session_id}", "patch"),
+    ]:
         assert paths[path][method]["requestBody"]["content"]["application/json"]["schema"]["type"] == "object"
     assert schema["components"]["securitySchemes"]["apiKey"] == {
-        "type": "http", "scheme": "bearer", "bearerFormat": "axk_…", "description": openapi.bearer_scheme.model.description,
-    }  # fmt: skip
+        "type": "http",
+        "scheme": "bearer",
+        "bearerFormat": "axk_…",
+        "description": openapi.bearer_scheme.model.description,
+    }
     for path, operations in paths.items():
         if not path.startswith("/v1/"):
             continue

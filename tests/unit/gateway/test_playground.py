@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_every_playground_file_is_package_data() -> None:
-    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["services.gateway"]
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "services.gateway"
+    ]
     package = playground.STATIC_DIR.parents[1]
     files = [p.relative_to(package).as_posix() for p in playground.STATIC_DIR.rglob("*") if p.is_file()]
     assert files
@@ -29,7 +31,12 @@ def test_the_page_and_its_assets_carry_the_security_headers() -> None:
     client = TestClient(app)
     page = client.get("/playground")
     assert page.status_code == 200 and 'src="/playground/static/app.js"' in page.text
-    for path in ["/playground", "/playground/static/app.js", "/playground/static/app.css", "/playground/static/vendor/purify.min.js"]:
+    for path in [
+        "/playground",
+        "/playground/static/app.js",
+        "/playground/static/app.css",
+        "/playground/static/vendor/purify.min.js",
+    ]:
         response = client.get(path)
         assert response.status_code == 200, path
         for name, value in playground.SECURITY_HEADERS.items():

@@ -58,9 +58,16 @@ def test_chart_thresholds_are_the_numbers_the_file_ends_with() -> None:
 
 def _rendered_rules(tmp_path: Path, *extra: str) -> list[dict]:
     result = helm(
-        "template", "axon", str(CHART), "--namespace", NAMESPACE, "-f", str(CHART / "values-eks.yaml"), *extra,
+        "template",
+        "axon",
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "-f",
+        str(CHART / "values-eks.yaml"),
+        *extra,
         tmp_home=tmp_path,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     (rule,) = [m for m in load_manifests(result.stdout) if m["kind"] == "PrometheusRule"]
     return [r for group in rule["spec"]["groups"] for r in group["rules"]]
@@ -79,9 +86,10 @@ def test_prometheus_rule_is_the_file_scoped_to_the_release_namespace(tmp_path: P
 def test_prometheus_rule_takes_thresholds_from_values(tmp_path: Path) -> None:
     overrides = {"AxonGatewayHigh5xxRatio": 0.2, "AxonTimeToFirstTokenP95High": 3.5, "AxonWorkersSaturated": 0.8}
     args = [
-        arg for alert, value in overrides.items()
+        arg
+        for alert, value in overrides.items()
         for arg in ("--set-json", f"monitoring.prometheusRule.{CHART_THRESHOLDS[alert]}={value}")
-    ]  # fmt: skip
+    ]
     rendered = {r["alert"]: r["expr"] for r in _rendered_rules(tmp_path, *args)}
     for alert, value in overrides.items():
         assert rendered[alert].endswith(f"> {value}"), rendered[alert]
@@ -95,8 +103,8 @@ def test_compose_prometheus_loads_the_same_file() -> None:
     config_path = ROOT / mounts["/etc/prometheus/prometheus.yml"]
     patterns = yaml.safe_load(config_path.read_text())["rule_files"]
     loaded = [
-        (ROOT / source).resolve() for target, source in mounts.items()
+        (ROOT / source).resolve()
+        for target, source in mounts.items()
         if any(fnmatch.fnmatch(target, p) for p in patterns)
-    ]  # fmt: skip
+    ]
     assert loaded == [ALERT_RULES.resolve()], f"Prometheus in compose loads {loaded}"
-

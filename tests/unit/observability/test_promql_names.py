@@ -47,7 +47,6 @@ def test_metric_jobs_pairs_each_selector_with_its_scrape_job() -> None:
     assert metric_jobs(expr) == {("a_total", "gateway"), ("b", "sessions")}
 
 
-
 def test_a_scrape_declares_the_names_promql_selects_families_by() -> None:
     text = """# HELP c_total A counter.
 # TYPE c_total counter

@@ -5,10 +5,10 @@ import datetime as dt
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from shared.errors import Conflict
-from shared.schemas import Message
 from services.sessions.active_sessions import CountedTurns
 from services.sessions.history import SessionInfo
+from shared.errors import Conflict
+from shared.schemas import Message
 
 
 class MemoryStore:
@@ -52,9 +52,12 @@ def _turns(store: MemoryStore, gauge: Gauge) -> CountedTurns:
 
 async def _begin(turns: CountedTurns, job_id: str):
     return await turns.begin(
-        tenant="t", session_id="s1", job_id=job_id, new_messages=[Message(role="user", content="hi")],
+        tenant="t",
+        session_id="s1",
+        job_id=job_id,
+        new_messages=[Message(role="user", content="hi")],
         budget_tokens=1000,
-    )  # fmt: skip
+    )
 
 
 async def test_a_turn_counts_until_its_answer_is_stored(gauge: Gauge) -> None:

@@ -105,6 +105,4 @@ def test_model_not_found_is_a_not_found() -> None:
 
 
 def test_error_body_defaults() -> None:
-    assert error_body("m", error_type="t") == {
-        "error": {"message": "m", "type": "t", "param": None, "code": None}
-    }
+    assert error_body("m", error_type="t") == {"error": {"message": "m", "type": "t", "param": None, "code": None}}

@@ -10,7 +10,6 @@ import pytest
 from shared.http1 import ConnectError, Http1Client, Http1Pool, ReadTimeout, RemoteProtocolError
 
 
-
 class ThenClose(bytes):
     """An answer after which the server closes the connection."""
 
@@ -84,7 +83,7 @@ def pool(url: str, **kwargs: object) -> Http1Pool:
     return Http1Pool(url, **{**options, **kwargs})  # type: ignore[arg-type]
 
 
-async def test_posts_reuse_one_keep_alive_connection_and_send_a_proper_request(serve) -> None:  # noqa: ANN001
+async def test_posts_reuse_one_keep_alive_connection_and_send_a_proper_request(serve) -> None:
     async def echo(_number: int, body: bytes) -> bytes:
         return ok(body)
 
@@ -101,7 +100,7 @@ async def test_posts_reuse_one_keep_alive_connection_and_send_a_proper_request(s
     assert "Host: 127.0.0.1:" in head and "Authorization: Bearer k" in head and "Content-Length: 8" in head
 
 
-async def test_a_keep_alive_connection_the_server_dropped_is_retried_once(serve) -> None:  # noqa: ANN001
+async def test_a_keep_alive_connection_the_server_dropped_is_retried_once(serve) -> None:
     async def close_on_second(number: int, body: bytes) -> bytes | None:
         return None if number == 1 else ok(body)  # as a server whose idle timeout just expired
 
@@ -116,7 +115,7 @@ async def test_a_keep_alive_connection_the_server_dropped_is_retried_once(serve)
 
 
 @pytest.mark.parametrize("cut_at", [0, 40, -10])
-async def test_a_response_cut_short_is_a_protocol_error(serve, cut_at: int) -> None:  # noqa: ANN001
+async def test_a_response_cut_short_is_a_protocol_error(serve, cut_at: int) -> None:
     async def cut(_number: int, _body: bytes) -> bytes | None:
         return ThenClose(chunked(b"data: 1\n\n")[:cut_at]) if cut_at else None
 
@@ -131,7 +130,7 @@ async def test_a_response_cut_short_is_a_protocol_error(serve, cut_at: int) -> N
     assert server.connections == 1  # a fresh connection is not retried
 
 
-async def test_garbage_is_a_protocol_error(serve) -> None:  # noqa: ANN001
+async def test_garbage_is_a_protocol_error(serve) -> None:
     async def garbage(_number: int, _body: bytes) -> bytes:
         return ThenClose(b"SSH-2.0-OpenSSH_9.6\r\n")
 
@@ -144,7 +143,7 @@ async def test_garbage_is_a_protocol_error(serve) -> None:  # noqa: ANN001
         await client.aclose()
 
 
-async def test_sink_gets_a_200_body_as_it_arrives_but_not_an_error_body(serve) -> None:  # noqa: ANN001
+async def test_sink_gets_a_200_body_as_it_arrives_but_not_an_error_body(serve) -> None:
     async def answer(_number: int, body: bytes) -> bytes:
         if body == b"bad":
             return chunked(b'{"error": {"message": "slow down"}}', status=b"429 Too Many Requests")
@@ -163,7 +162,7 @@ async def test_sink_gets_a_200_body_as_it_arrives_but_not_an_error_body(serve) -
     assert (status, body, received) == (429, b'{"error": {"message": "slow down"}}', [])
 
 
-async def test_an_unframed_body_ends_when_the_server_closes(serve) -> None:  # noqa: ANN001
+async def test_an_unframed_body_ends_when_the_server_closes(serve) -> None:
     async def unframed(_number: int, _body: bytes) -> bytes:
         return ThenClose(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
 
@@ -242,7 +241,7 @@ async def test_a_silent_server_times_out_on_the_head_and_mid_body() -> None:
         server.close()
 
 
-async def test_an_idle_connection_past_its_timeout_is_not_reused(serve) -> None:  # noqa: ANN001
+async def test_an_idle_connection_past_its_timeout_is_not_reused(serve) -> None:
     async def echo(_number: int, body: bytes) -> bytes:
         return ok(body)
 

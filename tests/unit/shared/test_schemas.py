@@ -25,8 +25,13 @@ def make_job(**overrides: object) -> Job:
 
 def test_sampling_defaults_match_design() -> None:
     assert Sampling().model_dump() == {
-        "max_tokens": 256, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "stop": [], "seed": None,
-    }  # fmt: skip
+        "max_tokens": 256,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": -1,
+        "stop": [],
+        "seed": None,
+    }
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 2.0])
@@ -140,9 +145,7 @@ def test_chunk_examples_from_design_parse() -> None:
 
 
 def test_error_chunk_round_trip() -> None:
-    chunk = TokenChunk(
-        seq=2, finish_reason="error", error=ChunkError(message="deadline passed", type="timeout_error")
-    )
+    chunk = TokenChunk(seq=2, finish_reason="error", error=ChunkError(message="deadline passed", type="timeout_error"))
     data = json.loads(chunk.model_dump_json())
     assert data["error"] == {"message": "deadline passed", "type": "timeout_error"}
     again = TokenChunk.model_validate_json(chunk.model_dump_json())

@@ -12,8 +12,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.errors import InvalidRequest, Unavailable
 from shared.web import (
-    REQUEST_ID_HEADER, HotRoute, HotRoutes, RequestContextMiddleware, install_error_handlers, read_body, send_json,
-)  # fmt: skip
+    REQUEST_ID_HEADER,
+    HotRoute,
+    HotRoutes,
+    RequestContextMiddleware,
+    install_error_handlers,
+    read_body,
+    send_json,
+)
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -128,9 +134,7 @@ async def test_unexpected_exception_is_500_openai_shape(client: httpx.AsyncClien
     assert error["type"] == "server_error"
     assert error["code"] == "internal_error"
     assert "secret" not in error["message"]
-    assert any(
-        entry["event"] == "unhandled_error" and "secret internal detail" in entry["error"] for entry in logs
-    )
+    assert any(entry["event"] == "unhandled_error" and "secret internal detail" in entry["error"] for entry in logs)
 
 
 async def test_request_id_is_echoed(client: httpx.AsyncClient) -> None:
@@ -192,22 +196,26 @@ async def test_non_ascii_request_id_is_echoed_unchanged_or_replaced(client: http
 def build_hot_app() -> FastAPI:
     """A FastAPI app with hot routes in front, as the gateway and the session manager install them."""
 
-    async def echo(scope, receive, send) -> None:  # noqa: ANN001
+    async def echo(scope, receive, send) -> None:
         body = await read_body(scope, receive, max_bytes=16)
         await send_json(send, 200, b'{"echo": "%s"}' % body, [(b"x-hot", b"1")])
 
-    async def refuses(scope, receive, send) -> None:  # noqa: ANN001
+    async def refuses(scope, receive, send) -> None:
         raise InvalidRequest("nope", param="model")
 
-    async def storage_down(scope, receive, send) -> None:  # noqa: ANN001
+    async def storage_down(scope, receive, send) -> None:
         raise RedisConnectionError("gone")
 
-    async def crashes(scope, receive, send) -> None:  # noqa: ANN001
+    async def crashes(scope, receive, send) -> None:
         raise RuntimeError("secret internal detail")
 
     app = build_app()
-    hot = [HotRoute("POST", "/hot/echo", echo), HotRoute("POST", "/hot/refuses", refuses),
-           HotRoute("POST", "/hot/down", storage_down), HotRoute("POST", "/hot/crashes", crashes)]  # fmt: skip
+    hot = [
+        HotRoute("POST", "/hot/echo", echo),
+        HotRoute("POST", "/hot/refuses", refuses),
+        HotRoute("POST", "/hot/down", storage_down),
+        HotRoute("POST", "/hot/crashes", crashes),
+    ]
     app.add_middleware(HotRoutes, routes=hot)
     app.add_middleware(RequestContextMiddleware)
     return app
@@ -220,7 +228,7 @@ async def hot_client() -> AsyncIterator[httpx.AsyncClient]:
         yield http
 
 
-async def test_hot_routes_answer_with_a_request_id_and_everything_else_reaches_fastapi(hot_client) -> None:  # noqa: ANN001
+async def test_hot_routes_answer_with_a_request_id_and_everything_else_reaches_fastapi(hot_client) -> None:
     response = await hot_client.post("/hot/echo", content=b"hi")
     assert response.status_code == 200 and response.json() == {"echo": "hi"}
     assert response.headers["x-hot"] == "1" and response.headers[REQUEST_ID_HEADER]
@@ -232,13 +240,13 @@ async def test_hot_routes_answer_with_a_request_id_and_everything_else_reaches_f
     ("path", "status", "code"),
     [("/hot/refuses", 400, None), ("/hot/down", 503, None), ("/hot/crashes", 500, "internal_error")],
 )
-async def test_hot_route_errors_map_as_fastapis_do(hot_client, path: str, status: int, code: str | None) -> None:  # noqa: ANN001
+async def test_hot_route_errors_map_as_fastapis_do(hot_client, path: str, status: int, code: str | None) -> None:
     error = assert_openai_error(await hot_client.post(path, content=b"{}"), status)
     assert "secret" not in error["message"]
     if code:
         assert error["code"] == code
 
 
-async def test_a_hot_route_refuses_a_body_past_its_limit(hot_client) -> None:  # noqa: ANN001
+async def test_a_hot_route_refuses_a_body_past_its_limit(hot_client) -> None:
     error = assert_openai_error(await hot_client.post("/hot/echo", content=b"x" * 17), 413)
     assert error["code"] == "request_too_large"

@@ -16,9 +16,7 @@ async def engine() -> SimEngine:
     return sim
 
 
-def request(
-    *, request_id: str = "job-1", prompt: str = "tell me a story", **sampling: object
-) -> GenerationRequest:
+def request(*, request_id: str = "job-1", prompt: str = "tell me a story", **sampling: object) -> GenerationRequest:
     return GenerationRequest(request_id=request_id, sampling=Sampling(**sampling), prompt=prompt)
 
 

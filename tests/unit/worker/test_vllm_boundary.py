@@ -14,9 +14,13 @@ def test_module_does_not_import_vllm() -> None:
     # The worker module is importable on machines without vLLM (the CPU image).
     assert "vllm" not in sys.modules
     VllmEngine(
-        model_name="m", model_path="/nowhere", tensor_parallel_size=1, max_seqs=2,
-        gpu_memory_utilization=0.9, max_model_len=None,
-    )  # fmt: skip
+        model_name="m",
+        model_path="/nowhere",
+        tensor_parallel_size=1,
+        max_seqs=2,
+        gpu_memory_utilization=0.9,
+        max_model_len=None,
+    )
     assert "vllm" not in sys.modules
 
 
@@ -64,9 +68,13 @@ def test_unknown_finish_reason_is_error(vllm_reason: str) -> None:
 
 async def test_engine_refuses_work_before_start() -> None:
     engine = VllmEngine(
-        model_name="m", model_path="/nowhere", tensor_parallel_size=1, max_seqs=2,
-        gpu_memory_utilization=0.9, max_model_len=None,
-    )  # fmt: skip
+        model_name="m",
+        model_path="/nowhere",
+        tensor_parallel_size=1,
+        max_seqs=2,
+        gpu_memory_utilization=0.9,
+        max_model_len=None,
+    )
     with pytest.raises(EngineError):
         await engine.check_health()
     await engine.abort("not-running")  # a no-op, never an AttributeError
