@@ -1,12 +1,15 @@
 # One command to install and start the platform, one to install and run the tests.
-#   make up     install everything into .venv, then run the whole platform locally
-#   make test   install everything into .venv, then run the test suite
+#   make up         install everything into .venv, then run the whole platform locally
+#   make test       install everything into .venv, then run the test suite
+#   make lint       ruff (lint and format check) and mypy, strict for shared/ and services/
+#   make format     let ruff rewrite imports and formatting in place
+#   make test-fast  unit and integration tests only (about 30 s)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.axon-installed
 
-.PHONY: install up test clean
+.PHONY: install up test test-fast lint format clean
 
 install: $(STAMP)
 
@@ -22,10 +25,22 @@ $(STAMP): pyproject.toml Makefile
 up: install
 	$(BIN)/axon up
 
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: install
+	$(BIN)/ruff check --fix --select I .
+	$(BIN)/ruff format .
+
 # Chromium (Debian's) is for the playground's browser test; the script is a no-op once installed.
 test: install
 	bash infra/scripts/install-chromium.sh
 	$(BIN)/python -m pytest
 
+test-fast: install
+	$(BIN)/python -m pytest tests/unit tests/integration
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
