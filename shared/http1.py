@@ -20,7 +20,9 @@ from urllib.parse import urlsplit
 try:
     import httptools
 except ImportError:  # an optional speed-up for the bench, which falls back to httpx without it
-    httptools = None
+    _HAVE_HTTPTOOLS = False
+else:
+    _HAVE_HTTPTOOLS = True
 
 BodySink = Callable[[bytes, float], None]
 """Receives body bytes and their arrival time (`time.perf_counter()`)."""
@@ -106,7 +108,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._transport: asyncio.Transport | None = None
-        self._parser: object | None = None
+        self._parser: httptools.HttpResponseParser | None = None
         self._body: list[bytes] = []
         self._buffered = 0
         self._paused = False
@@ -127,7 +129,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        self._transport = transport  # type: ignore[assignment]  # typeshed: BaseTransport; a TCP stream's is a Transport
 
     def data_received(self, data: bytes) -> None:
         if self._parser is None or self.complete:
@@ -136,7 +138,7 @@ class _Connection(asyncio.Protocol):
         self._arrival_s = time.perf_counter()
         self.received_any = True
         try:
-            self._parser.feed_data(data)  # type: ignore[attr-defined]
+            self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(RemoteProtocolError(f"invalid HTTP response: {exc}"))
 
@@ -158,8 +160,10 @@ class _Connection(asyncio.Protocol):
         self.headers.append((lowered, value))
 
     def on_headers_complete(self) -> None:
-        self.status_code = self._parser.get_status_code()  # type: ignore[attr-defined]
-        self.keep_alive = self._parser.should_keep_alive()  # type: ignore[attr-defined]
+        parser = self._parser
+        assert parser is not None  # called back from inside parser.feed_data()
+        self.status_code = parser.get_status_code()
+        self.keep_alive = parser.should_keep_alive()
         if self.status_code == 200:
             self._diverted = self._sink
         if self._head is not None and not self._head.done():
@@ -271,7 +275,7 @@ class Http1Client:
 
     @staticmethod
     def supports(url: str) -> bool:
-        return httptools is not None and url.startswith("http://")
+        return _HAVE_HTTPTOOLS and url.startswith("http://")
 
     def head(self, method: str, target: str, headers: Iterable[tuple[str, str]]) -> bytes:
         """A request head (without Content-Length and the blank line), to render once and reuse."""

@@ -125,6 +125,7 @@ class KeyRepository:
             limits.max_concurrent,
             limits.priority,
         )
+        assert row is not None  # INSERT ... RETURNING always returns the row it inserted
         return key, _record(row)
 
     async def find_by_hash(self, key_hash: bytes) -> KeyRecord | None:
@@ -140,10 +141,11 @@ class KeyRepository:
 
     async def revoke(self, key_id: str) -> bytes | None:
         """Revoke a key; returns its hash (to evict caches) or None if no active key has that id."""
-        return await self._pool.fetchval(
+        key_hash: bytes | None = await self._pool.fetchval(
             "UPDATE api_keys SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL RETURNING key_hash",
             key_id,
         )
+        return key_hash
 
     async def touch(self, key_id: str) -> None:
         await self._pool.execute("UPDATE api_keys SET last_used_at = now() WHERE id = $1", key_id)

@@ -9,10 +9,12 @@ is one JSON object of the same shape.
 
 import logging
 import sys
+from typing import BinaryIO, TextIO, cast
 
 import orjson
 import structlog
 from structlog.contextvars import bind_contextvars, clear_contextvars, merge_contextvars
+from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
 
 __all__ = ["bind_contextvars", "clear_contextvars", "configure_logging", "get_logger"]
 
@@ -26,12 +28,12 @@ def configure_logging(*, service: str, level: str = "INFO", log_format: str = "j
         log_format: `json` for machines, `console` for people.
     """
 
-    def add_service(_logger: object, _method: str, event_dict: dict) -> dict:
+    def add_service(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
         event_dict.setdefault("service", service)
         return event_dict
 
     level_no = logging.getLevelNamesMapping()[level.upper()]
-    shared_processors = [
+    shared_processors: list[Processor] = [
         merge_contextvars,
         structlog.processors.add_log_level,
         _add_logger_name,
@@ -45,15 +47,17 @@ def configure_logging(*, service: str, level: str = "INFO", log_format: str = "j
                 structlog.processors.format_exc_info,
                 structlog.processors.JSONRenderer(serializer=orjson.dumps),
             ],
-            logger_factory=structlog.BytesLoggerFactory(_CurrentStderr(binary=True)),
+            # structlog types the file as BinaryIO; it only calls write() and flush().
+            logger_factory=structlog.BytesLoggerFactory(cast(BinaryIO, _CurrentStderrBytes())),
             wrapper_class=structlog.make_filtering_bound_logger(level_no),
             cache_logger_on_first_use=True,
         )
-        foreign_renderer = structlog.processors.JSONRenderer()
+        foreign_renderer: Processor = structlog.processors.JSONRenderer()
     else:
         structlog.configure(
             processors=[*shared_processors, structlog.dev.ConsoleRenderer(colors=False)],
-            logger_factory=structlog.PrintLoggerFactory(_CurrentStderr(binary=False)),
+            # structlog types the file as TextIO; it only calls write() and flush().
+            logger_factory=structlog.PrintLoggerFactory(cast(TextIO, _CurrentStderrText())),
             wrapper_class=structlog.make_filtering_bound_logger(level_no),
             cache_logger_on_first_use=True,
         )
@@ -80,20 +84,27 @@ def configure_logging(*, service: str, level: str = "INFO", log_format: str = "j
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
-class _CurrentStderr:
-    """Whatever `sys.stderr` is when a line is written (test runners and tools swap it)."""
+class _CurrentStderrBytes:
+    """Whatever `sys.stderr` is when a line is written (test runners and tools swap it), as bytes."""
 
-    def __init__(self, *, binary: bool) -> None:
-        self._binary = binary
-
-    def write(self, data: bytes | str) -> int:
-        return (sys.stderr.buffer if self._binary else sys.stderr).write(data)
+    def write(self, data: bytes) -> int:
+        return sys.stderr.buffer.write(data)
 
     def flush(self) -> None:
         sys.stderr.flush()
 
 
-def _add_logger_name(logger: object, _method: str, event_dict: dict) -> dict:
+class _CurrentStderrText:
+    """Whatever `sys.stderr` is when a line is written (test runners and tools swap it), as text."""
+
+    def write(self, data: str) -> int:
+        return sys.stderr.write(data)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _add_logger_name(logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
     """`logger`: the stdlib record's name for foreign lines, else the name given to `get_logger`."""
     record = event_dict.get("_record")
     name = record.name if record is not None else getattr(logger, "name", None)
@@ -102,6 +113,7 @@ def _add_logger_name(logger: object, _method: str, event_dict: dict) -> dict:
     return event_dict
 
 
-def get_logger(name: str | None = None) -> structlog.typing.FilteringBoundLogger:
+def get_logger(name: str | None = None) -> FilteringBoundLogger:
     """A logger whose lines carry `logger=name`."""
-    return structlog.get_logger(name)
+    logger: FilteringBoundLogger = structlog.get_logger(name)  # untyped (Any) in structlog
+    return logger

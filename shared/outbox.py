@@ -7,7 +7,7 @@ so a batch written twice is harmless.
 """
 
 import datetime as dt
-from typing import Literal
+from typing import Literal, overload
 
 import orjson
 import redis.asyncio as redis
@@ -18,6 +18,10 @@ from shared.names import Names
 RowKind = Literal["message", "usage"]
 
 
+@overload
+def postgres_text(value: str) -> str: ...
+@overload
+def postgres_text(value: None) -> None: ...
 def postgres_text(value: str | None) -> str | None:
     """`value` as PostgreSQL can store it: its text type cannot hold U+0000, which becomes U+FFFD.
 
@@ -96,7 +100,8 @@ class Outbox:
     async def append(self, kind: RowKind, row: BaseModel, *, pipe: redis.client.Pipeline | None = None) -> None:
         """Queue `row` for PostgreSQL; with `pipe`, as part of the caller's pipeline."""
         target = pipe if pipe is not None else self._redis
-        result = target.xadd(self._names.outbox, entry_fields(kind, row))
+        # redis-py types `fields` as an invariant Dict of every encodable type; a Mapping would accept ours.
+        result = target.xadd(self._names.outbox, entry_fields(kind, row))  # type: ignore[arg-type]
         if pipe is None:
             await result
 

@@ -9,11 +9,12 @@ three atomically, with Redis' clock, so replicas never disagree.
 import asyncio
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from shared.errors import RateLimited
 from shared.keys import KeyLimits
 from shared.names import Names
-from shared.redis_pipe import PipeScript, RedisPipe
+from shared.redis_pipe import Arg, PipeScript, RedisPipe
 
 PERIOD_MS = 60_000
 
@@ -166,7 +167,7 @@ class RateLimiter:
         An admitted request holds a concurrency lease until `release` (or `lease_ttl_s`).
         """
         keys = [self._names.rate_limit(kind, key_id) for kind in ("rpm", "tpm", "conc")]
-        args = [
+        args: list[Arg] = [
             limits.rpm or 0,
             limits.tpm or 0,
             limits.max_concurrent or 0,
@@ -184,12 +185,12 @@ class RateLimiter:
             tokens=WindowState(limits.tpm, int(tok_left), int(tok_reset)),
         )
 
-    def submit_charge(self, key_id: str, tpm: int, cost: int) -> asyncio.Future:
+    def submit_charge(self, key_id: str, tpm: int, cost: int) -> asyncio.Future[Any]:
         """Charge (or refund, if negative) tokens after the fact, e.g. real usage vs the estimate;
         returns the command's future without waiting, so it can share a write with others."""
         return self._pipe.submit_script(_CHARGE, [self._names.rate_limit("tpm", key_id)], [tpm, cost, PERIOD_MS])
 
-    def submit_release(self, key_id: str, lease_id: str) -> asyncio.Future:
+    def submit_release(self, key_id: str, lease_id: str) -> asyncio.Future[Any]:
         """Give a concurrency lease back (idempotent); returns the command's future."""
         return self._pipe.submit("ZREM", self._names.rate_limit("conc", key_id), lease_id)
 

@@ -19,8 +19,8 @@ import hashlib
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import hiredis
 from redis.asyncio.connection import parse_url
@@ -29,6 +29,8 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Arg = bytes | str | int | float
+
+_ProtocolT = TypeVar("_ProtocolT", bound=asyncio.Protocol)
 
 
 def pack(args: tuple[Arg, ...]) -> bytes:
@@ -80,7 +82,9 @@ class Endpoint:
         if options.get("db"):
             self.setup.append(("SELECT", options["db"]))
 
-    async def connect(self, protocol_factory: Callable[[], asyncio.Protocol], timeout_s: float) -> tuple:
+    async def connect(
+        self, protocol_factory: Callable[[], _ProtocolT], timeout_s: float
+    ) -> tuple[asyncio.Transport, _ProtocolT]:
         """Open a connection.
 
         Raises:
@@ -103,12 +107,12 @@ class RedisPipe:
         self._timeout_s = timeout_s
         self._transport: asyncio.Transport | None = None
         self._protocol: _Protocol | None = None
-        self._connecting: asyncio.Task | None = None
-        self._queued: list[tuple[bytes, asyncio.Future]] = []
-        self._in_flight: deque[tuple[asyncio.Future, float]] = deque()
+        self._connecting: asyncio.Task[None] | None = None
+        self._queued: list[tuple[bytes, asyncio.Future[Any]]] = []
+        self._in_flight: deque[tuple[asyncio.Future[Any], float]] = deque()
         self._flush_scheduled = False
         self._watchdog: asyncio.TimerHandle | None = None
-        self._setup_futures: set[asyncio.Future] = set()
+        self._setup_futures: set[asyncio.Future[Any]] = set()
         self._closed = False
 
     async def execute(self, *args: Arg) -> Any:
@@ -121,29 +125,29 @@ class RedisPipe:
         """
         return await self.submit(*args)
 
-    def submit(self, *args: Arg) -> asyncio.Future:
+    def submit(self, *args: Arg) -> asyncio.Future[Any]:
         """Queue one command and return the future of its reply, without waiting (a caller can
         issue several, e.g. a write whose reply it does not need, and await them together)."""
         if self._closed:
             raise RedisConnectionError("The Redis pipe is closed.")
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future: asyncio.Future[Any] = loop.create_future()
         self._queued.append((pack(args), future))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_soon(self._flush)
         return future
 
-    async def evalsha(self, script: PipeScript, keys: list[Arg], args: list[Arg]) -> Any:
+    async def evalsha(self, script: PipeScript, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         """Run `script`; if Redis does not have it (first use, or Redis restarted), load it and retry."""
         return await self.submit_script(script, keys, args)
 
-    def submit_script(self, script: PipeScript, keys: list[Arg], args: list[Arg]) -> asyncio.Future:
+    def submit_script(self, script: PipeScript, keys: Sequence[Arg], args: Sequence[Arg]) -> asyncio.Future[Any]:
         """`evalsha` without waiting: the future of the script's reply (see `submit`)."""
         command = ("EVALSHA", script.sha, len(keys), *keys, *args)
-        result = asyncio.get_running_loop().create_future()
+        result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
-        def first_reply(attempt: asyncio.Future) -> None:
+        def first_reply(attempt: asyncio.Future[Any]) -> None:
             error = None if attempt.cancelled() else attempt.exception()
             if isinstance(error, ResponseError) and str(error).startswith("NOSCRIPT"):
                 # Both in one write: the load runs first, so the retry finds the script.
@@ -261,7 +265,7 @@ class RedisPipe:
         self._fail_queued(error)
 
 
-def _chain(source: asyncio.Future, target: asyncio.Future) -> None:
+def _chain(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:
     """Give `target` the outcome of `source` (unless `target` was cancelled meanwhile)."""
     if target.done():
         if not source.cancelled():
@@ -269,19 +273,20 @@ def _chain(source: asyncio.Future, target: asyncio.Future) -> None:
         return
     if source.cancelled():
         target.cancel()
-    elif source.exception() is not None:
-        target.set_exception(source.exception())
+    elif (error := source.exception()) is not None:
+        target.set_exception(error)
     else:
         target.set_result(source.result())
 
 
-def _ignore(future: asyncio.Future) -> None:
+def _ignore(future: asyncio.Future[Any]) -> None:
     """A reply nobody needs (a `SCRIPT LOAD`): its error, if any, shows in the retry's."""
     if not future.cancelled():
         future.exception()
 
 
-def _ssl_context(options: dict) -> ssl.SSLContext:
+def _ssl_context(options: Mapping[str, object]) -> ssl.SSLContext:
+    # `options` comes from parse_url: its query-string keys (ssl_cert_reqs) are not in ConnectKwargs.
     context = ssl.create_default_context()
     if options.get("ssl_cert_reqs") in {"none", "optional"}:
         context.check_hostname = False
@@ -332,10 +337,10 @@ class RedisSubscriber:
         self._on_lost = on_lost
         self._transport: asyncio.Transport | None = None
         self._protocol: _SubscriberProtocol | None = None
-        self._connecting: asyncio.Future | None = None
+        self._connecting: asyncio.Future[None] | None = None
         self._to_subscribe: list[bytes] = []
         self._to_unsubscribe: list[bytes] = []
-        self._confirmations: dict[bytes, asyncio.Future] = {}
+        self._confirmations: dict[bytes, asyncio.Future[None]] = {}
         self._flush_scheduled = False
 
     async def subscribe(self, channel: str) -> None:
@@ -348,7 +353,7 @@ class RedisSubscriber:
         if self._transport is None or self._transport.is_closing():
             await self._ensure_connected()
         name = channel.encode()
-        confirmed = asyncio.get_running_loop().create_future()
+        confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._confirmations[name] = confirmed
         self._to_subscribe.append(name)
         self._schedule_flush()

@@ -8,6 +8,7 @@ last heartbeat expires. Every model ever served is also remembered, which tells
 
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import orjson
 import redis.asyncio as redis
@@ -54,7 +55,8 @@ class WorkerRegistry:
 
     async def live_models(self) -> dict[str, LiveModel]:
         """Return the models live workers serve, sweeping long-expired heartbeats."""
-        entries = await self._redis.hgetall(self._names.workers_key)
+        # redis-py types replies as bytes | str; our clients never set decode_responses, so they are bytes.
+        entries = cast(dict[bytes, bytes], await self._redis.hgetall(self._names.workers_key))
         now = time.time()
         live: dict[str, LiveModel] = {}
         expired: list[bytes] = []
@@ -79,7 +81,7 @@ class WorkerRegistry:
 
     async def aliases(self) -> dict[str, str]:
         """Public model name -> the served model it points at."""
-        raw = await self._redis.hgetall(self._names.aliases_key)
+        raw = cast(dict[bytes, bytes], await self._redis.hgetall(self._names.aliases_key))  # bytes: see live_models
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     async def set_alias(self, alias: str, target: str) -> None:

@@ -3,7 +3,7 @@
 import asyncio
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from redis.exceptions import RedisError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -79,6 +80,17 @@ class SSEResponse(StreamingResponse):
     """
 
     media_type = "text/event-stream"
+    body_iterator: AsyncIterable[bytes]
+
+    def __init__(
+        self,
+        content: AsyncIterable[bytes],
+        status_code: int = 200,
+        headers: Mapping[str, str] | None = None,
+        media_type: str | None = None,
+        background: BackgroundTask | None = None,
+    ) -> None:
+        super().__init__(content, status_code, headers, media_type, background)
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -96,7 +108,7 @@ def error_response(exc: AxonError) -> ORJSONResponse:
     return ORJSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
 
-def invalid_request(errors: list[dict[str, Any]]) -> InvalidRequest:
+def invalid_request(errors: Sequence[Mapping[str, Any]]) -> InvalidRequest:
     """The 400 for a body that failed validation (pydantic's or FastAPI's error list): the first
     error, with the field it is about as `param`."""
     first = errors[0] if errors else {}
@@ -183,7 +195,7 @@ class RequestContextMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         clear_contextvars()
         bind_contextvars(request_id=request_id)
-        status: dict = {"code": 500}
+        status: dict[str, int | bool] = {"code": 500}
         started = time.perf_counter()
 
         async def send_with_id(message: Message) -> None:
@@ -220,6 +232,8 @@ class RequestContextMiddleware:
 
 
 def _incoming_request_id(scope: Scope) -> str | None:
+    name: bytes
+    value: bytes
     for name, value in scope.get("headers", ()):
         if name == b"x-request-id":
             text = value.decode("latin-1").strip()
@@ -287,7 +301,10 @@ class HotRoutes:
 
     def __init__(self, app: ASGIApp, *, routes: Sequence[HotRoute]) -> None:
         self.app = app
-        self._routes = {(route.method, route.path): route for route in routes}
+        # Keyed by (method, path); looked up with scope.get(), hence the None.
+        self._routes: dict[tuple[str | None, str | None], HotRoute] = {
+            (route.method, route.path): route for route in routes
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self._routes.get((scope.get("method"), scope.get("path"))) if scope["type"] == "http" else None
@@ -318,6 +335,8 @@ class HotRoutes:
 
 def header(scope: Scope, name: bytes) -> str | None:
     """The first request header called `name` (lower case), decoded as Latin-1, or None."""
+    key: bytes
+    value: bytes
     for key, value in scope["headers"]:
         if key == name:
             return value.decode("latin-1")
