@@ -29,7 +29,7 @@ CHART = ROOT / "helm" / "axon"
 DASHBOARDS = CHART / "dashboards"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKER_DIR = ROOT / "infra" / "docker"
-MIGRATIONS = ROOT / "infra" / "migrations"
+MIGRATIONS = ROOT / "shared" / "migrations" / "sql"
 
 # Kubernetes release the rendered manifests are validated against (EKS 1.31; kubernetes-validate
 # carries its schemas offline).

@@ -1,8 +1,8 @@
 """The container images (infra/docker), checked without building them.
 
 A small model of `docker build` (FROM, WORKDIR, COPY, COPY --from and .dockerignore) lists the
-repository files each image receives; the migration files must end up where shared/migrations.py
-looks for them, and the copied tree must import and find them.
+repository files each image receives; the migration files must end up where shared.migrations
+looks for them (its package data, shared/migrations/sql/), and the copied tree must import and find them.
 """
 
 import re
@@ -71,10 +71,10 @@ def test_image_layout_lets_axon_migrate_find_its_files(image: str, tmp_path: Pat
     files = image_files(dockerfile, target)
     expected_sql = {p.name for p in MIGRATIONS.glob("*.sql")}
     assert expected_sql
-    # shared/migrations.py reads Path(__file__).parent.parent / "infra" / "migrations".
-    (module,) = [path for path in files if path.endswith("/shared/migrations.py")]
-    app_root = Path(module).parent.parent
-    shipped = {Path(p).name for p in files if Path(p).parent == app_root / "infra" / "migrations"}
+    # shared.migrations reads its package data: the sql/ directory beside shared/migrations/__init__.py.
+    (module,) = [path for path in files if path.endswith("/shared/migrations/__init__.py")]
+    app_root = Path(module).parent.parent.parent
+    shipped = {Path(p).name for p in files if Path(p).parent == Path(module).parent / "sql"}
     assert shipped == expected_sql
     for package in ("shared", "services"):
         assert any(Path(p).parent == app_root / package for p in files), f"{image} lacks {package}/"
@@ -87,10 +87,7 @@ def test_image_layout_lets_axon_migrate_find_its_files(image: str, tmp_path: Pat
         target_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(ROOT / source, target_path)
     app = root / str(app_root).lstrip("/")
-    probe = (
-        "import shared.migrations as m; "
-        "print(m.__file__); print('\\n'.join(v for v, _ in m.pending_files(m.DEFAULT_MIGRATIONS_DIR)))"
-    )
+    probe = "import shared.migrations as m; print(m.__file__); print('\\n'.join(v for v, _ in m.pending_files()))"
     result = subprocess.run(
         [sys.executable, "-c", probe],
         cwd=tmp_path,
@@ -121,9 +118,9 @@ def test_dockerignore_keeps_local_state_out_of_the_context() -> None:
     for path in (
         "pyproject.toml",
         "README.md",
-        "shared/migrations.py",
+        "shared/migrations/__init__.py",
         "services/worker/main.py",
-        "infra/migrations/0001_initial.sql",
+        "shared/migrations/sql/0001_initial.sql",
     ):
         assert not ignore.excluded(path), path
 

@@ -1,18 +1,25 @@
 """Create the database if missing and apply versioned SQL migrations (`axon migrate`).
 
-Migrations are files `NNNN_name.sql` under `infra/migrations`; each runs once, in its
-own transaction, recorded in `schema_migrations`. An advisory lock lets several
+Migrations are files `NNNN_name.sql` in this package's `sql/` directory; each runs once, in
+its own transaction, recorded in `schema_migrations`. An advisory lock lets several
 migrators start at once (e.g. a Helm hook and a developer) without racing.
+
+The SQL files are package data (pyproject.toml, `[tool.setuptools.package-data]`), read through
+`importlib.resources`, so `axon migrate` finds them from a wheel or `pip install .` as well as
+from an editable install or a source tree on PYTHONPATH.
 """
 
-from pathlib import Path
+import re
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
 from shared.logging import get_logger
 
-DEFAULT_MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "infra" / "migrations"
+DEFAULT_MIGRATIONS_DIR: Traversable = files(__name__) / "sql"
+_MIGRATION_FILE = re.compile(r"([0-9]{4}_.+)\.sql")
 _LOCK_KEY = 0x6178_6F6E  # "axon"
 
 log = get_logger(__name__)
@@ -57,16 +64,26 @@ async def drop_database(url: str, *, timeout_s: float = 10.0) -> None:
         await conn.close()
 
 
-def pending_files(migrations_dir: Path) -> list[tuple[str, Path]]:
-    """List (version, file) for every migration file, in order."""
-    files = sorted(migrations_dir.glob("[0-9][0-9][0-9][0-9]_*.sql"))
-    return [(path.stem, path) for path in files]
+def pending_files(migrations_dir: Traversable = DEFAULT_MIGRATIONS_DIR) -> list[tuple[str, Traversable]]:
+    """List (version, file) for every migration file `NNNN_name.sql` in `migrations_dir`, in order.
+
+    `migrations_dir` is a `pathlib.Path` or an `importlib.resources` Traversable; a missing
+    directory lists nothing.
+    """
+    if not migrations_dir.is_dir():
+        return []
+    found: list[tuple[str, Traversable]] = []
+    for entry in migrations_dir.iterdir():
+        match = _MIGRATION_FILE.fullmatch(entry.name)
+        if match and entry.is_file():
+            found.append((match.group(1), entry))
+    return sorted(found, key=lambda item: item[0])
 
 
 async def migrate(
     url: str,
     *,
-    migrations_dir: Path = DEFAULT_MIGRATIONS_DIR,
+    migrations_dir: Traversable = DEFAULT_MIGRATIONS_DIR,
     timeout_s: float = 10.0,
 ) -> list[str]:
     """Create the database if needed and apply every migration not yet applied.
@@ -74,6 +91,10 @@ async def migrate(
     Returns:
         The versions applied by this call, in order.
     """
+    migrations = pending_files(migrations_dir)
+    if not migrations:
+        # A package built without its data files would otherwise "succeed" with an empty schema.
+        raise RuntimeError(f"no migration files NNNN_*.sql in {migrations_dir}")
     await ensure_database(url, timeout_s=timeout_s)
     conn = await asyncpg.connect(url, timeout=timeout_s)
     applied: list[str] = []
@@ -84,11 +105,11 @@ async def migrate(
             " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
         )
         done = {row["version"] for row in await conn.fetch("SELECT version FROM schema_migrations")}
-        for version, path in pending_files(migrations_dir):
+        for version, path in migrations:
             if version in done:
                 continue
             async with conn.transaction():
-                await conn.execute(path.read_text())
+                await conn.execute(path.read_text(encoding="utf-8"))
                 await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
             log.info("migration_applied", version=version)
             applied.append(version)
