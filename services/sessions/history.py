@@ -44,7 +44,7 @@ class SessionInfo(BaseModel):
     created_at: dt.datetime
     updated_at: dt.datetime
 
-    def public(self) -> dict:
+    def public(self) -> dict[str, object]:
         return {
             "id": self.id,
             "object": "session",
@@ -65,7 +65,7 @@ class StoredMessage(BaseModel):
     job_id: str | None = None
     created_at: dt.datetime
 
-    def public(self) -> dict:
+    def public(self) -> dict[str, object]:
         return {
             "id": self.id,
             "object": "session.message",
@@ -132,6 +132,7 @@ class SessionStore:
             system_prompt,
             model,
         )
+        assert row is not None  # INSERT ... RETURNING always returns the row it inserted
         info = _info(row)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self._names.session(info.id), info.model_dump_json(), ex=self._ttl_s)
@@ -181,6 +182,8 @@ class SessionStore:
             uuid.UUID(info.id),
             title,
         )
+        if row is None:  # deleted since `get` found it
+            raise NotFound("No such session.", param="session_id", code="session_not_found")
         updated = _info(row)
         await self._redis.set(self._names.session(info.id), updated.model_dump_json(), ex=self._ttl_s)
         return updated
