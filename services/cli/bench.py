@@ -702,7 +702,7 @@ interrupted with Ctrl+C (the figures measured so far are still printed and writt
 """
 
 
-def add_bench_command(commands: Any) -> argparse.ArgumentParser:
+def add_bench_command(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
     """Register `axon bench` on the CLI's subparsers and return its parser."""
     bench = commands.add_parser(
         "bench",

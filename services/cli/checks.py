@@ -1,6 +1,7 @@
 """Dependency checks that tell an operator which service is missing and how to start it."""
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import asyncpg
@@ -55,7 +56,7 @@ async def check_dependencies(settings: CommonSettings, *, timeout_s: float = 3.0
         ("PostgreSQL", settings.database_url, _check_postgres),
     ]
 
-    async def run(name: str, url: str, check) -> CheckResult:
+    async def run(name: str, url: str, check: Callable[[str, float], Awaitable[None]]) -> CheckResult:
         try:
             await asyncio.wait_for(check(url, timeout_s), timeout_s + 1)
         except Exception as exc:  # noqa: BLE001 - any failure is reported, not raised

@@ -2,6 +2,8 @@
 
 import argparse
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import asyncpg
 
@@ -10,8 +12,10 @@ from shared.keys import KeyRepository, evict_key, limits_with_defaults
 from shared.names import Names
 from shared.settings import CommonSettings
 
+T = TypeVar("T")
 
-async def _with_repository(action):
+
+async def _with_repository(action: Callable[[KeyRepository, CommonSettings], Awaitable[T]]) -> T:
     settings = CommonSettings()
     pool = await asyncpg.create_pool(settings.database_url, min_size=1, max_size=2, timeout=10)
     try:
@@ -76,7 +80,7 @@ def _revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_keys_command(commands: argparse._SubParsersAction) -> None:
+def add_keys_command(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     keys = commands.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", required=True)
     create = keys.add_parser("create", help="create a key and print it once, alone on the last line")
     create.add_argument("--name", required=True, help="what the key is for")

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(service="cli", level="WARNING", log_format="console")
-    return args.func(args)
+    status: int = args.func(args)  # every command's `func` returns its exit status
+    return status
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 import argparse
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from shared.clients import create_redis
 from shared.errors import AxonError
@@ -9,8 +11,10 @@ from shared.names import Names
 from shared.registry import WorkerRegistry
 from shared.settings import CommonSettings
 
+T = TypeVar("T")
 
-async def _with_registry(action):
+
+async def _with_registry(action: Callable[[WorkerRegistry], Awaitable[T]]) -> T:
     settings = CommonSettings()
     client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
     try:
@@ -49,7 +53,7 @@ def _unalias(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_models_command(commands: argparse._SubParsersAction) -> None:
+def add_models_command(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     models = commands.add_parser("models", help="live models and aliases").add_subparsers(
         dest="models_command", required=True
     )

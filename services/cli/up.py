@@ -51,7 +51,7 @@ def _check_or_explain(settings: CommonSettings) -> bool:
     return all(r.ok for r in results)
 
 
-def _wait_ready(children: list[Child], processes: dict[str, subprocess.Popen], timeout_s: float) -> bool:
+def _wait_ready(children: list[Child], processes: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     pending = list(children)
     last_report = 0.0
@@ -79,7 +79,7 @@ def _wait_ready(children: list[Child], processes: dict[str, subprocess.Popen], t
     return not pending
 
 
-def _stop(processes: dict[str, subprocess.Popen], timeout_s: float) -> None:
+def _stop(processes: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
     for process in reversed(list(processes.values())):
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)

@@ -3,6 +3,7 @@
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 import orjson
@@ -134,7 +135,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(playground.create_router())
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> dict[str, Any]:
         """Liveness: the process answers."""
         return {"status": "ok"}
 

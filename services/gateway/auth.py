@@ -114,7 +114,8 @@ class Authenticator:
         try:
             raw = await self._redis.get(cache_key)
             if raw is not None:
-                return decode_cached(raw)
+                # redis-py types GET as `bytes | str` whatever the client; this one does not decode responses.
+                return decode_cached(raw)  # type: ignore[arg-type]
         except RedisError as exc:
             self._metrics.auth_fallbacks.inc()
             log.warning("key_cache_unavailable", error=repr(exc))

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from prometheus_client import Counter
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.auth import Admission, Admitter, Authenticator
 from shared.errors import DeadlineExceeded, InvalidRequest, Unavailable, error_body
@@ -282,7 +282,7 @@ async def _relay(
         await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
         return upstream.status == 200
-    start = {"type": "http.response.start", "status": upstream.status, "headers": headers}
+    start: Message | None = {"type": "http.response.start", "status": upstream.status, "headers": headers}
     ended = False
     try:
         async for piece in upstream.pieces():

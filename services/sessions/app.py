@@ -6,8 +6,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
+import redis.asyncio as redis
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -70,7 +72,7 @@ _PERSISTER_STOP_S = 5
 _ALIVE_EVERY_S = 3
 
 
-async def _announce_alive(client, key: str) -> None:
+async def _announce_alive(client: redis.Redis, key: str) -> None:
     """Keep this process's liveness key fresh; its session locks are honoured while it exists."""
     while True:
         try:
@@ -150,7 +152,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         instance_id = uuid.uuid4().hex
         persisting = asyncio.create_task(persister.run())
         alive = asyncio.create_task(_announce_alive(client, names.sessions_instance(instance_id)))
-        polling: asyncio.Task | None = None
+        polling: asyncio.Task[None] | None = None
         try:
             await publisher.start()
             catalog = ModelCatalog(
@@ -219,7 +221,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     app.include_router(sessions_api.router)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> dict[str, Any]:
         """Liveness: the process answers."""
         return {"status": "ok"}
 

@@ -34,7 +34,7 @@ class ModelCatalog:
         aliases = await self._registry.aliases()
         self._live, self._aliases, self._fetched_at = live, aliases, time.monotonic()
 
-    def _fetched(self, fetch: asyncio.Future) -> None:
+    def _fetched(self, fetch: asyncio.Future[None]) -> None:
         self._fetching = None
         if not fetch.cancelled():
             fetch.exception()  # retrieved here: each waiter also got it
@@ -67,7 +67,7 @@ class ModelCatalog:
             )
         raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
 
-    async def listing(self) -> list[dict]:
+    async def listing(self) -> list[dict[str, object]]:
         """OpenAI `/v1/models` entries: live models and the aliases that point at them."""
         live = await self.live()
         names = sorted(live) + sorted(a for a, target in self._aliases.items() if target in live and a not in live)

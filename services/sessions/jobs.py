@@ -42,12 +42,12 @@ class JobPublisher:
         await channel.declare_exchange(self._names.jobs_exchange, aio_pika.ExchangeType.DIRECT, durable=True)
         self._channel = channel
 
-    async def _ensure_queue(self, model: str) -> None:
+    async def _ensure_queue(self, channel: AbstractChannel, model: str) -> None:
         if model in self._declared:
             return
         async with self._declare_lock:
             if model not in self._declared:
-                await declare_job_queue(self._channel, self._names, model, max_queued_jobs=self._max_queued_jobs)
+                await declare_job_queue(channel, self._names, model, max_queued_jobs=self._max_queued_jobs)
                 self._declared.add(model)
 
     async def publish(self, job: Job, *, priority: int, request_id: str) -> None:
@@ -74,7 +74,7 @@ class JobPublisher:
             expiration=str(max(1, int((job.deadline - time.time()) * 1000))),
         )
         try:
-            await self._ensure_queue(job.model)
+            await self._ensure_queue(self._channel, job.model)
             channel = await self._channel.get_underlay_channel()
             confirmation = await channel.basic_publish(
                 job.model_dump_json().encode(),

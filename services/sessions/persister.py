@@ -16,10 +16,12 @@ import datetime as dt
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 import orjson
 import redis.asyncio as redis
+from asyncpg.pool import PoolConnectionProxy
 from redis.exceptions import ResponseError
 
 from services.sessions.metrics import SessionsMetrics
@@ -242,22 +244,32 @@ class Persister:
         await self._settle_script(keys=[self._names.outbox], args=[self._names.outbox_group, batch.ids])
 
 
-async def _write(conn: asyncpg.Connection, batch: Batch, *, skip_existing: bool) -> None:
+async def _write(conn: PoolConnectionProxy, batch: Batch, *, skip_existing: bool) -> None:
     """COPY the messages' lines straight into the table (the fast path) or, to skip rows
     already there or of deleted sessions, into a staging table to insert from."""
     if batch.copy_text:
         source = memoryview(batch.copy_text)  # a buffer: asyncpg would take bytes for a path
         if skip_existing:
             await conn.execute(_CREATE_STAGE)
-            await conn.copy_to_table(_STAGE, source=source, columns=_MESSAGE_COLUMNS, format="text")
+            await conn.copy_to_table(
+                _STAGE,
+                source=source,  # type: ignore[arg-type]  # asyncpg takes a buffer (documented); its stubs omit it
+                columns=_MESSAGE_COLUMNS,
+                format="text",
+            )
             await conn.execute(_INSERT_FROM_STAGE)
         else:
-            await conn.copy_to_table("messages", source=source, columns=_MESSAGE_COLUMNS, format="text")
+            await conn.copy_to_table(
+                "messages",
+                source=source,  # type: ignore[arg-type]  # asyncpg takes a buffer (documented); its stubs omit it
+                columns=_MESSAGE_COLUMNS,
+                format="text",
+            )
     if batch.usage:
         await conn.execute(_INSERT_USAGE, *_usage_columns([orjson.loads(row) for row in batch.usage]))
 
 
-def _usage_columns(rows: list[dict]) -> list[list]:
+def _usage_columns(rows: list[dict[str, Any]]) -> list[list[object]]:
     return [
         [uuid.UUID(r["job_id"]) for r in rows],
         [r["tenant"] for r in rows],

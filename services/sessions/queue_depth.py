@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 
 import redis.asyncio as redis
-from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+from aio_pika.abc import AbstractRobustChannel, AbstractRobustConnection
 from aiormq.exceptions import ChannelNotFoundEntity
 
 from services.sessions.catalog import ModelCatalog
@@ -46,7 +46,7 @@ class QueueDepthPoller:
         self._names = names
         self._metrics = metrics
         self._interval_s = interval_s
-        self._channel: AbstractChannel | None = None
+        self._channel: AbstractRobustChannel | None = None
         self._reported: set[str] = set()
 
     async def run(self) -> None:
@@ -99,7 +99,7 @@ class QueueDepthPoller:
             with contextlib.suppress(KeyError):
                 gauge.remove(model)
 
-    async def _ensure_channel(self) -> AbstractChannel:
+    async def _ensure_channel(self) -> AbstractRobustChannel:
         if self._channel is None or self._channel.is_closed:
             self._channel = await self._connection.channel()
         return self._channel

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import orjson
 from pydantic import ValidationError
@@ -276,7 +277,7 @@ class CompletionService:
         self._metrics.ttft.labels(active.job.model).observe(time.perf_counter() - active.started)
         return first, chunks
 
-    async def collect(self, active: ActiveJob, first: TokenChunk, rest: AsyncIterator[TokenChunk]) -> dict:
+    async def collect(self, active: ActiveJob, first: TokenChunk, rest: AsyncIterator[TokenChunk]) -> dict[str, Any]:
         """Gather the whole answer into one OpenAI response object (stored before it is returned)."""
         last = first
         try:
@@ -390,11 +391,11 @@ class CompletionService:
         if not_stored is not None and outcome in ("stop", "length"):
             raise _history_unavailable() from not_stored
 
-    async def _settle(self, active: ActiveJob, cancel: asyncio.Future | None) -> None:
+    async def _settle(self, active: ActiveJob, cancel: asyncio.Future[Any] | None) -> None:
         """The answer's bookkeeping, in one Redis write: its usage row, the charge of its real token
         use (correcting the gateway's estimate) and the release of the caller's concurrency lease;
         then the outcome of those and of the cancel notice. None of it may fail the answer."""
-        writes: dict[str, asyncio.Future] = {"cancel_publish": cancel} if cancel is not None else {}
+        writes: dict[str, asyncio.Future[Any]] = {"cancel_publish": cancel} if cancel is not None else {}
         job, caller, usage = active.job, active.caller, active.usage
         if usage is not None:
             row = UsageRow(
@@ -432,11 +433,11 @@ def _history_unavailable() -> Unavailable:
     )
 
 
-def _retrieved(future: asyncio.Future) -> None:
+def _retrieved(future: asyncio.Future[Any]) -> None:
     """A best-effort write's outcome: an error is only logged."""
     if not future.cancelled() and future.exception() is not None:
         log.warning("cancel_publish_failed", error=repr(future.exception()))
 
 
-def _sse(payload: dict) -> bytes:
+def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"

@@ -8,11 +8,12 @@ being answered (turns never interleave; the client retries or waits).
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import get_args
 
 from services.sessions.history import SessionInfo, SessionStore, StoredMessage
 from shared.errors import Conflict
 from shared.logging import get_logger
-from shared.schemas import Message
+from shared.schemas import Message, Role
 from shared.tasks import BackgroundTasks
 from shared.tokens import estimate_tokens
 
@@ -22,6 +23,8 @@ _UNLOCK_RETRY_S = 1.0
 
 # Assistant answers that ended like this carry no text worth sending back to the model.
 _SKIPPED_STATUSES = frozenset({"failed"})
+# The stored roles a prompt takes (a stored role is a plain string), each as the `Role` it is.
+_PROMPT_ROLES: dict[str, Role] = {role: role for role in get_args(Role)}
 
 
 def message_tokens(message: Message) -> int:
@@ -42,9 +45,9 @@ def build_prompt(
     """
     head = [Message(role="system", content=system_prompt)] if system_prompt else []
     usable = [
-        Message(role=m.role, content=m.content)
+        Message(role=role, content=m.content)
         for m in history
-        if m.status not in _SKIPPED_STATUSES and m.role in {"user", "assistant", "system", "tool", "developer"}
+        if m.status not in _SKIPPED_STATUSES and (role := _PROMPT_ROLES.get(m.role)) is not None
     ]
     fixed = sum(message_tokens(m) for m in head + new_messages)
     kept: list[Message] = []

@@ -6,6 +6,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
@@ -63,7 +64,7 @@ class Worker:
         self._channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
         self._consumer_tag: str | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def boot(self) -> None:
         """Load the engine, then connect and start consuming. A broken engine stops the process."""
@@ -207,7 +208,7 @@ def create_app(settings: WorkerSettings | None = None, engine: Engine | None = N
     )
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> dict[str, Any]:
         """Liveness: the process answers."""
         return {"status": "ok"}
 

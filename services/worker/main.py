@@ -18,7 +18,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, worker: Worker) -> None:
         super().__init__(config)
         self._worker = worker
-        self._draining: asyncio.Task | None = None
+        self._draining: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining is not None:

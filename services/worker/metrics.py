@@ -106,5 +106,9 @@ class WorkerMetrics:
         )
         for index in range(count):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            gauge.labels(str(index)).set_function(lambda h=handle: pynvml.nvmlDeviceGetMemoryInfo(h).used)
+
+            def memory_used(handle: object = handle) -> float:
+                return float(pynvml.nvmlDeviceGetMemoryInfo(handle).used)  # the gauge takes float() of it anyway
+
+            gauge.labels(str(index)).set_function(memory_used)
         log.info("gpu_metrics_enabled", devices=count)

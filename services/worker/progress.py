@@ -86,7 +86,7 @@ class JobStream:
         self.completion_tokens += out.n_tokens
         if not self.resumed or self.prompt_tokens == 0:
             self.prompt_tokens = out.prompt_tokens
-        chunk: dict = {"seq": self.seq, "text": out.text, "n_tokens": out.n_tokens}
+        chunk: dict[str, object] = {"seq": self.seq, "text": out.text, "n_tokens": out.n_tokens}
         if out.finish_reason is not None:
             chunk["finish_reason"] = out.finish_reason
             chunk["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
@@ -98,7 +98,7 @@ class JobStream:
     async def finish_cancelled(self) -> None:
         await self._send({"seq": self.seq, "finish_reason": "cancelled"})
 
-    async def _send(self, chunk: dict, *, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
+    async def _send(self, chunk: dict[str, object], *, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
         """One script call: publish the chunk and record the progress (or, for a final chunk,
         forget it), so a worker dying in between never leaves half a record."""
         final = "finish_reason" in chunk

@@ -54,7 +54,7 @@ class JobRunner:
         self._metrics = metrics
         self._max_deliveries = max_deliveries
         self._dead_letter = dead_letter
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self.generating = 0
 
@@ -316,7 +316,7 @@ async def listen_for_cancellations(client: redis.Redis, names: Names, runner: Jo
             await asyncio.sleep(_RESUBSCRIBE_DELAY_S)
         finally:
             with contextlib.suppress(Exception):
-                await pubsub.aclose()
+                await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves PubSub.aclose unannotated
 
 
 async def consume(queue: AbstractQueue, runner: JobRunner) -> str:

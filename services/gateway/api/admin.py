@@ -1,7 +1,7 @@
 """Admin API (`/admin/*`), guarded by `AXON_ADMIN_TOKEN`: API keys and usage."""
 
 import datetime as dt
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, Field
@@ -46,13 +46,13 @@ async def create_key(body: KeyCreate, keys: KeysDep, request: Request) -> KeyCre
 
 
 @router.get("/keys")
-async def list_keys(keys: KeysDep) -> dict:
+async def list_keys(keys: KeysDep) -> dict[str, Any]:
     """List API keys (display form only)."""
     return {"object": "list", "data": [r.model_dump(mode="json") for r in await keys.list()]}
 
 
 @router.delete("/keys/{key_id}")
-async def revoke_key(key_id: str, keys: KeysDep, request: Request) -> dict:
+async def revoke_key(key_id: str, keys: KeysDep, request: Request) -> dict[str, Any]:
     """Revoke an API key; every gateway refuses it within a second."""
     key_hash = await keys.revoke(key_id)
     if key_hash is None:
@@ -66,7 +66,7 @@ async def usage(
     request: Request,
     since: Annotated[dt.date | None, Query(description="first day (UTC), default 30 days ago")] = None,
     key_id: Annotated[str | None, Query(max_length=64)] = None,
-) -> dict:
+) -> dict[str, Any]:
     """Usage summed per key and day."""
     since = since or (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=30))
     rows = await request.app.state.db.fetch(
@@ -101,7 +101,7 @@ def _registry(request: Request) -> WorkerRegistry:
 
 
 @router.get("/models/aliases")
-async def list_aliases(request: Request) -> dict:
+async def list_aliases(request: Request) -> dict[str, Any]:
     """Public model names and the served models they point at."""
     return {
         "object": "list",
@@ -112,14 +112,14 @@ async def list_aliases(request: Request) -> dict:
 @router.put("/models/aliases/{alias}")
 async def set_alias(
     alias: Annotated[str, Path(min_length=1, max_length=256)], body: AliasTarget, request: Request
-) -> dict:
+) -> dict[str, Any]:
     """Point an alias at a served model (atomic; 409 if no live worker serves the target)."""
     await _registry(request).set_alias(alias, body.target)
     return {"alias": alias, "target": body.target}
 
 
 @router.delete("/models/aliases/{alias}")
-async def remove_alias(alias: str, request: Request) -> dict:
+async def remove_alias(alias: str, request: Request) -> dict[str, Any]:
     """Remove an alias."""
     if not await _registry(request).remove_alias(alias):
         raise NotFound(f"No alias '{alias}'.", param="alias")

@@ -37,11 +37,13 @@ async def require_admin(
 
 
 async def get_service(request: Request) -> GatewayService:
-    return request.app.state.gateway
+    service: GatewayService = request.app.state.gateway
+    return service
 
 
 async def get_keys(request: Request) -> KeyRepository:
-    return request.app.state.keys
+    keys: KeyRepository = request.app.state.keys
+    return keys
 
 
 CallerDep = Annotated[KeyRecord, Depends(get_caller)]

@@ -137,7 +137,7 @@ def query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]
     return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
 
 
-_ERROR_STATUSES = {
+_ERROR_STATUSES: dict[int | str, str] = {
     400: "Invalid request: the body or a parameter is wrong (`param` names it).",
     401: "Missing, unknown or revoked API key.",
     404: "Unknown model, or no such session for this key's tenant.",
@@ -154,7 +154,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """`responses=` entries for the errors a route may answer: the ones every forwarded call may
     get (no valid key, a limit, the session manager down or late, any other client error) and
     `statuses`, all in OpenAI's shape."""
-    every = (401, 429, 503, 504, "4XX")
+    every: tuple[int | str, ...] = (401, 429, 503, 504, "4XX")
     return {status: {"description": _ERROR_STATUSES[status], "model": ErrorResponse} for status in (*statuses, *every)}
 
 

@@ -1,6 +1,6 @@
 """Sessions API: conversations owned by the caller's tenant (another tenant gets 404)."""
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -51,11 +51,12 @@ class SessionUpdate(BaseModel):
 
 
 def _store(request: Request) -> SessionStore:
-    return request.app.state.sessions
+    store: SessionStore = request.app.state.sessions
+    return store
 
 
 @router.post("", status_code=201)
-async def create_session(body: SessionCreate, caller: CallerDep, request: Request) -> dict:
+async def create_session(body: SessionCreate, caller: CallerDep, request: Request) -> dict[str, Any]:
     """Create a session (optional title, system prompt and model)."""
     info = await _store(request).create(
         caller.tenant, title=body.title, system_prompt=body.system_prompt, model=body.model
@@ -71,26 +72,26 @@ async def list_sessions(
     after: Annotated[
         str | None, Query(max_length=64, description="id of the last session of the previous page")
     ] = None,
-) -> dict:
+) -> dict[str, Any]:
     """List the caller's sessions, newest first."""
     items, has_more = await _store(request).list_sessions(caller.tenant, limit=limit, after=after)
     return {"object": "list", "data": [i.public() for i in items], "has_more": has_more}
 
 
 @router.get("/{session_id}")
-async def get_session(session_id: str, caller: CallerDep, request: Request) -> dict:
+async def get_session(session_id: str, caller: CallerDep, request: Request) -> dict[str, Any]:
     """Get one session."""
     return (await _store(request).get(caller.tenant, session_id)).public()
 
 
 @router.patch("/{session_id}")
-async def update_session(session_id: str, body: SessionUpdate, caller: CallerDep, request: Request) -> dict:
+async def update_session(session_id: str, body: SessionUpdate, caller: CallerDep, request: Request) -> dict[str, Any]:
     """Rename a session."""
     return (await _store(request).rename(caller.tenant, session_id, title=body.title)).public()
 
 
 @router.delete("/{session_id}")
-async def delete_session(session_id: str, caller: CallerDep, request: Request) -> dict:
+async def delete_session(session_id: str, caller: CallerDep, request: Request) -> dict[str, Any]:
     """Delete a session and all its messages."""
     await _store(request).delete(caller.tenant, session_id)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
@@ -103,7 +104,7 @@ async def list_messages(
     request: Request,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
     after: Annotated[int, Query(ge=0, description="seq of the last message of the previous page")] = 0,
-) -> dict:
+) -> dict[str, Any]:
     """List a session's messages, oldest first."""
     store = _store(request)
     info = await store.get(caller.tenant, session_id)

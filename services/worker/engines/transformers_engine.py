@@ -8,7 +8,7 @@ processors; temperature 0 is greedy (top_k = 1). Stop strings are cut here.
 
 import asyncio
 import importlib.util
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from services.worker.engines.base import (
 )
 from services.worker.engines.text import IncrementalDetokenizer, StopMatcher
 from shared.logging import get_logger
+from shared.schemas import FinishReason
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -64,7 +65,8 @@ class TransformersEngine(Engine):
         self._eos_ids: set[int] = set()
         self._vocab_size = 0
         self.context_tokens = 0
-        self._queues: dict[str, asyncio.Queue] = {}
+        # Per request: transformers' outputs (untyped), or `_CANCELLED`.
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -92,7 +94,7 @@ class TransformersEngine(Engine):
         self.context_tokens = int(getattr(model.config, "max_position_embeddings", 2048))
         # Defaults only decide which per-request processors exist (a processor is created
         # only for a value that changes the logits); every request passes its own values.
-        generation_config = GenerationConfig(
+        generation_config = GenerationConfig(  # type: ignore[no-untyped-call]  # its __init__ is unannotated
             do_sample=True,
             temperature=0.7,
             top_k=50,
@@ -144,8 +146,9 @@ class TransformersEngine(Engine):
             return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
         return list(self._tokenizer.encode(request.prompt or ""))
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        text: str = self._tokenizer.decode(token_ids, skip_special_tokens=True)
+        return text
 
     def _sampling_kwargs(self, request: GenerationRequest) -> dict[str, Any]:
         sampling = request.sampling
@@ -174,7 +177,7 @@ class TransformersEngine(Engine):
                 f"context of {self.context_tokens} tokens."
             )
         rid = request.request_id
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[rid] = queue
         self._manager.register_result_handler(rid, queue.put_nowait)
         added = self._manager.add_request(
@@ -195,7 +198,7 @@ class TransformersEngine(Engine):
             self._forget_handler(rid)
 
     async def _outputs(
-        self, rid: str, queue: asyncio.Queue, prompt_tokens: int, stop: list[str], resumed: list[int]
+        self, rid: str, queue: asyncio.Queue[Any], prompt_tokens: int, stop: list[str], resumed: list[int]
     ) -> AsyncIterator[EngineOutput]:
         detokenizer = IncrementalDetokenizer(self._decode, prefix_len=len(resumed))
         stops = StopMatcher(stop)
@@ -218,7 +221,7 @@ class TransformersEngine(Engine):
                 return
             if finished:
                 text += stops.flush()
-                reason = "stop" if ended_by_eos else "length"
+                reason: FinishReason = "stop" if ended_by_eos else "length"
                 yield EngineOutput(text, len(new_ids), prompt_tokens, len(tokens), reason, new_ids)
                 return
             if text:

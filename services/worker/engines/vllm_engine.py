@@ -97,7 +97,7 @@ class VllmEngine(Engine):
         """The prompt text; a resumed answer continues after the text already published."""
         if request.messages is not None:
             messages = [m.model_dump() for m in request.messages]
-            prompt = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            prompt: str = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:
             prompt = request.prompt or ""
         return prompt + (request.resume.text if request.resume else "")
