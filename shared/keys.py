@@ -47,9 +47,14 @@ def limits_with_defaults(
 
 
 class KeyDefaults(Protocol):
-    default_rpm: int
-    default_tpm: int
-    default_max_concurrent: int
+    """Read-only: the settings that provide these are frozen."""
+
+    @property
+    def default_rpm(self) -> int: ...
+    @property
+    def default_tpm(self) -> int: ...
+    @property
+    def default_max_concurrent(self) -> int: ...
 
 
 class KeyRecord(BaseModel):

@@ -12,6 +12,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from redis.exceptions import RedisError
 from starlette.background import BackgroundTask
@@ -68,7 +69,7 @@ SSE_END = b"data: [DONE]\n\n"
 # FastAPI's own OpenTelemetry instrumentation, off: Axon exports Prometheus metrics and JSON logs,
 # and with it on FastAPI looks up the OpenTelemetry providers (reading the environment) on every
 # request.
-NO_FASTAPI_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
+NO_FASTAPI_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 
 
 class SSEResponse(StreamingResponse):
