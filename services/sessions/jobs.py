@@ -9,11 +9,11 @@ from aio_pika.exceptions import AMQPError, DeliveryError
 from aiormq import spec
 from aiormq.exceptions import ChannelInvalidStateError
 
-from shared.clients import MAX_JOB_PRIORITY, declare_job_queue
 from shared.errors import Unavailable
 from shared.logging import get_logger
 from shared.names import Names
 from shared.schemas import Job
+from shared.topology import MAX_JOB_PRIORITY, declare_job_queue
 
 log = get_logger(__name__)
 

@@ -18,11 +18,12 @@ from services.worker.engines.factory import create_engine
 from services.worker.metrics import WorkerMetrics
 from services.worker.service import Heartbeat, JobRunner, consume, listen_for_cancellations
 from services.worker.settings import WorkerSettings
-from shared.clients import connect_amqp, create_redis, declare_job_queue
+from shared.clients import connect_amqp, create_redis
 from shared.logging import get_logger
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
+from shared.topology import declare_job_queue
 from shared.web import (
     NO_FASTAPI_TELEMETRY,
     ORJSONResponse,

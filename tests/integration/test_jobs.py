@@ -7,10 +7,11 @@ import aio_pika
 import pytest
 
 from services.sessions.jobs import JobPublisher
-from shared.clients import connect_amqp, declare_job_queue
+from shared.clients import connect_amqp
 from shared.errors import Unavailable
 from shared.names import Names
 from shared.schemas import Job
+from shared.topology import declare_job_queue
 from tests.conftest import AMQP_URL
 
 
