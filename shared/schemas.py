@@ -1,4 +1,4 @@
-"""Wire schemas that cross a service boundary: the job and the token chunk (see DESIGN.md).
+"""Wire schemas that cross a service boundary: the job and the token chunk (docs/architecture.md).
 
 Plain pydantic only: no torch, vllm or fastapi import, so every service can use them.
 """

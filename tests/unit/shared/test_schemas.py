@@ -1,4 +1,4 @@
-"""shared.schemas: the job and token chunk that cross service boundaries (DESIGN.md)."""
+"""shared.schemas: the job and token chunk that cross service boundaries (docs/architecture.md, "Messages")."""
 
 import json
 
