@@ -21,10 +21,10 @@ import asyncpg
 
 from services.sessions.history import SessionStore
 from services.sessions.metrics import SessionsMetrics
+from services.sessions.outbox import Outbox
 from shared.clients import create_redis
 from shared.migrations import drop_database, migrate, split_database_url
 from shared.names import Names
-from shared.outbox import Outbox
 
 TENANTS = 50
 

@@ -16,11 +16,11 @@ import uuid
 import asyncpg
 
 from services.sessions.metrics import SessionsMetrics
+from services.sessions.outbox import MessageRow, Outbox
 from services.sessions.persister import Batch, Persister
 from shared.clients import create_redis
 from shared.migrations import drop_database, migrate, split_database_url
 from shared.names import Names
-from shared.outbox import MessageRow, Outbox
 
 SESSIONS = 200
 

@@ -20,6 +20,7 @@ from services.sessions.catalog import ModelCatalog
 from services.sessions.history import SessionStore
 from services.sessions.jobs import JobPublisher
 from services.sessions.metrics import SessionsMetrics
+from services.sessions.outbox import Outbox
 from services.sessions.persister import Persister
 from services.sessions.queue_depth import QueueDepthPoller
 from services.sessions.relay import TokenRelay
@@ -28,7 +29,6 @@ from services.sessions.settings import SessionsSettings
 from shared.clients import connect_amqp, create_redis
 from shared.logging import get_logger
 from shared.names import Names
-from shared.outbox import Outbox
 from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
@@ -176,6 +176,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 relay=relay,
                 publisher=publisher,
                 pipe=pipe,
+                outbox=outbox,
                 limiter=RateLimiter(pipe, names),
                 turns=CountedTurns(
                     store,

@@ -14,9 +14,9 @@ import redis.asyncio as redis
 from pydantic import BaseModel
 
 from services.sessions.metrics import SessionsMetrics
+from services.sessions.outbox import MessageRow, Outbox
 from shared.errors import NotFound
 from shared.names import Names
-from shared.outbox import MessageRow, Outbox
 
 _TOMBSTONE = b"-"
 # Compare-and-delete: only the holder releases a session's lock.

@@ -12,7 +12,6 @@ import datetime as dt
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import orjson
@@ -22,6 +21,7 @@ from redis.exceptions import RedisError
 from services.sessions.catalog import ModelCatalog
 from services.sessions.jobs import JobPublisher
 from services.sessions.metrics import SessionsMetrics
+from services.sessions.outbox import Outbox, UsageRow
 from services.sessions.protocol import ChatCompletionRequest, CompletionRequest, Kind, ResponseBuilder
 from services.sessions.relay import STREAM_LOST, TokenRelay, TokenStream
 from services.sessions.settings import SessionsSettings
@@ -29,13 +29,12 @@ from services.sessions.turns import Turn, Turns
 from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
 from shared.logging import bind_contextvars, get_logger
 from shared.names import Names
-from shared.outbox import UsageRow, entry_fields
 from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.registry import LiveModel
 from shared.schemas import Job, Message, Sampling, TokenChunk, Usage
 from shared.tasks import BackgroundTasks
-from shared.web import SSE_END
+from shared.responses import SSE_END
 
 log = get_logger(__name__)
 
@@ -139,6 +138,7 @@ class CompletionService:
         relay: TokenRelay,
         publisher: JobPublisher,
         pipe: RedisPipe,
+        outbox: Outbox,
         limiter: RateLimiter,
         turns: Turns,
         metrics: SessionsMetrics,
@@ -149,6 +149,7 @@ class CompletionService:
         self._relay = relay
         self._publisher = publisher
         self._pipe = pipe
+        self._outbox = outbox
         self._limiter = limiter
         self._turns = turns
         self._metrics = metrics
@@ -408,8 +409,7 @@ class CompletionService:
                 latency_ms=int((time.perf_counter() - active.started) * 1000),
                 created_at=dt.datetime.now(dt.UTC),
             )
-            fields = entry_fields("usage", row)
-            writes["usage_record"] = self._pipe.submit("XADD", self._names.outbox, "*", *chain(*fields.items()))
+            writes["usage_record"] = self._pipe.submit(*self._outbox.append_command("usage", row))
             cost = usage.completion_tokens + usage.prompt_tokens - caller.prompt_estimate
             if caller.key_id is not None and caller.tpm_limit and cost:
                 writes["token_charge"] = self._limiter.submit_charge(caller.key_id, caller.tpm_limit, cost)

@@ -8,9 +8,9 @@ import asyncpg
 import pytest
 
 from services.sessions.metrics import SessionsMetrics
+from services.sessions.outbox import MessageRow, Outbox, UsageRow
 from services.sessions.persister import Persister
 from shared.names import Names
-from shared.outbox import MessageRow, Outbox, UsageRow
 from tests.e2e.tcpproxy import TcpProxy
 
 

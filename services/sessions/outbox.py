@@ -7,6 +7,7 @@ so a batch written twice is harmless.
 """
 
 import datetime as dt
+from itertools import chain
 from typing import Literal, overload
 
 import orjson
@@ -14,6 +15,7 @@ import redis.asyncio as redis
 from pydantic import BaseModel, field_validator
 
 from shared.names import Names
+from shared.redis_pipe import Arg
 
 RowKind = Literal["message", "usage"]
 
@@ -91,7 +93,7 @@ class UsageRow(BaseModel):
 
 
 class Outbox:
-    """Appends rows to the outbox stream."""
+    """Appends rows to the outbox stream: every entry is written here."""
 
     def __init__(self, client: redis.Redis, names: Names) -> None:
         self._redis = client
@@ -101,12 +103,17 @@ class Outbox:
         """Queue `row` for PostgreSQL; with `pipe`, as part of the caller's pipeline."""
         target = pipe if pipe is not None else self._redis
         # redis-py types `fields` as an invariant Dict of every encodable type; a Mapping would accept ours.
-        result = target.xadd(self._names.outbox, entry_fields(kind, row))  # type: ignore[arg-type]
+        result = target.xadd(self._names.outbox, _entry_fields(kind, row))  # type: ignore[arg-type]
         if pipe is None:
             await result
 
+    def append_command(self, kind: RowKind, row: BaseModel) -> tuple[Arg, ...]:
+        """The command queueing `row` for PostgreSQL, for a `RedisPipe` to send with the other
+        writes of its round trip."""
+        return ("XADD", self._names.outbox, "*", *chain(*_entry_fields(kind, row).items()))
 
-def entry_fields(kind: RowKind, row: BaseModel) -> dict[str, bytes | str]:
+
+def _entry_fields(kind: RowKind, row: BaseModel) -> dict[str, bytes | str]:
     """An outbox entry's fields. A message travels only as its COPY line (the persister
     concatenates them); a usage row as JSON."""
     if isinstance(row, MessageRow):

@@ -1,8 +1,8 @@
-"""shared.outbox: rows PostgreSQL can always store."""
+"""services/sessions/outbox.py: rows PostgreSQL can always store."""
 
 import datetime as dt
 
-from shared.outbox import MessageRow, UsageRow
+from services.sessions.outbox import MessageRow, UsageRow
 
 NOW = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
 
