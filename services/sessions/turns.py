@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import get_args
 
+from prometheus_client import Gauge
+
 from services.sessions.history import SessionInfo, SessionStore, StoredMessage
 from shared.errors import Conflict
 from shared.logging import get_logger
@@ -78,15 +80,20 @@ class Turn:
 class Turns:
     """Begins and ends session turns against the store.
 
+    Keeps a gauge of open turns (`axon_sessions_active_sessions`): +1 once a session is locked
+    for a turn, -1 when its answer is stored or the turn is abandoned. Each open turn holds its
+    session's lock, so this is the number of sessions being answered.
+
     A turn's lock must not outlive its turn: a release that fails (Redis away) is retried in the
     background until it succeeds or the lock has expired anyway. Otherwise a Redis restart in
     the middle of a turn would leave its session answering 409 for the whole lock TTL.
     """
 
-    def __init__(self, store: SessionStore, *, instance_id: str, lock_ttl_s: float) -> None:
+    def __init__(self, store: SessionStore, *, instance_id: str, lock_ttl_s: float, gauge: Gauge) -> None:
         self._store = store
         self._instance_id = instance_id
         self._lock_ttl_s = lock_ttl_s
+        self._gauge = gauge
         self._background = BackgroundTasks()
 
     async def begin(
@@ -114,7 +121,9 @@ class Turns:
         prompt, dropped = build_prompt(
             system_prompt=info.system_prompt, history=history, new_messages=new_messages, budget_tokens=budget_tokens
         )
-        return Turn(info=info, holder=holder, job_id=job_id, prompt=prompt, dropped=dropped, new_messages=new_messages)
+        turn = Turn(info=info, holder=holder, job_id=job_id, prompt=prompt, dropped=dropped, new_messages=new_messages)
+        self._gauge.inc()
+        return turn
 
     async def record_question(self, turn: Turn) -> None:
         """Store the new messages (after the job was accepted by the broker)."""
@@ -131,13 +140,20 @@ class Turns:
         try:
             await self._store.append(turn.info, role="assistant", content=text, status=status, job_id=turn.job_id)
         finally:
-            await self._release(turn.info.id, turn.holder)
+            await self._end(turn)
 
     async def abandon(self, turn: Turn) -> None:
         """Release the session without storing anything (the job never started)."""
         if not turn.closed:
             turn.closed = True
+            await self._end(turn)
+
+    async def _end(self, turn: Turn) -> None:
+        """Release a turn's session and stop counting the turn (once: its caller closed it)."""
+        try:
             await self._release(turn.info.id, turn.holder)
+        finally:
+            self._gauge.dec()
 
     async def _release(self, session_id: str, holder: str) -> None:
         try:

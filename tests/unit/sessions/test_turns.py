@@ -1,12 +1,12 @@
-"""services/sessions/active_sessions.py: a session counts as active exactly while a turn holds it."""
+"""services/sessions/turns.py: a session counts as active exactly while a turn holds it."""
 
 import datetime as dt
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from services.sessions.active_sessions import CountedTurns
 from services.sessions.history import SessionInfo
+from services.sessions.turns import Turns
 from shared.errors import Conflict
 from shared.schemas import Message
 
@@ -46,11 +46,11 @@ def _value(gauge: Gauge) -> float:
     return gauge.collect()[0].samples[0].value
 
 
-def _turns(store: MemoryStore, gauge: Gauge) -> CountedTurns:
-    return CountedTurns(store, instance_id="i1", lock_ttl_s=30, gauge=gauge)  # type: ignore[arg-type]
+def _turns(store: MemoryStore, gauge: Gauge) -> Turns:
+    return Turns(store, instance_id="i1", lock_ttl_s=30, gauge=gauge)  # type: ignore[arg-type]
 
 
-async def _begin(turns: CountedTurns, job_id: str):
+async def _begin(turns: Turns, job_id: str):
     return await turns.begin(
         tenant="t",
         session_id="s1",
