@@ -17,8 +17,9 @@ from aiormq.exceptions import ChannelInvalidStateError
 from pydantic import ValidationError
 
 from services.worker.engines import Engine, EngineError, EngineOutput, GenerationRequest, InvalidPrompt, Resume
+from services.worker.failover import Failover, Progress, remaining_sampling
 from services.worker.metrics import WorkerMetrics
-from services.worker.progress import Coalescer, JobStream
+from services.worker.publisher import ChunkPublisher, Coalescer
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
@@ -52,7 +53,7 @@ class JobRunner:
         self._pipe = pipe
         self._names = names
         self._metrics = metrics
-        self._max_deliveries = max_deliveries
+        self._failover = Failover(pipe, names, max_deliveries=max_deliveries)
         self._dead_letter = dead_letter
         self._tasks: set[asyncio.Task[None]] = set()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
@@ -106,16 +107,23 @@ class JobRunner:
         bind_contextvars(
             job_id=job.job_id, tenant=job.tenant, session_id=job.session_id, request_id=headers.get("x-request-id")
         )
-        stream = JobStream(self._pipe, self._names, job_id=job.job_id, channel=job.channel, deadline=job.deadline)
         started = time.perf_counter()
         try:
-            resume = await stream.load() if message.redelivered else None
-            if stream.done:
+            progress = await self._failover.load_progress(job.job_id) if message.redelivered else Progress()
+            publisher = ChunkPublisher(
+                self._pipe,
+                self._names,
+                job_id=job.job_id,
+                channel=job.channel,
+                deadline=job.deadline,
+                progress=progress,
+            )
+            if progress.done:
                 outcome = "duplicate"  # finished before; only its ack was lost
-            elif message.redelivered and await self._poisoned(job, stream, message):
+            elif message.redelivered and await self._poisoned(job, publisher, message):
                 return
             else:
-                outcome = await self._run(job, stream, resume)
+                outcome = await self._run(job, publisher, progress.resume)
         except asyncio.CancelledError:
             # Draining: the job goes back to the queue; its progress lets the next worker resume.
             await asyncio.shield(_settle(message, requeue=True))
@@ -127,73 +135,67 @@ class JobRunner:
             await _settle(message, requeue=True)  # counted on redelivery; dead-lettered past the limit
             return
         self._metrics.jobs.labels(job.model, outcome).inc()
-        if stream.resumed:
+        if publisher.resumed:
             self._metrics.jobs.labels(job.model, "resumed").inc()
         await _settle(message)
         log.info(
             "job_finished",
             outcome=outcome,
-            chunks=stream.seq,
-            resumed=stream.resumed,
+            chunks=publisher.seq,
+            resumed=publisher.resumed,
             duration_ms=round((time.perf_counter() - started) * 1000, 1),
         )
 
-    async def _poisoned(self, job: Job, stream: JobStream, message: AbstractIncomingMessage) -> bool:
+    async def _poisoned(self, job: Job, publisher: ChunkPublisher, message: AbstractIncomingMessage) -> bool:
         """Count a redelivery; past `max_deliveries`, dead-letter the job and tell its client."""
-        key = self._names.job_deliveries(job.job_id)
-        redeliveries, _ = await asyncio.gather(
-            self._pipe.submit("INCR", key),
-            self._pipe.submit("EXPIRE", key, max(1, int(job.deadline - time.time()) + 60)),
-        )
-        deliveries = int(redeliveries) + 1
-        if deliveries <= self._max_deliveries:
+        reason = await self._failover.count_redelivery(job)
+        if reason is None:
             return False
-        reason = f"delivered {deliveries} times without finishing (AXON_MAX_DELIVERIES={self._max_deliveries})"
         log.error("job_dead_lettered", reason=reason)
-        await stream.finish_with_error(f"The request could not be completed: it was {reason}.", "server_error")
+        await publisher.finish_with_error(f"The request could not be completed: it was {reason}.", "server_error")
         await self._dead_letter(message, reason)
         self._metrics.jobs.labels(job.model, "dead_lettered").inc()
         return True
 
-    async def _run(self, job: Job, stream: JobStream, resume: Resume | None) -> str:
+    async def _run(self, job: Job, publisher: ChunkPublisher, resume: Resume | None) -> str:
         if job.job_id in self._cancelled:
-            await stream.finish_cancelled()
+            await publisher.finish_cancelled()
             return "cancelled"
         remaining_s = job.deadline - time.time()
         if remaining_s <= 0:
-            await stream.finish_with_error("The request's deadline passed before it started.", "timeout_error")
+            await publisher.finish_with_error("The request's deadline passed before it started.", "timeout_error")
             return "expired"
         try:
             async with asyncio.timeout(remaining_s):
-                return await self._generate(job, stream, resume)
+                return await self._generate(job, publisher, resume)
         except TimeoutError:
             await self._engine.abort(job.job_id)
-            await stream.finish_with_error("The request's deadline passed during generation.", "timeout_error")
+            await publisher.finish_with_error("The request's deadline passed during generation.", "timeout_error")
             return "expired"
         except InvalidPrompt as exc:
-            await stream.finish_with_error(str(exc), "invalid_request_error")
+            await publisher.finish_with_error(str(exc), "invalid_request_error")
             return "invalid"
         except EngineError as exc:
             log.warning("job_failed", error=str(exc))
-            await stream.finish_with_error(str(exc), "server_error")
+            await publisher.finish_with_error(str(exc), "server_error")
             return "failed"
 
-    async def _generate(self, job: Job, stream: JobStream, resume: Resume | None) -> str:
+    async def _generate(self, job: Job, publisher: ChunkPublisher, resume: Resume | None) -> str:
         sampling = job.sampling
         if resume is not None:
-            log.info("job_resumed", seq=stream.seq, completion_tokens=resume.completion_tokens)
-            remaining = sampling.max_tokens - resume.completion_tokens
-            if remaining < 1:
-                await stream.publish(EngineOutput("", 0, stream.prompt_tokens, 0, finish_reason="length"))
+            log.info("job_resumed", seq=publisher.seq, completion_tokens=resume.completion_tokens)
+            rest = remaining_sampling(sampling, resume)
+            if rest is None:
+                await publisher.publish(EngineOutput("", 0, publisher.prompt_tokens, 0, finish_reason="length"))
                 return "completed"
-            sampling = sampling.model_copy(update={"max_tokens": remaining})
+            sampling = rest
         request = GenerationRequest(
             request_id=job.job_id, sampling=sampling, messages=job.messages, prompt=job.prompt, resume=resume
         )
         model = job.model
         started = time.perf_counter()
         outputs = Coalescer()
-        pump = asyncio.create_task(self._pump(outputs, stream, model=model, started=started))
+        pump = asyncio.create_task(self._pump(outputs, publisher, model=model, started=started))
         self._metrics.running.labels(model).inc()
         self.generating += 1
         engine_error: EngineError | None = None
@@ -220,7 +222,9 @@ class JobRunner:
         self._metrics.job_duration.labels(model).observe(time.perf_counter() - started)
         return "cancelled" if reason == "cancelled" else "completed"
 
-    async def _pump(self, outputs: Coalescer, stream: JobStream, *, model: str, started: float) -> FinishReason | None:
+    async def _pump(
+        self, outputs: Coalescer, publisher: ChunkPublisher, *, model: str, started: float
+    ) -> FinishReason | None:
         """Publish what the engine produced, merging whatever piled up during the last publish."""
         reason: FinishReason | None = None
         first = True
@@ -228,11 +232,11 @@ class JobRunner:
             if first:
                 self._metrics.ttft.labels(model).observe(time.perf_counter() - started)
                 first = False
-            await stream.publish(out)
+            await publisher.publish(out)
             self._metrics.output_tokens.labels(model).inc(out.n_tokens)
             if out.finish_reason is not None:
                 reason = out.finish_reason
-                self._metrics.prompt_tokens.labels(model).inc(stream.prompt_tokens)
+                self._metrics.prompt_tokens.labels(model).inc(publisher.prompt_tokens)
         return reason
 
 

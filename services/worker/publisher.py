@@ -1,7 +1,8 @@
 """A job's stream of chunks and its progress in Redis, written in the same round trip.
 
 With every chunk the worker records the next `seq`, the text (and token ids) so far, so
-a worker that takes over a redelivered job resumes exactly where the dead one stopped.
+a worker that takes over a redelivered job resumes exactly where the dead one stopped
+(`failover.py` reads it back).
 """
 
 import asyncio
@@ -9,7 +10,8 @@ import time
 
 import orjson
 
-from services.worker.engines import EngineOutput, Resume
+from services.worker.engines import EngineOutput
+from services.worker.failover import Progress
 from shared.names import Names
 from shared.redis_pipe import PipeScript, RedisPipe
 
@@ -40,46 +42,21 @@ return 1
 """)
 
 
-class JobStream:
-    """Publishes one job's chunks, numbered on from where any earlier attempt stopped."""
+class ChunkPublisher:
+    """Publishes one job's chunks, numbered on from where any earlier attempt stopped (`progress`)."""
 
-    def __init__(self, pipe: RedisPipe, names: Names, *, job_id: str, channel: str, deadline: float) -> None:
+    def __init__(
+        self, pipe: RedisPipe, names: Names, *, job_id: str, channel: str, deadline: float, progress: Progress
+    ) -> None:
         self._pipe = pipe
-        self._job_id = job_id
         self._channel = channel
         self._deadline = deadline
         self._keys = (names.job_progress(job_id), names.job_progress_text(job_id), names.job_progress_tokens(job_id))
-        self.seq = 0
-        self.completion_tokens = 0
-        self.prompt_tokens = 0
-        self.resumed = False
-        # An earlier attempt already published the final chunk.
-        self.done = False
+        self.seq = progress.seq
+        self.completion_tokens = progress.resume.completion_tokens if progress.resume is not None else 0
+        self.prompt_tokens = progress.prompt_tokens
+        self.resumed = progress.resume is not None
         self._expiry_set = False
-
-    async def load(self) -> Resume | None:
-        """Read what an earlier attempt published, if any (one round trip)."""
-        progress_key, text_key, tokens_key = self._keys
-        fields, text, token_ids = await asyncio.gather(
-            self._pipe.submit("HGETALL", progress_key),
-            self._pipe.submit("GET", text_key),
-            self._pipe.submit("LRANGE", tokens_key, 0, -1),
-        )
-        if not fields:
-            return None
-        progress = dict(zip(fields[::2], fields[1::2], strict=True))
-        if b"done" in progress:
-            self.done = True
-            return None
-        self.seq = int(progress[b"seq"])
-        self.completion_tokens = int(progress[b"completion_tokens"])
-        self.prompt_tokens = int(progress[b"prompt_tokens"])
-        self.resumed = True
-        return Resume(
-            text=(text or b"").decode(),
-            token_ids=tuple(int(t) for t in token_ids),
-            completion_tokens=self.completion_tokens,
-        )
 
     async def publish(self, out: EngineOutput) -> None:
         """Publish the engine's output as the next chunk and record the progress atomically."""

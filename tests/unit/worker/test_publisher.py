@@ -1,0 +1,23 @@
+"""services.worker.publisher: outputs that pile up during a publish go out as one chunk."""
+
+import asyncio
+
+from services.worker.engines import EngineOutput
+from services.worker.publisher import Coalescer
+
+
+async def test_outputs_added_meanwhile_are_merged_into_one() -> None:
+    outputs = Coalescer()
+    outputs.add(EngineOutput("Hel", 1, 5, 1, token_ids=(1,)))
+    outputs.add(EngineOutput("lo", 1, 5, 2, finish_reason="stop", token_ids=(2,)))
+    outputs.close()
+    assert await outputs.take() == EngineOutput("Hello", 2, 5, 2, finish_reason="stop", token_ids=(1, 2))
+    assert await outputs.take() is None
+
+
+async def test_a_lone_output_goes_out_as_soon_as_it_exists() -> None:
+    outputs = Coalescer()
+    taken = asyncio.create_task(outputs.take())
+    await asyncio.sleep(0)
+    outputs.add(EngineOutput("Hi", 1, 5, 1))
+    assert await asyncio.wait_for(taken, 1) == EngineOutput("Hi", 1, 5, 1)
