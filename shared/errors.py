@@ -1,7 +1,7 @@
 """Axon's exceptions and the one OpenAI-style error envelope.
 
 Each exception names its HTTP status and OpenAI error type, so mapping an
-exception to a response happens in one place (`shared.web`).
+exception to a response happens in one place (`shared.http_errors`).
 """
 
 from typing import Any

@@ -17,20 +17,17 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.service import Forwarder, GatewayService, InFlightLimit
 from services.gateway.settings import GatewaySettings
 from shared.clients import create_redis
+from shared.hot_routes import HotRoutes
 from shared.http1 import Http1Client, RemoteProtocolError
+from shared.http_errors import install_error_handlers
 from shared.keys import KeyRepository
 from shared.logging import get_logger
+from shared.metrics import metrics_response
+from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
 from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
-from shared.web import (
-    NO_FASTAPI_TELEMETRY,
-    HotRoutes,
-    ORJSONResponse,
-    RequestContextMiddleware,
-    install_error_handlers,
-    metrics_response,
-)
+from shared.responses import ORJSONResponse
 
 log = get_logger(__name__)
 

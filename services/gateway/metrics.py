@@ -2,7 +2,7 @@
 
 from prometheus_client import CollectorRegistry, Counter
 
-from shared.web import HttpMetrics
+from shared.metrics import HttpMetrics
 
 
 class GatewayMetrics:

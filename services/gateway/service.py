@@ -2,7 +2,7 @@
 relay its answer back unchanged.
 
 Completions, the route every generated token takes, are answered by a plain ASGI handler
-(`GatewayService.completion`, installed as a `shared.web.HotRoute`); the other calls go through
+(`GatewayService.completion`, installed as a `shared.hot_routes.HotRoute`); the other calls go through
 FastAPI (`GatewayService.call`). Both forward with the lean HTTP/1.1 client of `shared/http1.py`.
 """
 
@@ -19,13 +19,15 @@ from prometheus_client import Counter
 from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.auth import Admission, Admitter, Authenticator
+from shared.disconnects import DisconnectWatch, unless_disconnected
 from shared.errors import DeadlineExceeded, InvalidRequest, Unavailable, error_body
+from shared.hot_routes import header, read_body
 from shared.http1 import ConnectError, Http1Client, ReadTimeout, RemoteProtocolError
 from shared.http1 import Response as UpstreamResponse
 from shared.keys import KeyRecord
 from shared.logging import bind_contextvars, get_logger
+from shared.responses import SSE_END
 from shared.tokens import estimate_tokens
-from shared.web import SSE_END, DisconnectWatch, header, read_body, unless_disconnected
 
 log = get_logger(__name__)
 

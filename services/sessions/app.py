@@ -13,6 +13,7 @@ import redis.asyncio as redis
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from services.sessions.active_sessions import CountedTurns
 from services.sessions.api import sessions as sessions_api
 from services.sessions.api.routes import HOT_ROUTES, router
 from services.sessions.catalog import ModelCatalog
@@ -25,21 +26,17 @@ from services.sessions.queue_depth import QueueDepthPoller
 from services.sessions.relay import TokenRelay
 from services.sessions.service import CompletionService
 from services.sessions.settings import SessionsSettings
-from services.sessions.turns import Turns
 from shared.clients import connect_amqp, create_redis
+from shared.hot_routes import HotRoutes
+from shared.http_errors import install_error_handlers
 from shared.logging import get_logger
+from shared.metrics import metrics_response
+from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
 from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
-from shared.web import (
-    NO_FASTAPI_TELEMETRY,
-    HotRoutes,
-    ORJSONResponse,
-    RequestContextMiddleware,
-    install_error_handlers,
-    metrics_response,
-)
+from shared.responses import ORJSONResponse
 
 log = get_logger(__name__)
 
@@ -178,7 +175,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 pipe=pipe,
                 outbox=outbox,
                 limiter=RateLimiter(pipe, names),
-                turns=Turns(
+                turns=CountedTurns(
                     store,
                     instance_id=instance_id,
                     lock_ttl_s=settings.request_timeout_s + 30,

@@ -2,7 +2,7 @@
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from shared.web import LATENCY_BUCKETS_S, HttpMetrics
+from shared.metrics import LATENCY_BUCKETS_S, HttpMetrics
 
 # Seconds between tokens: from a fast GPU step to a stalled stream.
 INTER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 5)

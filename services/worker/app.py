@@ -19,18 +19,15 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.service import Heartbeat, JobRunner, consume, listen_for_cancellations
 from services.worker.settings import WorkerSettings
 from shared.clients import connect_amqp, create_redis
+from shared.http_errors import install_error_handlers
 from shared.logging import get_logger
+from shared.metrics import metrics_response
+from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
+from shared.responses import ORJSONResponse
 from shared.topology import declare_job_queue
-from shared.web import (
-    NO_FASTAPI_TELEMETRY,
-    ORJSONResponse,
-    RequestContextMiddleware,
-    install_error_handlers,
-    metrics_response,
-)
 
 log = get_logger(__name__)
 

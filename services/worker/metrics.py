@@ -5,7 +5,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared.logging import get_logger
-from shared.web import LATENCY_BUCKETS_S, HttpMetrics
+from shared.metrics import LATENCY_BUCKETS_S, HttpMetrics
 
 log = get_logger(__name__)
 

@@ -21,7 +21,7 @@ from services.gateway.api.openapi import (
     json_body,
     query,
 )
-from shared.web import HotRoute
+from shared.hot_routes import HotRoute
 
 # The bearer scheme only documents the key in the schema; `CallerDep` checks it.
 router = APIRouter(dependencies=[Security(bearer_scheme)])
@@ -41,7 +41,7 @@ async def _completion(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 HOT_ROUTES = [HotRoute("POST", "/v1/chat/completions", _completion), HotRoute("POST", "/v1/completions", _completion)]
-"""The completion routes: plain ASGI handlers ahead of FastAPI (`shared.web.HotRoutes`)."""
+"""The completion routes: plain ASGI handlers ahead of FastAPI (`shared.hot_routes.HotRoutes`)."""
 
 
 async def _answered_by_hot_route() -> None:

@@ -12,8 +12,8 @@ from starlette.types import Scope
 
 from services.sessions.service import Caller
 from shared.errors import InvalidRequest
+from shared.hot_routes import header
 from shared.logging import bind_contextvars
-from shared.web import header
 
 # Headers the gateway sets after authenticating the caller. The session manager is internal:
 # only the gateway can reach it (NetworkPolicy in the Helm chart).

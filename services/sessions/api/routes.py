@@ -1,7 +1,7 @@
 """HTTP routes of the session manager: they only translate between HTTP and the service.
 
 The completion routes, which every generated token takes, are plain ASGI handlers ahead of
-FastAPI (`HOT_ROUTES`, installed with `shared.web.HotRoutes`); the rest are FastAPI routes.
+FastAPI (`HOT_ROUTES`, installed with `shared.hot_routes.HotRoutes`); the rest are FastAPI routes.
 """
 
 import asyncio
@@ -15,9 +15,12 @@ from starlette.types import Receive, Scope, Send
 from services.sessions.api.deps import caller_from
 from services.sessions.protocol import ChatCompletionRequest, CompletionRequest, Kind
 from services.sessions.service import Caller, CompletionService
+from shared.disconnects import DisconnectWatch
 from shared.errors import AxonError, ModelNotFound
+from shared.hot_routes import HotRoute, read_body, send_json
+from shared.http_errors import invalid_request
 from shared.logging import bind_contextvars
-from shared.web import SSE_END, DisconnectWatch, HotRoute, ORJSONResponse, invalid_request, read_body, send_json
+from shared.responses import SSE_END, ORJSONResponse
 
 router = APIRouter()
 

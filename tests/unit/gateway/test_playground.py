@@ -7,7 +7,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from services.gateway import playground
-from shared.web import install_error_handlers
+from shared.http_errors import install_error_handlers
 
 ROOT = Path(__file__).resolve().parents[3]
 

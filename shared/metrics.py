@@ -1,0 +1,38 @@
+"""Metrics every service exports: HTTP requests by route template, and the latency buckets the
+services' histograms share."""
+
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.types import Scope
+
+# Seconds; LLM requests run from milliseconds (errors, listings) to minutes (long answers).
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class HttpMetrics:
+    """Requests and their duration by route template (never raw paths: ids would explode cardinality)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "axon_http_requests_total",
+            "HTTP requests answered.",
+            ["route", "method", "status"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "axon_http_request_duration_seconds",
+            "From request to the end of the response body.",
+            ["route", "method"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+
+    def observe(self, scope: Scope, status: int, duration_s: float) -> None:
+        route = scope.get("route")
+        template = getattr(route, "path", "unmatched")
+        self.requests.labels(template, scope["method"], str(status)).inc()
+        self.duration.labels(template, scope["method"]).observe(duration_s)
+
+
+def metrics_response(registry: CollectorRegistry) -> Response:
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,96 @@
+"""The context every HTTP request runs in: a request id, one access log line, the HTTP metrics, and
+a 500 in OpenAI's error shape for a bug."""
+
+import secrets
+import time
+
+from fastapi.telemetry import TelemetryConfig
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shared.errors import error_body
+from shared.logging import bind_contextvars, clear_contextvars, get_logger
+from shared.metrics import HttpMetrics
+from shared.responses import ORJSONResponse
+
+REQUEST_ID_HEADER = "x-request-id"
+_MAX_REQUEST_ID_LEN = 128
+
+log = get_logger(__name__)
+
+# FastAPI's own OpenTelemetry instrumentation, off: Axon exports Prometheus metrics and JSON logs,
+# and with it on FastAPI looks up the OpenTelemetry providers (reading the environment) on every
+# request.
+NO_FASTAPI_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
+
+
+class RequestContextMiddleware:
+    """Gives every HTTP request a request id (taken from `x-request-id` or new), binds it to
+    the log context, returns it as a response header and writes one access log line.
+
+    Pure ASGI rather than `BaseHTTPMiddleware`, which would buffer streamed responses.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        metrics: HttpMetrics | None = None,
+        quiet_paths: frozenset[str] = frozenset(),
+    ) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.quiet_paths = quiet_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _incoming_request_id(scope) or secrets.token_hex(16)
+        scope.setdefault("state", {})["request_id"] = request_id
+        clear_contextvars()
+        bind_contextvars(request_id=request_id)
+        status: dict[str, int | bool] = {"code": 500}
+        started = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                status["started"] = True
+                headers = list(message.get("headers", []))
+                headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+                message["headers"] = headers
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            # Answered here rather than by Starlette's outermost error middleware, so even
+            # a 500 carries the request id and is counted.
+            log.exception("unhandled_error", error=repr(exc))
+            if status.get("started"):
+                raise
+            body = error_body("Internal server error.", error_type="server_error", code="internal_error")
+            await ORJSONResponse(body, status_code=500)(scope, receive, send_with_id)
+        finally:
+            duration_s = time.perf_counter() - started
+            if self.metrics is not None:
+                self.metrics.observe(scope, status["code"], duration_s)
+            if scope["path"] not in self.quiet_paths:
+                log.info(
+                    "http_request",
+                    method=scope["method"],
+                    path=scope["path"],
+                    status=status["code"],
+                    duration_ms=round(duration_s * 1000, 2),
+                )
+
+
+def _incoming_request_id(scope: Scope) -> str | None:
+    name: bytes
+    value: bytes
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            text = value.decode("latin-1").strip()
+            if 0 < len(text) <= _MAX_REQUEST_ID_LEN and text.isascii() and text.isprintable():
+                return text
+    return None
