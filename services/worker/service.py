@@ -126,18 +126,18 @@ class JobRunner:
                 outcome = await self._run(job, publisher, progress.resume)
         except asyncio.CancelledError:
             # Draining: the job goes back to the queue; its progress lets the next worker resume.
-            await asyncio.shield(_settle(message, requeue=True))
+            await asyncio.shield(_ack_or_requeue(message, requeue=True))
             self._metrics.jobs.labels(job.model, "handed_back").inc()
             raise
         except Exception as exc:
             log.exception("job_crashed", error=repr(exc))
             self._metrics.jobs.labels(job.model, "failed").inc()
-            await _settle(message, requeue=True)  # counted on redelivery; dead-lettered past the limit
+            await _ack_or_requeue(message, requeue=True)  # counted on redelivery; dead-lettered past the limit
             return
         self._metrics.jobs.labels(job.model, outcome).inc()
         if publisher.resumed:
             self._metrics.jobs.labels(job.model, "resumed").inc()
-        await _settle(message)
+        await _ack_or_requeue(message)
         log.info(
             "job_finished",
             outcome=outcome,
@@ -240,16 +240,16 @@ class JobRunner:
         return reason
 
 
-async def _settle(message: AbstractIncomingMessage, *, requeue: bool | None = None) -> None:
-    """Ack the job (or, with `requeue`, nack it). If the broker connection is gone, so is the
-    delivery: the broker redelivers the job, and its progress record says how far it got."""
+async def _ack_or_requeue(message: AbstractIncomingMessage, *, requeue: bool = False) -> None:
+    """Ack the job (or, with `requeue`, nack it back to the queue). If the broker connection is gone,
+    so is the delivery: the broker redelivers the job, and its progress record says how far it got."""
     try:
-        if requeue is None:
-            await message.ack()
+        if requeue:
+            await message.nack(requeue=True)
         else:
-            await message.nack(requeue=requeue)
+            await message.ack()
     except (AMQPError, ChannelInvalidStateError, ConnectionError) as exc:
-        log.warning("job_settle_failed", action="ack" if requeue is None else "nack", error=repr(exc))
+        log.warning("job_settle_failed", action="nack" if requeue else "ack", error=repr(exc))
 
 
 class Heartbeat:
