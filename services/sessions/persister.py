@@ -75,7 +75,7 @@ return {table.concat(ids, ' '), table.concat(lines), usage}
 # XACK the ids, then trim the stream below the oldest entry still pending (or, with none
 # pending, up to the last one delivered): never removes an entry that is undelivered or
 # unacknowledged, by this persister or any other.
-_SETTLE = """
+_ACK_AND_TRIM = """
 local ids = {}
 for id in string.gmatch(ARGV[2], '%S+') do ids[#ids + 1] = id end
 for i = 1, #ids, 1000 do
@@ -140,7 +140,7 @@ class Persister:
         self._concurrency = concurrency
         self._commit_timeout_s = commit_timeout_s
         self._read_script = client.register_script(_READ)
-        self._settle_script = client.register_script(_SETTLE)
+        self._ack_and_trim_script = client.register_script(_ACK_AND_TRIM)
         self._stopping = asyncio.Event()
         self.consumer = f"persister-{uuid.uuid4().hex[:12]}"
 
@@ -241,7 +241,7 @@ class Persister:
         """Commit, then acknowledge the entries and trim what is settled (a crash in between
         only rewrites them)."""
         await self._commit(batch)
-        await self._settle_script(keys=[self._names.outbox], args=[self._names.outbox_group, batch.ids])
+        await self._ack_and_trim_script(keys=[self._names.outbox], args=[self._names.outbox_group, batch.ids])
 
 
 async def _write(conn: PoolConnectionProxy, batch: Batch, *, skip_existing: bool) -> None:

@@ -388,11 +388,11 @@ class CompletionService:
                 not_stored = exc
         if active.usage is not None:
             self._metrics.output_tokens.labels(active.job.model).inc(active.usage.completion_tokens)
-        await self._settle(active, cancel)
+        await self._bill_and_release(active, cancel)
         if not_stored is not None and outcome in ("stop", "length"):
             raise _history_unavailable() from not_stored
 
-    async def _settle(self, active: ActiveJob, cancel: asyncio.Future[Any] | None) -> None:
+    async def _bill_and_release(self, active: ActiveJob, cancel: asyncio.Future[Any] | None) -> None:
         """The answer's bookkeeping, in one Redis write: its usage row, the charge of its real token
         use (correcting the gateway's estimate) and the release of the caller's concurrency lease;
         then the outcome of those and of the cancel notice. None of it may fail the answer."""
