@@ -13,7 +13,6 @@ import redis.asyncio as redis
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from services.sessions.active_sessions import CountedTurns
 from services.sessions.api import sessions as sessions_api
 from services.sessions.api.routes import HOT_ROUTES, router
 from services.sessions.catalog import ModelCatalog
@@ -26,6 +25,7 @@ from services.sessions.queue_depth import QueueDepthPoller
 from services.sessions.relay import TokenRelay
 from services.sessions.service import CompletionService
 from services.sessions.settings import SessionsSettings
+from services.sessions.turns import Turns
 from shared.clients import connect_amqp, create_redis
 from shared.hot_routes import HotRoutes
 from shared.http_errors import install_error_handlers
@@ -175,7 +175,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 pipe=pipe,
                 outbox=outbox,
                 limiter=RateLimiter(pipe, names),
-                turns=CountedTurns(
+                turns=Turns(
                     store,
                     instance_id=instance_id,
                     lock_ttl_s=settings.request_timeout_s + 30,
