@@ -1,8 +1,9 @@
-"""Fixtures every test layer shares: a namespace and a database of the run's own.
+"""Fixtures every test layer shares: the servers, a namespace and a database of the run's own.
 
-Tests talk to the real Redis, RabbitMQ and PostgreSQL at their default local addresses
-(override with AXON_TEST_REDIS_URL, AXON_TEST_AMQP_URL, AXON_TEST_POSTGRES_URL). Each run
-uses its own `axon_test_*` namespace and database, so it never touches a running stack.
+Tests talk to real Redis, RabbitMQ and PostgreSQL servers, in containers or already running
+locally: the `AXON_TEST_SERVICES` switch (tests/services.py) picks them once per run, pytest's
+header says which, and `service_urls` gives their URLs. Each run uses its own `axon_test_*`
+namespace and database, so it never touches a running stack.
 """
 
 import asyncio
@@ -15,10 +16,38 @@ import pytest
 
 from shared.keys import KeyLimits, KeyRepository
 from shared.migrations import drop_database, migrate, split_database_url
+from tests.services import (
+    Choice,
+    ServicesUnavailable,
+    ServiceUrls,
+    choose,
+    containers,
+    docker_engine_answers,
+    local_urls,
+)
 
-REDIS_URL = os.environ.get("AXON_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-AMQP_URL = os.environ.get("AXON_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
-POSTGRES_URL = os.environ.get("AXON_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+_CHOICE = pytest.StashKey[Choice]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        config.stash[_CHOICE] = choose(os.environ, docker_engine_answers)
+    except ServicesUnavailable as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return config.stash[_CHOICE].header()
+
+
+@pytest.fixture(scope="session")
+def service_urls(request: pytest.FixtureRequest) -> Iterator[ServiceUrls]:
+    """Redis, RabbitMQ and PostgreSQL of this run: started in containers on first use, or the local ones."""
+    if request.config.stash[_CHOICE].mode == "containers":
+        with containers() as urls:
+            yield urls
+    else:
+        yield local_urls(os.environ)
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +61,9 @@ def namespace(run_id: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def database_url(run_id: str) -> Iterator[str]:
+def database_url(run_id: str, service_urls: ServiceUrls) -> Iterator[str]:
     """A migrated database of this run's own, dropped at the end."""
-    admin_url, _ = split_database_url(POSTGRES_URL)
+    admin_url, _ = split_database_url(service_urls.postgres)
     url = admin_url.rsplit("/", 1)[0] + f"/axon_test_{run_id}"
     asyncio.run(migrate(url))
     yield url
@@ -42,10 +71,10 @@ def database_url(run_id: str) -> Iterator[str]:
 
 
 @pytest.fixture
-async def redis_client() -> AsyncIterator:
+async def redis_client(service_urls: ServiceUrls) -> AsyncIterator:
     from shared.clients import create_redis
 
-    client = create_redis(REDIS_URL, timeout_s=5)
+    client = create_redis(service_urls.redis, timeout_s=5)
     yield client
     await client.aclose()
 

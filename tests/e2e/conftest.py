@@ -7,6 +7,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from tests.e2e.stack import Service, Stack
+from tests.services import ServiceUrls
 
 SIM_MODEL = "sim-model"
 SIM_ENV = {"AXON_ENGINE": "sim", "AXON_MODEL": SIM_MODEL, "AXON_SIM_TTFT_MS": "20", "AXON_SIM_ITL_MS": "5"}
@@ -18,9 +19,15 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(namespace: str, database_url: str, log_dir: Path) -> Iterator[Stack]:
+def stack(namespace: str, database_url: str, service_urls: ServiceUrls, log_dir: Path) -> Iterator[Stack]:
     """Processes shared by the e2e tests: one sim worker, one session manager, one gateway."""
-    stack = Stack(namespace=namespace, database_url=database_url, log_dir=log_dir)
+    stack = Stack(
+        namespace=namespace,
+        database_url=database_url,
+        redis_url=service_urls.redis,
+        amqp_url=service_urls.amqp,
+        log_dir=log_dir,
+    )
     try:
         stack.start("worker:sim", env=SIM_ENV)
         sessions = stack.start("sessions")

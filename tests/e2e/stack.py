@@ -11,8 +11,6 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import AMQP_URL, REDIS_URL
-
 ADMIN_TOKEN = "e2e-admin-token-0123456789abcdef"
 
 _MODULES = {
@@ -62,10 +60,13 @@ class Service:
 
 @dataclass
 class Stack:
-    """A set of Axon processes sharing one namespace; stops them all on `close()`."""
+    """A set of Axon processes sharing one namespace and this run's servers (`service_urls`);
+    stops them all on `close()`."""
 
     namespace: str
     database_url: str
+    redis_url: str
+    amqp_url: str
     log_dir: Path
     services: list[Service] = field(default_factory=list)
 
@@ -73,8 +74,8 @@ class Stack:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AXON_")}
         env.update(
             AXON_NAMESPACE=self.namespace,
-            AXON_REDIS_URL=REDIS_URL,
-            AXON_AMQP_URL=AMQP_URL,
+            AXON_REDIS_URL=self.redis_url,
+            AXON_AMQP_URL=self.amqp_url,
             AXON_DATABASE_URL=self.database_url,
             AXON_LOG_FORMAT="json",
             AXON_LOG_LEVEL="INFO",

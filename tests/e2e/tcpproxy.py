@@ -4,6 +4,7 @@
 import asyncio
 import contextlib
 import threading
+from urllib.parse import urlsplit
 
 from tests.e2e.stack import free_port
 
@@ -19,6 +20,20 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    @classmethod
+    def to(cls, url: str) -> "TcpProxy":
+        """A started proxy to the server `url` names (a service URL of this run: local or a container)."""
+        parts = urlsplit(url)
+        assert parts.hostname and parts.port, f"{url} names no host and port"
+        return cls(parts.hostname, parts.port).start()
+
+    def proxied(self, url: str) -> str:
+        """`url` (credentials, database and all) through this proxy."""
+        parts = urlsplit(url)
+        credentials = parts.netloc.rpartition("@")[0]
+        netloc = f"{credentials}@127.0.0.1:{self.port}" if credentials else f"127.0.0.1:{self.port}"
+        return parts._replace(netloc=netloc).geturl()
 
     def start(self) -> "TcpProxy":
         self._thread.start()

@@ -21,6 +21,7 @@ from tests.conftest import create_key
 from tests.e2e.load import Load, report, steady, stream_request
 from tests.e2e.servers import PrivatePostgres, PrivateRabbitMQ, PrivateRedis, available
 from tests.e2e.stack import Stack
+from tests.services import ServiceUrls
 
 pytestmark = pytest.mark.e2e
 
@@ -36,8 +37,14 @@ def _require(server: str) -> None:
 
 
 @pytest.fixture
-def own_stack(tmp_path: Path, database_url: str) -> Iterator[Stack]:
-    stack = Stack(namespace=f"axon_test_faults_{uuid.uuid4().hex[:8]}", database_url=database_url, log_dir=tmp_path)
+def own_stack(tmp_path: Path, database_url: str, service_urls: ServiceUrls) -> Iterator[Stack]:
+    stack = Stack(
+        namespace=f"axon_test_faults_{uuid.uuid4().hex[:8]}",
+        database_url=database_url,
+        redis_url=service_urls.redis,
+        amqp_url=service_urls.amqp,
+        log_dir=tmp_path,
+    )
     try:
         yield stack
     finally:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from shared.keys import KeyLimits
-from tests.conftest import AMQP_URL, create_key
+from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.stack import ADMIN_TOKEN, Service, Stack
 from tests.metric_names import SYNTHETIC_METRICS, Scrape, queried_metric_jobs, queried_metrics
@@ -197,7 +197,7 @@ async def test_queue_depth_and_live_workers_follow_rabbitmq_and_heartbeats(
     await sessions_report("axon_sessions_live_workers", 1, "the new worker's heartbeat was not counted")
     await asyncio.to_thread(worker.stop)
     await sessions_report("axon_sessions_live_workers", 0, "a model without workers must report 0 live workers")
-    connection = await aio_pika.connect(AMQP_URL)
+    connection = await aio_pika.connect(stack.amqp_url)
     try:
         channel = await connection.channel()
         for i in range(3):

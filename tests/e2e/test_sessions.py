@@ -12,11 +12,12 @@ import redis.asyncio as redis
 
 from shared.keys import KeyLimits
 from shared.names import Names
-from tests.conftest import REDIS_URL, create_key
+from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.load import report
 from tests.e2e.stack import Service, Stack
 from tests.e2e.tcpproxy import TcpProxy
+from tests.services import ServiceUrls
 
 pytestmark = pytest.mark.e2e
 
@@ -184,7 +185,9 @@ def test_history_beyond_the_context_is_left_out_of_the_prompt_not_the_store(stac
     assert len(api.messages(session_id)) == 14  # everything is stored
 
 
-def test_history_reloads_from_postgres_when_the_cache_is_dropped(api: Api, namespace: str, database_url: str) -> None:
+def test_history_reloads_from_postgres_when_the_cache_is_dropped(
+    api: Api, namespace: str, database_url: str, service_urls: ServiceUrls
+) -> None:
     session_id = api.new_session(system_prompt="remember")
     for word in ("alpha", "beta", "gamma"):
         assert api.chat(session_id, word).status_code == 200
@@ -192,7 +195,7 @@ def test_history_reloads_from_postgres_when_the_cache_is_dropped(api: Api, names
     wait_persisted(database_url, session_id, 6)
 
     async def drop_cache() -> None:
-        client = redis.Redis.from_url(REDIS_URL)
+        client = redis.Redis.from_url(service_urls.redis)
         names = Names(namespace)
         await client.delete(names.history(session_id), names.session(session_id), names.session_seq(session_id))
         await client.aclose()
@@ -205,7 +208,9 @@ def test_history_reloads_from_postgres_when_the_cache_is_dropped(api: Api, names
     assert after[:6] == before and [m["seq"] for m in after] == list(range(1, 9))
 
 
-def test_deleted_session_is_gone_from_postgres_and_redis(api: Api, namespace: str, database_url: str) -> None:
+def test_deleted_session_is_gone_from_postgres_and_redis(
+    api: Api, namespace: str, database_url: str, service_urls: ServiceUrls
+) -> None:
     session_id = api.new_session()
     assert api.chat(session_id, "hello").status_code == 200
     wait_persisted(database_url, session_id, 2)
@@ -213,7 +218,7 @@ def test_deleted_session_is_gone_from_postgres_and_redis(api: Api, namespace: st
     assert asyncio.run(_db_messages(database_url, session_id)) == []
 
     async def cached() -> int:
-        client = redis.Redis.from_url(REDIS_URL)
+        client = redis.Redis.from_url(service_urls.redis)
         names = Names(namespace)
         count = await client.exists(names.history(session_id), names.session_seq(session_id))
         await client.aclose()
@@ -306,8 +311,8 @@ def test_kill_9_session_manager_mid_burst_loses_no_answered_message(
 
 
 def test_postgres_down_30s_chats_go_on_and_outbox_drains(stack: Stack, api_key: str, database_url: str) -> None:
-    proxy = TcpProxy("127.0.0.1", 5432).start()
-    proxied_url = database_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    proxy = TcpProxy.to(database_url)
+    proxied_url = proxy.proxied(database_url)
     try:
         # A namespace of its own: no other session manager's persister may drain this outbox.
         own = {"AXON_NAMESPACE": f"{stack.namespace}-pg"}

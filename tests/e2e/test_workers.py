@@ -14,7 +14,6 @@ import pytest
 from openai import OpenAI
 
 from shared.names import Names
-from tests.conftest import AMQP_URL
 from tests.e2e.stack import ADMIN_TOKEN, Service, Stack
 
 pytestmark = pytest.mark.e2e
@@ -180,7 +179,7 @@ def test_job_that_keeps_killing_workers_is_dead_lettered_with_its_reason(
     assert metric(worker, "axon_worker_jobs_total", model=model, outcome="dead_lettered") == 1
 
     async def dead_letter_reason() -> str:
-        connection = await aio_pika.connect(AMQP_URL)
+        connection = await aio_pika.connect(stack.amqp_url)
         channel = await connection.channel()
         queue = await channel.declare_queue(Names(namespace).dead_letter_queue, durable=True, passive=True)
         while (message := await queue.get(fail=False, timeout=5)) is not None:

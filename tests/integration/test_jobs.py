@@ -12,12 +12,11 @@ from shared.errors import Unavailable
 from shared.names import Names
 from shared.schemas import Job
 from shared.topology import declare_job_queue
-from tests.conftest import AMQP_URL
 
 
 @pytest.fixture
-async def broker(namespace):
-    connection = await connect_amqp(AMQP_URL, timeout_s=5)
+async def broker(namespace, service_urls):
+    connection = await connect_amqp(service_urls.amqp, timeout_s=5)
     names = Names(f"{namespace}-jobs-{uuid.uuid4().hex[:6]}")
     yield connection, names
     channel = await connection.channel()

@@ -140,10 +140,8 @@ async def test_everything_is_written_once_postgres_is_reachable_again(setup, red
     """Batches in flight when PostgreSQL goes away stay pending and are reclaimed; nothing lost or
     doubled, with several batches committing at once."""
     _pool, names, session = setup
-    proxy = TcpProxy("127.0.0.1", 5432).start()
-    pool = await asyncpg.create_pool(
-        database_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"), min_size=0, max_size=4, timeout=2
-    )
+    proxy = TcpProxy.to(database_url)
+    pool = await asyncpg.create_pool(proxy.proxied(database_url), min_size=0, max_size=4, timeout=2)
     outbox = Outbox(redis_client, names)
     persister = Persister(
         client=redis_client,

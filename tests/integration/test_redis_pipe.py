@@ -9,14 +9,13 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.redis_pipe import PipeScript, RedisPipe, pack
-from tests.conftest import REDIS_URL
 from tests.e2e.stack import free_port
 from tests.e2e.tcpproxy import TcpProxy
 
 
 @pytest.fixture
-async def pipe():
-    pipe = RedisPipe(REDIS_URL, timeout_s=2)
+async def pipe(service_urls):
+    pipe = RedisPipe(service_urls.redis, timeout_s=2)
     yield pipe
     await pipe.aclose()
 
@@ -50,9 +49,9 @@ async def test_a_script_is_loaded_on_first_use_and_again_after_a_flush(pipe, red
     assert await pipe.evalsha(script, ["k"], [9]) == [b"k", b"9"]
 
 
-async def test_a_lost_connection_fails_what_is_in_flight_and_the_next_command_reconnects() -> None:
-    proxy = TcpProxy("127.0.0.1", 6379).start()
-    pipe = RedisPipe(f"redis://127.0.0.1:{proxy.port}/0", timeout_s=2)
+async def test_a_lost_connection_fails_what_is_in_flight_and_the_next_command_reconnects(service_urls) -> None:
+    proxy = TcpProxy.to(service_urls.redis)
+    pipe = RedisPipe(proxy.proxied(service_urls.redis), timeout_s=2)
     try:
         assert await pipe.execute("PING") == b"PONG"
         proxy.cut()
@@ -86,9 +85,9 @@ async def test_a_server_that_never_answers_times_out() -> None:
             writer.close()
 
 
-async def test_a_database_number_and_a_wrong_password_are_honoured(redis_client) -> None:
+async def test_a_database_number_and_a_wrong_password_are_honoured(redis_client, service_urls) -> None:
     key = f"test:pipe:{uuid.uuid4().hex}"
-    other = RedisPipe(REDIS_URL.rsplit("/", 1)[0] + "/3", timeout_s=2)
+    other = RedisPipe(service_urls.redis.rsplit("/", 1)[0] + "/3", timeout_s=2)
     try:
         await other.execute("SET", key, "in db 3")
         assert await redis_client.get(key) is None  # the fixture's client is on db 0
@@ -96,7 +95,7 @@ async def test_a_database_number_and_a_wrong_password_are_honoured(redis_client)
         await other.execute("DEL", key)
     finally:
         await other.aclose()
-    wrong = RedisPipe(REDIS_URL.replace("redis://", "redis://:not-the-password@"), timeout_s=2)
+    wrong = RedisPipe(service_urls.redis.replace("redis://", "redis://:not-the-password@"), timeout_s=2)
     try:
         with pytest.raises(RedisConnectionError, match="refused the connection's setup"):
             await wrong.execute("PING")

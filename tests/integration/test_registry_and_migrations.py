@@ -5,7 +5,7 @@ import uuid
 
 import asyncpg
 
-from shared.migrations import migrate
+from shared.migrations import drop_database, migrate
 from shared.names import Names
 from shared.registry import LiveModel, WorkerRegistry
 
@@ -26,8 +26,8 @@ async def test_heartbeat_makes_a_model_live_until_it_expires(redis_client, names
     await redis_client.delete(names.workers_key, names.models_key)
 
 
-async def test_migrations_are_idempotent_and_safe_to_run_concurrently(run_id) -> None:
-    url = f"postgresql://postgres@127.0.0.1:5432/axon_test_{run_id}_mig"
+async def test_migrations_are_idempotent_and_safe_to_run_concurrently(run_id, service_urls) -> None:
+    url = service_urls.postgres.rsplit("/", 1)[0] + f"/axon_test_{run_id}_mig"
     try:
         results = await asyncio.gather(migrate(url), migrate(url))
         applied = sorted(results, key=len)
@@ -40,6 +40,4 @@ async def test_migrations_are_idempotent_and_safe_to_run_concurrently(run_id) ->
         await conn.close()
         assert {"api_keys", "conversations", "messages", "usage", "schema_migrations"} <= tables
     finally:
-        conn = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/postgres")
-        await conn.execute(f'DROP DATABASE IF EXISTS "axon_test_{run_id}_mig" WITH (FORCE)')
-        await conn.close()
+        await drop_database(url)

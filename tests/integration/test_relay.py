@@ -6,17 +6,16 @@ import pytest
 
 from services.sessions.relay import STREAM_LOST, TokenRelay
 from shared.names import Names
-from tests.conftest import REDIS_URL
 from tests.e2e.tcpproxy import TcpProxy
 
 
-def _relay(namespace: str, url: str = REDIS_URL, *, spares: int = 0) -> TokenRelay:
+def _relay(namespace: str, url: str, *, spares: int = 0) -> TokenRelay:
     return TokenRelay(url, Names(namespace), buffer_chunks=16, subscribe_timeout_s=2, spare_streams=spares)
 
 
 @pytest.fixture
-async def relay(namespace):
-    relay = _relay(namespace)
+async def relay(namespace, service_urls):
+    relay = _relay(namespace, service_urls.redis)
     yield relay
     await relay.stop()
 
@@ -63,8 +62,8 @@ async def test_next_times_out(relay) -> None:
     await stream.close()
 
 
-async def test_spare_streams_are_subscribed_ahead_and_refilled(redis_client, namespace) -> None:
-    relay = _relay(namespace, spares=8)
+async def test_spare_streams_are_subscribed_ahead_and_refilled(redis_client, namespace, service_urls) -> None:
+    relay = _relay(namespace, service_urls.redis, spares=8)
     try:
         await relay.open_job()  # no spare yet: subscribes on demand, and starts the refill
         for _ in range(50):
@@ -81,10 +80,10 @@ async def test_spare_streams_are_subscribed_ahead_and_refilled(redis_client, nam
 
 
 async def test_a_dropped_subscriber_connection_ends_every_stream_and_the_next_open_reconnects(
-    redis_client, namespace
+    redis_client, namespace, service_urls
 ) -> None:
-    proxy = TcpProxy("127.0.0.1", 6379).start()
-    relay = _relay(namespace, f"redis://127.0.0.1:{proxy.port}/0")
+    proxy = TcpProxy.to(service_urls.redis)
+    relay = _relay(namespace, proxy.proxied(service_urls.redis))
     try:
         stream = await relay.open_job()
         await redis_client.publish(stream.channel, b"before")
