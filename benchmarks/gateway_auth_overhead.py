@@ -142,7 +142,7 @@ def _switch_off_auth_and_limits(app) -> None:
     """
     import datetime as dt
 
-    from services.gateway.auth import Admission
+    from services.gateway.admission import Admission
     from shared.keys import KeyRecord
 
     record = KeyRecord(

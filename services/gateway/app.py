@@ -11,8 +11,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from services.gateway import playground
+from services.gateway.admission import Admitter
 from services.gateway.api import admin, routes
-from services.gateway.auth import Admitter, Authenticator
+from services.gateway.auth import Authenticator
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.service import Forwarder, GatewayService, InFlightLimit
 from services.gateway.settings import GatewaySettings

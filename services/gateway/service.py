@@ -18,7 +18,8 @@ from fastapi.routing import APIRoute
 from prometheus_client import Counter
 from starlette.types import Message, Receive, Scope, Send
 
-from services.gateway.auth import Admission, Admitter, Authenticator
+from services.gateway.admission import Admission, Admitter
+from services.gateway.auth import Authenticator
 from shared.disconnects import DisconnectWatch, unless_disconnected
 from shared.errors import DeadlineExceeded, InvalidRequest, Unavailable, error_body
 from shared.hot_routes import header, read_body
