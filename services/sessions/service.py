@@ -195,17 +195,10 @@ class CompletionService:
         started = time.perf_counter()
         model, live = await self._catalog.require(body.model)
         sampling = self._sampling(body, live)
-        messages: list[Message] | None = None
-        prompt: str | None = None
-        if isinstance(body, ChatCompletionRequest):
-            messages = [m.to_message(i) for i, m in enumerate(body.messages)]
-            self._check_messages(messages)
-        else:
-            prompt = body.prompt_text
+        messages, prompt = self._input(body)
         # A confirmed subscription to a new job's channel, so no chunk of it can be missed.
         stream = await self._relay.open_job()
-        job_id = stream.job_id
-        bind_contextvars(job_id=job_id)  # the tenant was bound with the caller
+        bind_contextvars(job_id=stream.job_id)  # the tenant was bound with the caller
         turn: Turn | None = None
         try:
             if isinstance(body, ChatCompletionRequest) and body.session_id is not None:
@@ -213,31 +206,17 @@ class CompletionService:
                 turn = await self._turns.begin(
                     tenant=caller.tenant,
                     session_id=body.session_id,
-                    job_id=job_id,
+                    job_id=stream.job_id,
                     new_messages=messages,
                     budget_tokens=live.context_tokens - sampling.max_tokens,
                 )
                 messages = turn.prompt
-            job = Job(
-                job_id=job_id,
-                model=model,
-                messages=messages,
-                prompt=prompt,
-                sampling=sampling,
-                channel=stream.channel,
-                deadline=time.time() + self._settings.request_timeout_s,
-                session_id=turn.info.id if turn else None,
-                tenant=caller.tenant,
+            job = self._job(
+                model, messages=messages, prompt=prompt, sampling=sampling, stream=stream, turn=turn, caller=caller
             )
             await self._publisher.publish(job, priority=caller.priority, request_id=request_id)
         except BaseException as exc:
-            await stream.close()
-            if turn is not None:
-                await self._turns.abandon(turn)
-            if isinstance(exc, Unavailable) and exc.code != "queue_full":
-                # Unconfirmed, the job may still be queued (the broker went away before its confirm):
-                # workers skip a job they were told was cancelled, so none answers it for nobody.
-                self._pipe.submit("PUBLISH", self._names.cancel_channel, job_id).add_done_callback(_retrieved)
+            await self._withdraw(stream, turn, exc)
             raise
         if turn is not None:
             await self._record_question(turn, stream)
@@ -245,6 +224,49 @@ class CompletionService:
         self._metrics.active_streams.inc()
         builder = ResponseBuilder(kind=kind, job_id=job.job_id, model=body.model)
         return ActiveJob(job=job, caller=caller, stream=stream, builder=builder, started=started, turn=turn)
+
+    def _input(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[Message] | None, str | None]:
+        """The request's messages (a chat, checked) or its prompt (a completion)."""
+        if isinstance(body, ChatCompletionRequest):
+            messages = [m.to_message(i) for i, m in enumerate(body.messages)]
+            self._check_messages(messages)
+            return messages, None
+        return None, body.prompt_text
+
+    def _job(
+        self,
+        model: str,
+        *,
+        messages: list[Message] | None,
+        prompt: str | None,
+        sampling: Sampling,
+        stream: TokenStream,
+        turn: Turn | None,
+        caller: Caller,
+    ) -> Job:
+        """The job to publish, answered on `stream`'s channel."""
+        return Job(
+            job_id=stream.job_id,
+            model=model,
+            messages=messages,
+            prompt=prompt,
+            sampling=sampling,
+            channel=stream.channel,
+            deadline=time.time() + self._settings.request_timeout_s,
+            session_id=turn.info.id if turn else None,
+            tenant=caller.tenant,
+        )
+
+    async def _withdraw(self, stream: TokenStream, turn: Turn | None, exc: BaseException) -> None:
+        """Undo a start that failed (`exc`) before its job was surely queued: close its stream,
+        release its session, and call the job off if it may be queued after all."""
+        await stream.close()
+        if turn is not None:
+            await self._turns.abandon(turn)
+        if isinstance(exc, Unavailable) and exc.code != "queue_full":
+            # Unconfirmed, the job may still be queued (the broker went away before its confirm):
+            # workers skip a job they were told was cancelled, so none answers it for nobody.
+            self._cancel(stream.job_id).add_done_callback(_retrieved)
 
     async def _record_question(self, turn: Turn, stream: TokenStream) -> None:
         """Store the user's messages of a turn whose job is queued; if they cannot be stored, the
@@ -258,9 +280,13 @@ class CompletionService:
         except _STORAGE_ERRORS as exc:
             log.error("question_not_stored", error=repr(exc))
             await stream.close()
-            self._pipe.submit("PUBLISH", self._names.cancel_channel, turn.job_id).add_done_callback(_retrieved)
+            self._cancel(turn.job_id).add_done_callback(_retrieved)
             await self._turns.abandon(turn)
             raise _history_unavailable() from exc
+
+    def _cancel(self, job_id: str) -> asyncio.Future[Any]:
+        """Tell the workers to stop generating (or skip) job `job_id`: submitted, not awaited."""
+        return self._pipe.submit("PUBLISH", self._names.cancel_channel, job_id)
 
     async def first_chunk(self, active: ActiveJob) -> tuple[TokenChunk, AsyncIterator[TokenChunk]]:
         """Wait for the first chunk, so failures before any token get a real status code."""
@@ -373,9 +399,7 @@ class CompletionService:
         self._metrics.outcomes.labels(active.job.model, outcome).inc()
         await active.stream.close()
         # Submitted now, it goes out before the history is written.
-        cancel = (
-            None if active.finished else self._pipe.submit("PUBLISH", self._names.cancel_channel, active.job.job_id)
-        )
+        cancel = None if active.finished else self._cancel(active.job.job_id)
         not_stored: Exception | None = None
         if active.turn is not None:
             status = {"stop": "complete", "length": "complete", "cancelled": "cancelled"}.get(outcome, "failed")
