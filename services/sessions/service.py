@@ -32,9 +32,9 @@ from shared.names import Names
 from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.registry import LiveModel
+from shared.responses import SSE_END
 from shared.schemas import Job, Message, Sampling, TokenChunk, Usage
 from shared.tasks import BackgroundTasks
-from shared.responses import SSE_END
 
 log = get_logger(__name__)
 
