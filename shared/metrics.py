@@ -1,8 +1,7 @@
 """Metrics every service exports: HTTP requests by route template, and the latency buckets the
 services' histograms share."""
 
-from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import Scope
 
 # Seconds; LLM requests run from milliseconds (errors, listings) to minutes (long answers).
@@ -32,7 +31,3 @@ class HttpMetrics:
         template = getattr(route, "path", "unmatched")
         self.requests.labels(template, scope["method"], str(status)).inc()
         self.duration.labels(template, scope["method"]).observe(duration_s)
-
-
-def metrics_response(registry: CollectorRegistry) -> Response:
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

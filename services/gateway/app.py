@@ -3,12 +3,10 @@
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import asyncpg
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 
 from services.gateway import playground
 from services.gateway.admission import Admitter
@@ -23,12 +21,11 @@ from shared.http1 import Http1Client, RemoteProtocolError
 from shared.http_errors import install_error_handlers
 from shared.keys import KeyRepository
 from shared.logging import get_logger
-from shared.metrics import metrics_response
 from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
+from shared.probes import PROBE_PATHS, install_probes
 from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
-from shared.responses import ORJSONResponse
 
 log = get_logger(__name__)
 
@@ -126,30 +123,18 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics.http,
-        quiet_paths=frozenset({"/health", "/ready", "/metrics"}),
+        quiet_paths=PROBE_PATHS,
     )
     app.include_router(routes.router)
     app.include_router(admin.router)
     app.include_router(playground.create_router())
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        """Liveness: the process answers."""
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    async def ready(request: Request) -> Response:
-        """Readiness: Redis answers and the session manager is ready."""
-        reason = await _not_ready_reason(request.app)
-        if reason is not None:
-            return ORJSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
-        return ORJSONResponse({"status": "ready"})
-
-    @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        """Prometheus metrics."""
-        return metrics_response(metrics.registry)
-
+    install_probes(
+        app,
+        registry=metrics.registry,
+        not_ready_reason=_not_ready_reason,
+        ready_doc="Readiness: Redis answers and the session manager is ready.",
+    )
     return app
 
 

@@ -6,12 +6,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import asyncpg
 import redis.asyncio as redis
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 
 from services.sessions.api import sessions as sessions_api
 from services.sessions.api.routes import HOT_ROUTES, router
@@ -30,13 +28,12 @@ from shared.clients import connect_amqp, create_redis
 from shared.hot_routes import HotRoutes
 from shared.http_errors import install_error_handlers
 from shared.logging import get_logger
-from shared.metrics import metrics_response
 from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
+from shared.probes import PROBE_PATHS, install_probes
 from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
-from shared.responses import ORJSONResponse
 
 log = get_logger(__name__)
 
@@ -213,28 +210,16 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics.http,
-        quiet_paths=frozenset({"/health", "/ready", "/metrics"}),
+        quiet_paths=PROBE_PATHS,
     )
     app.include_router(router)
     app.include_router(sessions_api.router)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        """Liveness: the process answers."""
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    async def ready(request: Request) -> Response:
-        """Readiness: Redis and RabbitMQ are reachable."""
-        reason = await _ready_reason(request.app)
-        if reason is not None:
-            return ORJSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
-        return ORJSONResponse({"status": "ready"})
-
-    @app.get("/metrics")
-    async def metrics_endpoint(request: Request) -> Response:
-        """Prometheus metrics."""
-        await _update_outbox_gauges(request.app, metrics)
-        return metrics_response(metrics.registry)
-
+    install_probes(
+        app,
+        registry=metrics.registry,
+        not_ready_reason=_ready_reason,
+        ready_doc="Readiness: Redis and RabbitMQ are reachable.",
+        before_scrape=lambda app: _update_outbox_gauges(app, metrics),
+    )
     return app

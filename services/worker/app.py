@@ -10,8 +10,7 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 
 from services.worker.engines import Engine
 from services.worker.engines.factory import create_engine
@@ -21,12 +20,11 @@ from services.worker.settings import WorkerSettings
 from shared.clients import connect_amqp, create_redis
 from shared.http_errors import install_error_handlers
 from shared.logging import get_logger
-from shared.metrics import metrics_response
 from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
+from shared.probes import PROBE_PATHS, install_probes
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
-from shared.responses import ORJSONResponse
 from shared.topology import declare_job_queue
 
 log = get_logger(__name__)
@@ -202,27 +200,24 @@ def create_app(settings: WorkerSettings | None = None, engine: Engine | None = N
     app.add_middleware(
         RequestContextMiddleware,
         metrics=worker.metrics.http,
-        quiet_paths=frozenset({"/health", "/ready", "/metrics"}),
+        quiet_paths=PROBE_PATHS,
     )
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        """Liveness: the process answers."""
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    async def ready(request: Request) -> Response:
-        """Readiness: the engine is loaded and the worker takes jobs."""
-        current: Worker = request.app.state.worker
-        if current.not_ready_reason is not None:
-            return ORJSONResponse({"status": "not_ready", "reason": current.not_ready_reason}, status_code=503)
-        return ORJSONResponse(
-            {"status": "ready", "model": current.engine.model_name, "in_flight": current.runner.in_flight}
-        )
-
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        """Prometheus metrics."""
-        return metrics_response(request.app.state.worker.metrics.registry)
-
+    install_probes(
+        app,
+        registry=worker.metrics.registry,
+        not_ready_reason=_not_ready_reason,
+        ready_doc="Readiness: the engine is loaded and the worker takes jobs.",
+        ready_fields=_ready_fields,
+    )
     return app
+
+
+async def _not_ready_reason(app: FastAPI) -> str | None:
+    worker: Worker = app.state.worker
+    return worker.not_ready_reason
+
+
+def _ready_fields(app: FastAPI) -> dict[str, Any]:
+    worker: Worker = app.state.worker
+    return {"model": worker.engine.model_name, "in_flight": worker.runner.in_flight}

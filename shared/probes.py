@@ -1,0 +1,54 @@
+"""The probes every service answers: `/health` (the process answers), `/ready` (it can serve now, or
+503 with the reason) and `/metrics` (Prometheus)."""
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from shared.responses import ORJSONResponse
+
+# Asked every few seconds by orchestrators and Prometheus: kept out of the access log.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+def install_probes(
+    app: FastAPI,
+    *,
+    registry: CollectorRegistry,
+    not_ready_reason: Callable[[FastAPI], Awaitable[str | None]],
+    ready_doc: str,
+    ready_fields: Callable[[FastAPI], Mapping[str, Any]] | None = None,
+    before_scrape: Callable[[FastAPI], Awaitable[None]] | None = None,
+) -> None:
+    """Add `/health`, `/ready` and `/metrics` to `app`.
+
+    Args:
+        app: the service's app.
+        registry: the metrics `/metrics` exports.
+        not_ready_reason: why the service cannot serve now, or None (then `/ready` answers 200).
+        ready_doc: what `/ready` checks, its OpenAPI description.
+        ready_fields: more fields for the 200 body of `/ready`.
+        before_scrape: run before each scrape, for gauges read only when asked for.
+    """
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/ready", description=ready_doc)
+    async def ready(request: Request) -> Response:
+        reason = await not_ready_reason(request.app)
+        if reason is not None:
+            return ORJSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
+        return ORJSONResponse({"status": "ready", **(ready_fields(request.app) if ready_fields else {})})
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        """Prometheus metrics."""
+        if before_scrape is not None:
+            await before_scrape(request.app)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
