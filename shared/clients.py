@@ -9,14 +9,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
-def create_redis(url: str, *, timeout_s: float, for_pubsub: bool = False, max_connections: int = 256) -> redis.Redis:
+def create_redis(url: str, *, timeout_s: float, max_connections: int = 256) -> redis.Redis:
     """Return a Redis client whose every command times out after `timeout_s`.
 
     Args:
         url: `redis://` URL.
         timeout_s: connect and per-command timeout; also how long a command waits for a
             free pooled connection under a burst (instead of failing at once).
-        for_pubsub: a subscriber blocks on reads by design, so it gets no read timeout.
         max_connections: pool size.
     """
     retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3)
@@ -25,8 +24,8 @@ def create_redis(url: str, *, timeout_s: float, for_pubsub: bool = False, max_co
         max_connections=max_connections,
         timeout=timeout_s,
         socket_connect_timeout=timeout_s,
-        socket_timeout=None if for_pubsub else timeout_s,
-        health_check_interval=0 if for_pubsub else 30,
+        socket_timeout=timeout_s,
+        health_check_interval=30,
         retry=retry,
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )

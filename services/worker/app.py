@@ -91,9 +91,7 @@ class Worker:
             asyncio.create_task(heartbeat.run()),
             asyncio.create_task(
                 listen_for_cancellations(
-                    create_redis(self.settings.redis_url, timeout_s=self.settings.connect_timeout_s, for_pubsub=True),
-                    self.names,
-                    self.runner,
+                    self.settings.redis_url, self.names, self.runner, timeout_s=self.settings.connect_timeout_s
                 )
             ),
         ]

@@ -5,12 +5,10 @@ mid-job leaves it to be redelivered.
 """
 
 import asyncio
-import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-import redis.asyncio as redis
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 from aio_pika.exceptions import AMQPError
 from aiormq.exceptions import ChannelInvalidStateError
@@ -22,7 +20,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.publisher import ChunkPublisher, Coalescer
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
-from shared.redis_pipe import RedisPipe
+from shared.redis_pipe import RedisPipe, RedisSubscriber
 from shared.registry import WorkerRegistry
 from shared.schemas import FinishReason, Job
 
@@ -300,27 +298,41 @@ class Heartbeat:
             log.warning("withdraw_failed", error=repr(exc))
 
 
-async def listen_for_cancellations(client: redis.Redis, names: Names, runner: JobRunner) -> None:
+async def listen_for_cancellations(url: str, names: Names, runner: JobRunner, *, timeout_s: float) -> None:
     """Abort jobs whose client went away, as their ids arrive on the cancel channel.
 
     Survives Redis outages: the subscription is made again once Redis is back.
     """
+    job_ids: asyncio.Queue[bytes] = asyncio.Queue()
+    lost = asyncio.Event()
+    subscriber = RedisSubscriber(
+        url, timeout_s=timeout_s, on_message=lambda _channel, job_id: job_ids.put_nowait(job_id), on_lost=lost.set
+    )
+    subscribing = asyncio.create_task(_stay_subscribed(subscriber, names.cancel_channel, lost))
+    try:
+        while True:
+            job_id = (await job_ids.get()).decode()
+            try:
+                await runner.cancel(job_id)
+            except Exception as exc:  # noqa: BLE001 - one failed abort must not end the listener
+                log.warning("cancel_listener_failed", error=repr(exc))
+    finally:
+        subscribing.cancel()
+        await asyncio.gather(subscribing, return_exceptions=True)
+        await subscriber.aclose()
+
+
+async def _stay_subscribed(subscriber: RedisSubscriber, channel: str, lost: asyncio.Event) -> None:
+    """Subscribe to `channel`, and again `_RESUBSCRIBE_DELAY_S` after each failure or lost connection."""
     while True:
-        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        lost.clear()
         try:
-            await pubsub.subscribe(names.cancel_channel)
-            while True:
-                message = await pubsub.get_message(timeout=1.0)
-                if message is not None and message["type"] == "message":
-                    await runner.cancel(message["data"].decode())
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - resubscribe after any failure
+            await subscriber.subscribe(channel)
+            await lost.wait()
+            log.warning("cancel_listener_failed", error="connection lost")
+        except Exception as exc:  # noqa: BLE001 - subscribe again after any failure
             log.warning("cancel_listener_failed", error=repr(exc))
-            await asyncio.sleep(_RESUBSCRIBE_DELAY_S)
-        finally:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves PubSub.aclose unannotated
+        await asyncio.sleep(_RESUBSCRIBE_DELAY_S)
 
 
 async def consume(queue: AbstractQueue, runner: JobRunner) -> str:
