@@ -4,7 +4,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import asyncpg
 import orjson
 from fastapi import FastAPI
 
@@ -13,11 +12,11 @@ from services.gateway.admission import Admitter
 from services.gateway.api import admin, routes
 from services.gateway.auth import Authenticator
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.resources import GatewayClients, open_clients
 from services.gateway.service import Forwarder, GatewayService, InFlightLimit
 from services.gateway.settings import GatewaySettings
-from shared.clients import create_redis
 from shared.hot_routes import HotRoutes
-from shared.http1 import Http1Client, RemoteProtocolError
+from shared.http1 import RemoteProtocolError
 from shared.http_errors import install_error_handlers
 from shared.keys import KeyRepository
 from shared.logging import get_logger
@@ -25,17 +24,50 @@ from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
 from shared.probes import PROBE_PATHS, install_probes
 from shared.ratelimit import RateLimiter
-from shared.redis_pipe import RedisPipe
 
 log = get_logger(__name__)
 
 
-UPSTREAM_KEEPALIVE_S = 2.0
 _SESSIONS_READY_TIMEOUT_S = 3.0
 
 
 class InsecureConfiguration(RuntimeError):
     """The gateway refuses to start with this configuration."""
+
+
+def _attach_services(
+    app: FastAPI, clients: GatewayClients, *, settings: GatewaySettings, metrics: GatewayMetrics
+) -> None:
+    """Build the gateway's services on its connections and put them on `app.state`, for the routes."""
+    names = Names(settings.namespace)
+    keys = KeyRepository(clients.db)
+    app.state.upstream = clients.upstream
+    app.state.redis = clients.redis
+    app.state.db = clients.db
+    app.state.keys = keys
+    app.state.names = names
+    app.state.authenticator = Authenticator(
+        repository=keys,
+        client=clients.redis,
+        names=names,
+        metrics=metrics,
+        local_ttl_s=settings.key_cache_local_ttl_s,
+        redis_ttl_s=settings.key_cache_ttl_s,
+    )
+    admitter = Admitter(
+        limiter=RateLimiter(clients.pipe, names),
+        metrics=metrics,
+        fail_open=settings.rate_limit_fail_open,
+        lease_s=settings.concurrency_lease_s,
+    )
+    app.state.gateway = GatewayService(
+        forwarder=Forwarder(clients.upstream),
+        authenticator=app.state.authenticator,
+        admitter=admitter,
+        in_flight=InFlightLimit(settings.max_requests_in_flight, metrics.overloaded),
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.request_body_timeout_s,
+    )
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -49,66 +81,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     if problem is not None:
         raise InsecureConfiguration(f"Refusing to start the admin API: {problem}.")
     metrics = GatewayMetrics()
-    names = Names(settings.namespace)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Idle upstream connections are dropped before the session manager's keep-alive
-        # timeout, so the gateway never reuses one the other side is closing.
-        upstream = Http1Client(
-            settings.sessions_url,
-            max_idle_connections=settings.max_requests_in_flight,
-            connect_timeout_s=settings.upstream_connect_timeout_s,
-            read_timeout_s=settings.upstream_timeout_s,
-            idle_timeout_s=UPSTREAM_KEEPALIVE_S,
-        )
-        client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
-        # The hot path's commands (rate-limit checks and releases), batched per loop iteration.
-        pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
-        # min_size=0: the gateway starts (and serves cached keys) even while PostgreSQL is down.
-        db = await asyncpg.create_pool(
-            settings.database_url,
-            min_size=0,
-            max_size=10,
-            timeout=settings.connect_timeout_s,
-            command_timeout=settings.connect_timeout_s,
-        )
-        keys = KeyRepository(db)
-        try:
-            app.state.upstream = upstream
-            app.state.redis = client
-            app.state.db = db
-            app.state.keys = keys
-            app.state.names = names
-            app.state.authenticator = Authenticator(
-                repository=keys,
-                client=client,
-                names=names,
-                metrics=metrics,
-                local_ttl_s=settings.key_cache_local_ttl_s,
-                redis_ttl_s=settings.key_cache_ttl_s,
-            )
-            admitter = Admitter(
-                limiter=RateLimiter(pipe, names),
-                metrics=metrics,
-                fail_open=settings.rate_limit_fail_open,
-                lease_s=settings.concurrency_lease_s,
-            )
-            app.state.gateway = GatewayService(
-                forwarder=Forwarder(upstream),
-                authenticator=app.state.authenticator,
-                admitter=admitter,
-                in_flight=InFlightLimit(settings.max_requests_in_flight, metrics.overloaded),
-                max_body_bytes=settings.max_body_bytes,
-                body_timeout_s=settings.request_body_timeout_s,
-            )
+        async with open_clients(settings) as clients:
+            _attach_services(app, clients, settings=settings, metrics=metrics)
             log.info("gateway_ready", port=settings.gateway_port, sessions_url=settings.sessions_url)
             yield
-        finally:
-            await upstream.aclose()
-            await db.close()
-            await pipe.aclose()
-            await client.aclose()
 
     app = FastAPI(
         telemetry=NO_FASTAPI_TELEMETRY,

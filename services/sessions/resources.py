@@ -1,0 +1,153 @@
+"""What the session manager opens while it serves: its connections, the stores built on them and
+its background work (persister, liveness beat, queue-depth poller), stopped and closed in order."""
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import asyncpg
+import redis.asyncio as redis
+from aio_pika.abc import AbstractRobustConnection
+
+from services.sessions.catalog import ModelCatalog
+from services.sessions.history import SessionStore
+from services.sessions.jobs import JobPublisher
+from services.sessions.metrics import SessionsMetrics
+from services.sessions.outbox import Outbox
+from services.sessions.persister import Persister
+from services.sessions.queue_depth import QueueDepthPoller
+from services.sessions.relay import TokenRelay
+from services.sessions.settings import SessionsSettings
+from shared.clients import connect_amqp, create_redis
+from shared.logging import get_logger
+from shared.names import Names
+from shared.redis_pipe import RedisPipe
+from shared.registry import WorkerRegistry
+
+log = get_logger(__name__)
+
+_ALIVE_TTL_S = 10
+# How long shutdown waits for the persister to finish the batches it is committing.
+_PERSISTER_STOP_S = 5
+_ALIVE_EVERY_S = 3
+
+
+async def _announce_alive(client: redis.Redis, key: str) -> None:
+    """Keep this process's liveness key fresh; its session locks are honoured while it exists."""
+    while True:
+        try:
+            await client.set(key, b"1", ex=_ALIVE_TTL_S)
+        except Exception as exc:  # noqa: BLE001 - retried on the next beat
+            log.warning("alive_beat_failed", error=repr(exc))
+        await asyncio.sleep(_ALIVE_EVERY_S)
+
+
+@dataclass(frozen=True)
+class SessionsResources:
+    """What the session manager opens: its connections and the stores and clients built on them."""
+
+    names: Names
+    redis: redis.Redis
+    pipe: RedisPipe
+    amqp: AbstractRobustConnection
+    relay: TokenRelay
+    publisher: JobPublisher
+    db: asyncpg.Pool
+    outbox: Outbox
+    store: SessionStore
+    catalog: ModelCatalog
+    instance_id: str
+
+
+@asynccontextmanager
+async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -> AsyncIterator[SessionsResources]:
+    """Open the session manager's connections and start its background work (persister, liveness
+    beat, queue-depth poller); on the way out, let the persister finish and close everything."""
+    names = Names(settings.namespace)
+    client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
+    # The hot path's commands (usage records, token charges, cancel notices), batched per loop iteration.
+    pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
+    connection = await connect_amqp(settings.amqp_url, timeout_s=settings.connect_timeout_s)
+    relay = TokenRelay(
+        settings.redis_url,
+        names,
+        buffer_chunks=settings.stream_buffer_chunks,
+        subscribe_timeout_s=settings.subscribe_timeout_s,
+        spare_streams=settings.subscribe_ahead,
+    )
+    publisher = JobPublisher(
+        connection,
+        names,
+        max_queued_jobs=settings.max_queued_jobs,
+        publish_timeout_s=settings.publish_timeout_s,
+    )
+    # min_size=0: the session manager starts, and chats keep working, while PostgreSQL is down.
+    db = await asyncpg.create_pool(
+        settings.database_url,
+        min_size=0,
+        max_size=10,
+        timeout=settings.connect_timeout_s,
+        command_timeout=settings.connect_timeout_s * 2,
+    )
+    outbox = Outbox(client, names)
+    store = SessionStore(
+        client=client,
+        db=db,
+        names=names,
+        outbox=outbox,
+        metrics=metrics,
+        history_max_messages=settings.history_max_messages,
+        cache_ttl_s=settings.session_cache_ttl_s,
+    )
+    persister = Persister(
+        client=client,
+        db=db,
+        names=names,
+        metrics=metrics,
+        batch_size=settings.persist_batch_size,
+        flush_interval_ms=settings.persist_flush_interval_ms,
+        reclaim_after_ms=settings.persist_reclaim_after_ms,
+        concurrency=settings.persist_concurrency,
+    )
+    instance_id = uuid.uuid4().hex
+    persisting = asyncio.create_task(persister.run())
+    alive = asyncio.create_task(_announce_alive(client, names.sessions_instance(instance_id)))
+    polling: asyncio.Task[None] | None = None
+    try:
+        await publisher.start()
+        catalog = ModelCatalog(
+            WorkerRegistry(client, names),
+            cache_ttl_s=settings.models_cache_ttl_s,
+        )
+        poller = QueueDepthPoller(connection=connection, catalog=catalog, client=client, names=names, metrics=metrics)
+        polling = asyncio.create_task(poller.run())
+        yield SessionsResources(
+            names=names,
+            redis=client,
+            pipe=pipe,
+            amqp=connection,
+            relay=relay,
+            publisher=publisher,
+            db=db,
+            outbox=outbox,
+            store=store,
+            catalog=catalog,
+            instance_id=instance_id,
+        )
+    finally:
+        persister.stop()  # batches being committed finish; what is left stays pending, for a live persister
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(persisting), _PERSISTER_STOP_S)
+        background = [t for t in (persisting, alive, polling) if t is not None]
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await relay.stop()
+        with contextlib.suppress(Exception):
+            await connection.close()
+        await pipe.aclose()
+        await client.aclose()
+        await db.close()
