@@ -1,173 +1,19 @@
-"""The inference worker process: a job consumer plus a small HTTP server for health and metrics."""
+"""The inference worker's app: a small HTTP server for health and metrics beside the job consumer
+(`lifecycle.py:Worker`), which boots in its lifespan."""
 
-import asyncio
-import contextlib
-import os
-import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
 from fastapi import FastAPI
 
 from services.worker.engines import Engine
 from services.worker.engines.factory import create_engine
-from services.worker.metrics import WorkerMetrics
-from services.worker.service import Heartbeat, JobRunner, consume, listen_for_cancellations
+from services.worker.lifecycle import Worker
 from services.worker.settings import WorkerSettings
-from shared.clients import connect_amqp, create_redis
 from shared.http_errors import install_error_handlers
-from shared.logging import get_logger
 from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
-from shared.names import Names
 from shared.probes import PROBE_PATHS, install_probes
-from shared.redis_pipe import RedisPipe
-from shared.registry import WorkerRegistry
-from shared.topology import declare_job_queue
-
-log = get_logger(__name__)
-
-_RETRY_DELAY_S = 2.0
-
-
-class Worker:
-    """Everything one worker process runs, started in the background so `/health` answers at once."""
-
-    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
-        self.settings = settings
-        self.engine = engine
-        self.names = Names(settings.namespace)
-        self.metrics = WorkerMetrics()
-        self.redis = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
-        # Every chunk's publish script, batched per loop iteration across the jobs running here.
-        self.pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
-        self.registry = WorkerRegistry(self.redis, self.names)
-        self.runner = JobRunner(
-            engine=engine,
-            pipe=self.pipe,
-            names=self.names,
-            metrics=self.metrics,
-            max_deliveries=settings.max_deliveries,
-            dead_letter=self._dead_letter,
-        )
-        self.not_ready_reason: str | None = "starting"
-        # Why the process must exit non-zero (the engine failed), so an orchestrator restarts it.
-        self.fatal: str | None = None
-        self._drained = False
-        self._connection: AbstractRobustConnection | None = None
-        self._channel: AbstractChannel | None = None
-        self._queue: AbstractQueue | None = None
-        self._consumer_tag: str | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-
-    async def boot(self) -> None:
-        """Load the engine, then connect and start consuming. A broken engine stops the process."""
-        self.not_ready_reason = "loading model"
-        try:
-            await self.engine.start()
-        except Exception as exc:
-            log.exception("engine_start_failed", error=str(exc))
-            self.fail(f"engine failed to start: {exc}")
-            return
-        self.metrics.observe_engine(
-            model=self.engine.model_name,
-            max_seqs=self.engine.max_seqs,
-            in_flight=lambda: self.runner.in_flight,
-            generating=lambda: self.runner.generating,
-            kv_cache_usage=self.engine.kv_cache_usage if self.engine.reports_kv_cache else None,
-        )
-        await self._connect_until_up()
-        heartbeat = Heartbeat(
-            self.registry,
-            worker_id=self.settings.worker_id,
-            engine=self.engine,
-            interval_s=self.settings.heartbeat_interval_s,
-            ttl_s=self.settings.heartbeat_ttl_s,
-            on_engine_failure=self.fail,
-        )
-        self._tasks += [
-            asyncio.create_task(heartbeat.run()),
-            asyncio.create_task(
-                listen_for_cancellations(
-                    self.settings.redis_url, self.names, self.runner, timeout_s=self.settings.connect_timeout_s
-                )
-            ),
-        ]
-        self._heartbeat = heartbeat
-        self.not_ready_reason = None
-        log.info("worker_ready", model=self.engine.model_name, max_seqs=self.engine.max_seqs)
-
-    def fail(self, reason: str) -> None:
-        """Stop serving and exit non-zero: the engine cannot be trusted any more."""
-        self.fatal = reason
-        self.not_ready_reason = f"engine failed: {reason}"
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    async def _dead_letter(self, message: AbstractIncomingMessage, reason: str) -> None:
-        """Move a job to the dead-letter queue with the reason in its headers."""
-        assert self._channel is not None
-        exchange = await self._channel.get_exchange(self.names.dead_letter_exchange, ensure=False)
-        await exchange.publish(
-            aio_pika.Message(
-                body=message.body,
-                headers={**(message.headers or {}), "x-axon-dead-reason": reason},
-                message_id=message.message_id,
-                content_type=message.content_type,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
-            routing_key="",
-        )
-        await message.ack()
-
-    async def _connect_until_up(self) -> None:
-        while True:
-            try:
-                await self.redis.ping()
-                self._connection = await connect_amqp(self.settings.amqp_url, timeout_s=self.settings.connect_timeout_s)
-                self._channel = await self._connection.channel()
-                await self._channel.set_qos(prefetch_count=self.engine.max_seqs)
-                self._queue = await declare_job_queue(
-                    self._channel,
-                    self.names,
-                    self.engine.model_name,
-                    max_queued_jobs=self.settings.max_queued_jobs,
-                )
-                self._consumer_tag = await consume(self._queue, self.runner)
-                return
-            except Exception as exc:  # noqa: BLE001 - report and retry, never crash-loop
-                self.not_ready_reason = f"dependencies unreachable: {exc!r}"
-                log.warning("worker_connect_failed", error=repr(exc))
-                await asyncio.sleep(_RETRY_DELAY_S)
-
-    async def drain(self) -> None:
-        """Stop taking jobs (readiness goes false), let in-flight ones finish within
-        `drain_timeout_s`, hand the rest back to the queue. Runs once."""
-        if self._drained:
-            return
-        self._drained = True
-        self.not_ready_reason = "shutting down"
-        if self._queue is not None and self._consumer_tag is not None:
-            with contextlib.suppress(Exception):
-                await self._queue.cancel(self._consumer_tag)
-        left = await self.runner.drain(self.settings.drain_timeout_s)
-        log.info("worker_drained", handed_back=left)
-
-    async def shutdown(self) -> None:
-        """Drain, withdraw from the registry, release everything."""
-        await self.drain()
-        if getattr(self, "_heartbeat", None) is not None:
-            with contextlib.suppress(Exception):
-                await self._heartbeat.withdraw()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._connection is not None:
-            await self._connection.close()  # unacked jobs go back to the queue
-        await self.engine.stop()
-        await self.pipe.aclose()
-        await self.redis.aclose()
 
 
 def create_app(settings: WorkerSettings | None = None, engine: Engine | None = None) -> FastAPI:
@@ -178,13 +24,8 @@ def create_app(settings: WorkerSettings | None = None, engine: Engine | None = N
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.worker = worker
-        boot = asyncio.create_task(worker.boot())
-        try:
+        async with worker.running():
             yield
-        finally:
-            boot.cancel()
-            await asyncio.gather(boot, return_exceptions=True)
-            await worker.shutdown()
 
     app = FastAPI(
         title="Axon inference worker",

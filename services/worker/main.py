@@ -6,7 +6,8 @@ from types import FrameType
 
 import uvicorn
 
-from services.worker.app import Worker, create_app
+from services.worker.app import create_app
+from services.worker.lifecycle import Worker
 from services.worker.settings import WorkerSettings
 from shared.logging import configure_logging
 
