@@ -4,9 +4,11 @@ requests (`RedisPipe`), and pub/sub subscriptions batched the same way (`RedisSu
 Every command issued during one event-loop iteration goes out in one socket write on one
 connection, and replies are parsed by hiredis in the protocol callback and handed to their
 callers in order. On a request's path (a rate-limit check, a chunk's publish script, a
-usage record) this costs a fraction of a redis-py command, which checks a connection out of
-a pool, wraps it in timeouts and retries and parses the reply in a coroutine of its own; and
-under load a hundred commands share one write instead of a hundred.
+usage record) this costs about a ninth of a redis-py command's client CPU (6.6 µs against
+56-63 µs with 100 commands in flight: `benchmarks/micro/redis_pipe.py`, figures in
+benchmarks/RESULTS.md), where redis-py checks a connection out of a pool, wraps it in timeouts
+and retries and parses the reply in a coroutine of its own; and under load a hundred commands
+share one write instead of a hundred.
 
 `RedisPipe` failure semantics: a command is never retried (most of these are not idempotent). If the
 connection drops, every command in flight fails with `redis.exceptions.ConnectionError`;

@@ -27,14 +27,14 @@ file did before the hot routes (commit 42ee1e9's parent), less the service and m
   `shared.disconnects.unless_disconnected` (a task and a poll timer per request), an `ORJSONResponse`.
 - `sse`: 8 server-sent events, `[DONE]` with the last, a wait before each. Hot: a `DisconnectWatch`,
   the head and each piece sent by the handler. FastAPI: the first wait through
-  `unless_disconnected`, then `shared.responses.SSEResponse` over an async generator (Starlette runs it in
+  `unless_disconnected`, then `SSEResponse` (below) over an async generator (Starlette runs it in
   a task group beside a task listening for the disconnect).
 """
 
 import argparse
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.types import Message, Receive, Scope, Send
 
 from benchmarks.micro.common import Comparison, Contender, add_arguments, compare, report, run
@@ -52,7 +54,7 @@ from shared.disconnects import DisconnectWatch, unless_disconnected
 from shared.hot_routes import HotRoute, HotRoutes, read_body, send_json
 from shared.http_errors import install_error_handlers
 from shared.middleware import NO_FASTAPI_TELEMETRY
-from shared.responses import SSE_END, ORJSONResponse, SSEResponse
+from shared.responses import SSE_END, ORJSONResponse
 
 MODES = ("json", "sse")
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -68,6 +70,40 @@ BODY = orjson.dumps(
     }
 )
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+# The streaming response the session manager used before its completion routes became hot routes.
+class SSEResponse(StreamingResponse):
+    """A stream of server-sent events that ends with `data: [DONE]`.
+
+    The piece that carries `[DONE]` also ends the HTTP body, so the chunked-encoding terminator
+    goes out in the same write instead of one more (a socket write per message is the dearest
+    thing a stream does). Anything the iterator yields after the end is dropped.
+    """
+
+    media_type = "text/event-stream"
+    body_iterator: AsyncIterable[bytes]
+
+    def __init__(
+        self,
+        content: AsyncIterable[bytes],
+        status_code: int = 200,
+        headers: Mapping[str, str] | None = None,
+        media_type: str | None = None,
+        background: BackgroundTask | None = None,
+    ) -> None:
+        super().__init__(content, status_code, headers, media_type, background)
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for piece in self.body_iterator:
+            if ended:
+                continue
+            ended = piece.endswith(SSE_END)
+            await send({"type": "http.response.body", "body": piece, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def answer(body: ChatCompletionRequest, caller: Caller, request_id: str) -> dict[str, Any]:
