@@ -7,6 +7,7 @@ last heartbeat expires. Every model ever served is also remembered, which tells
 """
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
 
@@ -23,10 +24,16 @@ _SWEEP_GRACE_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class LiveModel:
-    """A model some live worker serves: how many workers, and the smallest context among them."""
+    """A model some live worker serves: how many workers, the smallest context among them, and
+    the request parameters every one of them honours (a job may go to any of them)."""
 
     workers: int
     context_tokens: int
+    supports: frozenset[str] = frozenset()
+
+    def joined(self, *, context_tokens: int, supports: frozenset[str]) -> "LiveModel":
+        """This model with one more live worker."""
+        return LiveModel(self.workers + 1, min(self.context_tokens, context_tokens), self.supports & supports)
 
 
 class WorkerRegistry:
@@ -36,13 +43,24 @@ class WorkerRegistry:
         self._redis = client
         self._names = names
 
-    async def heartbeat(self, *, worker_id: str, model: str, ttl_s: float, max_seqs: int, context_tokens: int) -> None:
-        """Announce that `worker_id` serves `model` for the next `ttl_s` seconds."""
+    async def heartbeat(
+        self,
+        *,
+        worker_id: str,
+        model: str,
+        ttl_s: float,
+        max_seqs: int,
+        context_tokens: int,
+        supports: Iterable[str] = (),
+    ) -> None:
+        """Announce that `worker_id` serves `model` for the next `ttl_s` seconds, honouring the
+        request parameters `supports`."""
         entry = {
             "model": model,
             "expires_at": time.time() + ttl_s,
             "max_seqs": max_seqs,
             "context_tokens": context_tokens,
+            "supports": sorted(supports),
         }
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(self._names.workers_key, worker_id, orjson.dumps(entry))
@@ -68,8 +86,9 @@ class WorkerRegistry:
                 continue
             known = live.get(entry["model"])
             context = entry["context_tokens"]
+            supports = frozenset(entry.get("supports", ()))
             live[entry["model"]] = (
-                LiveModel(known.workers + 1, min(known.context_tokens, context)) if known else LiveModel(1, context)
+                known.joined(context_tokens=context, supports=supports) if known else LiveModel(1, context, supports)
             )
         if expired:
             await self._redis.hdel(self._names.workers_key, *expired)

@@ -286,6 +286,7 @@ class Heartbeat:
                     ttl_s=self._ttl_s,
                     max_seqs=self._engine.max_seqs,
                     context_tokens=self._engine.context_tokens,
+                    supports=self._engine.supports,
                 )
             except Exception as exc:  # noqa: BLE001 - a failed beat must not end the loop
                 log.warning("heartbeat_failed", error=repr(exc))

@@ -3,8 +3,9 @@
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import ClassVar, Literal, Protocol
 
-from shared.schemas import FinishReason, Message, Sampling
+from shared.schemas import Capability, FinishReason, FunctionSpec, Message, Sampling, TokenLogprob, ToolCallDelta
 
 
 class EngineError(Exception):
@@ -25,11 +26,23 @@ class Resume:
 
 
 @dataclass(frozen=True, slots=True)
+class Guide:
+    """A constraint on the answer's text, enforced by constrained decoding.
+
+    `json_schema`: the answer is one JSON value valid against `schema` (a JSON Schema, as text);
+    `json_object`: any JSON object.
+    """
+
+    kind: Literal["json_schema", "json_object"]
+    schema: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """What an engine needs to generate one answer (or the rest of one, with `resume`).
 
     With `resume`, `sampling.max_tokens` is the remaining budget and outputs count only
-    the new tokens.
+    the new tokens; a `guide` then continues from the state the resumed text left it in.
     """
 
     request_id: str
@@ -37,6 +50,13 @@ class GenerationRequest:
     messages: list[Message] | None = None
     prompt: str | None = None
     resume: Resume | None = None
+    # Functions the prompt offers the model (rendered by the engine's chat template or its own).
+    tools: list[FunctionSpec] | None = None
+    guide: Guide | None = None
+    # None: no logprobs; k: the sampled token's and the k most likely alternatives, per token.
+    logprobs: int | None = None
+    # Completions with `echo` and `logprobs`: the first output also carries the prompt's logprobs.
+    echo: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +74,28 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
     # The new tokens' ids, from engines that expose them (resumption is then exact).
     token_ids: tuple[int, ...] = ()
+    # With `logprobs` requested: one entry per new token (of `text`).
+    logprobs: tuple[TokenLogprob, ...] = ()
+    # With `echo` and `logprobs`: the prompt's tokens, on the first output only.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class ToolCallParser(Protocol):
+    """Turns an answer's raw text, as it streams, into content and tool-call deltas.
+
+    The result of feeding a text depends only on the text, not on how it was cut into pieces,
+    so a resumed job can replay what was already published and continue.
+    """
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """New raw text in; the content and the tool-call deltas it completes out."""
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """The answer ended: whatever was held back."""
+
+    @property
+    def called(self) -> bool:
+        """True once at least one tool call was emitted."""
 
 
 class Engine(ABC):
@@ -65,6 +107,8 @@ class Engine(ABC):
 
     model_name: str
     max_seqs: int
+    # The request parameters this engine honours (beyond the ones every engine does).
+    supports: ClassVar[frozenset[Capability]] = frozenset()
     # Prompt plus answer tokens one sequence may hold; known once `start` returned.
     context_tokens: int
 

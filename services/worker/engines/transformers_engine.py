@@ -154,8 +154,10 @@ class TransformersEngine(Engine):
         sampling = request.sampling
         if sampling.temperature == 0:
             return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
-        top_k = sampling.top_k if sampling.top_k > 0 else self._vocab_size
-        return {"temperature": float(sampling.temperature), "top_k": int(top_k), "top_p": float(sampling.top_p)}
+        temperature = 1.0 if sampling.temperature is None else sampling.temperature
+        top_k = sampling.top_k if sampling.top_k is not None and sampling.top_k > 0 else self._vocab_size
+        top_p = 1.0 if sampling.top_p is None else sampling.top_p
+        return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p)}
 
     def _resumed_ids(self, request: GenerationRequest) -> list[int]:
         resume = request.resume

@@ -22,15 +22,17 @@ _FINISH_REASONS: dict[str | None, FinishReason | None] = {
 
 
 def sampling_kwargs(sampling: Sampling) -> dict[str, Any]:
-    """Axon's sampling parameters as `vllm.SamplingParams` keyword arguments."""
-    return {
+    """Axon's sampling parameters as `vllm.SamplingParams` keyword arguments; a parameter left unset
+    is left out, so vLLM takes the model's default (its generation config)."""
+    chosen = {
         "max_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "top_k": sampling.top_k,
         "stop": list(sampling.stop),
         "seed": sampling.seed,
     }
+    return {name: value for name, value in chosen.items() if value is not None}
 
 
 def finish_reason(vllm_reason: str | None) -> FinishReason | None:

@@ -23,14 +23,21 @@ def make_job(**overrides: object) -> Job:
 # Sampling ---------------------------------------------------------------------------------
 
 
-def test_sampling_defaults_match_design() -> None:
+def test_sampling_leaves_the_model_defaults_unset() -> None:
     assert Sampling().model_dump() == {
         "max_tokens": 256,
-        "temperature": 0.7,
-        "top_p": 1.0,
-        "top_k": -1,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+        "min_p": None,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": None,
+        "logit_bias": {},
         "stop": [],
         "seed": None,
+        "min_tokens": 0,
+        "ignore_eos": False,
     }
 
 
@@ -85,7 +92,8 @@ def test_job_example_from_design_parses() -> None:
     job = Job.model_validate_json(body)
     assert job.tenant == "key-id"
     assert job.deadline == 1763790000.0
-    assert job.sampling == Sampling()
+    assert job.sampling == Sampling(temperature=0.7, top_p=1.0, top_k=-1)
+    assert job.tools is None and job.response_format is None and job.logprobs is None
 
 
 @pytest.mark.parametrize("missing", ["job_id", "model", "channel", "deadline"])
