@@ -4,35 +4,32 @@ import asyncio
 import os
 import secrets
 import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 
 import asyncpg
-import httpx
 
 from services.cli.checks import HOW_TO_START, check_dependencies
+from services.cli.launcher import (
+    PORT_VARIABLES,
+    NotReadyInTime,
+    Service,
+    ServiceExited,
+    start_service,
+    stop_all,
+    wait_ready,
+)
 from shared.keys import KeyLimits, KeyRepository
 from shared.migrations import migrate
 from shared.settings import CommonSettings
 
-
-@dataclass(frozen=True, slots=True)
-class Child:
-    name: str
-    module: str
-    ready_url: str
+# The order they start in, and the ports they listen on unless AXON_<KIND>_PORT says otherwise.
+_DEFAULT_PORTS = {"worker": 8002, "sessions": 8001, "gateway": 8000}
 
 
-def _children(env: dict[str, str]) -> list[Child]:
-    gateway = env.get("AXON_GATEWAY_PORT", "8000")
-    sessions = env.get("AXON_SESSIONS_PORT", "8001")
-    worker = env.get("AXON_WORKER_PORT", "8002")
+def _start_children(env: dict[str, str]) -> list[Service]:
     return [
-        Child("worker", "services.worker.main", f"http://127.0.0.1:{worker}/ready"),
-        Child("sessions", "services.sessions.main", f"http://127.0.0.1:{sessions}/ready"),
-        Child("gateway", "services.gateway.main", f"http://127.0.0.1:{gateway}/ready"),
+        start_service(kind, env=env, port=int(env.get(PORT_VARIABLES[kind], default)))
+        for kind, default in _DEFAULT_PORTS.items()
     ]
 
 
@@ -51,44 +48,35 @@ def _check_or_explain(settings: CommonSettings) -> bool:
     return all(r.ok for r in results)
 
 
-def _wait_ready(children: list[Child], processes: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    pending = list(children)
-    last_report = 0.0
-    started = time.monotonic()
-    with httpx.Client(timeout=2) as client:
-        while pending and time.monotonic() < deadline:
-            for child in list(pending):
-                if processes[child.name].poll() is not None:
-                    _say(f"{child.name} exited with code {processes[child.name].returncode}; see its log above")
-                    return False
-                try:
-                    response = client.get(child.ready_url)
-                except httpx.HTTPError:
-                    continue
-                if response.status_code == 200:
-                    _say(f"{child.name} ready ({time.monotonic() - started:.0f}s)")
-                    pending.remove(child)
-                elif time.monotonic() - last_report > 5:
-                    reason = response.json().get("reason", "starting")
-                    _say(f"waiting for {child.name}: {reason} ({time.monotonic() - started:.0f}s)")
-                    last_report = time.monotonic()
-            time.sleep(0.5)
-    if pending:
-        _say(f"timed out waiting for: {', '.join(c.name for c in pending)}")
-    return not pending
+class _StartProgress:
+    """The console while the services start: each one as it gets ready, and at most every 5 s what one waits for."""
+
+    def __init__(self) -> None:
+        self._started = time.monotonic()
+        self._last_report = 0.0
+
+    def _elapsed_s(self) -> float:
+        return time.monotonic() - self._started
+
+    def ready(self, service: Service) -> None:
+        _say(f"{service.name} ready ({self._elapsed_s():.0f}s)")
+
+    def waiting(self, service: Service, reason: str) -> None:
+        if time.monotonic() - self._last_report > 5:
+            _say(f"waiting for {service.name}: {reason} ({self._elapsed_s():.0f}s)")
+            self._last_report = time.monotonic()
 
 
-def _stop(processes: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
-    for process in reversed(list(processes.values())):
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for process in processes.values():
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
+def _wait_ready(children: list[Service], timeout_s: float) -> bool:
+    try:
+        wait_ready(children, timeout_s=timeout_s, poll_interval_s=0.5, progress=_StartProgress())
+    except ServiceExited as exc:
+        _say(f"{exc.service.name} exited with code {exc.service.exit_code}; see its log above")
+        return False
+    except NotReadyInTime as exc:
+        _say(f"timed out waiting for: {', '.join(c.name for c in exc.pending)}")
+        return False
+    return True
 
 
 async def _create_dev_key(settings: CommonSettings) -> str:
@@ -149,8 +137,7 @@ def run_up(*, ready_timeout_s: float) -> int:
     admin_token_generated = not env.get("AXON_ADMIN_TOKEN")
     if admin_token_generated:
         env["AXON_ADMIN_TOKEN"] = secrets.token_urlsafe(24)
-    children = _children(env)
-    processes = {c.name: subprocess.Popen([sys.executable, "-m", c.module], env=env) for c in children}
+    children = _start_children(env)
     stopping = False
 
     def on_signal(_signum: int, _frame: object) -> None:
@@ -160,16 +147,16 @@ def run_up(*, ready_timeout_s: float) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        if not _wait_ready(children, processes, ready_timeout_s):
+        if not _wait_ready(children, ready_timeout_s):
             return 1
         _print_examples(env, key, admin_token_generated=admin_token_generated)
         while not stopping:
-            for name, process in processes.items():
-                if process.poll() is not None:
-                    _say(f"{name} exited with code {process.returncode}; stopping the platform")
+            for child in children:
+                if child.exit_code is not None:
+                    _say(f"{child.name} exited with code {child.exit_code}; stopping the platform")
                     return 1
             time.sleep(0.5)
         return 0
     finally:
         _say("stopping")
-        _stop(processes, timeout_s=40)
+        stop_all(children, timeout_s=40)
