@@ -1,0 +1,117 @@
+"""An httpx transport that checks every OpenAI answer passing through it against OpenAI's schemas.
+
+Hand it to any client built on httpx (the `openai` SDK, instructor through the SDK, LangChain's
+`ChatOpenAI(http_client=...)`) and every answer body, every server-sent chunk and every error body
+those clients receive is validated on the way (`openai_shapes.py`), without the test collecting
+them itself. A departure raises in the client at once and is also kept in `violations`, so a
+library that swallows exceptions cannot hide it.
+"""
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from tests.contract.openai_shapes import openai_shape_errors
+
+_MODEL_PATH = re.compile(r"/v1/models/[^/]+$")
+
+
+def shape_for(path: str, status: int, *, streamed: bool) -> str | None:
+    """The OpenAI schema an answer to `path` with `status` must follow (None: not an OpenAI route)."""
+    if not path.startswith("/v1/"):
+        return None
+    if status >= 400:
+        return "ErrorResponse"
+    if path.endswith("/chat/completions"):
+        return "CreateChatCompletionStreamResponse" if streamed else "CreateChatCompletionResponse"
+    if path.endswith("/completions"):
+        return "CreateCompletionResponse"  # streamed chunks share the answer's shape
+    if path == "/v1/models":
+        return "ListModelsResponse"
+    if _MODEL_PATH.search(path):
+        return "Model"
+    return None
+
+
+class ContractTransport(httpx.BaseTransport):
+    """Forwards to a real transport; validates every OpenAI answer body and chunk it returns."""
+
+    def __init__(self, inner: httpx.BaseTransport | None = None) -> None:
+        self._inner = inner or httpx.HTTPTransport()
+        self.violations: list[str] = []
+        # How many bodies (answers, chunks, errors) were validated, by schema name.
+        self.checked: dict[str, int] = {}
+
+    def check(self, shape: str, body: Any, where: str) -> None:
+        if shape == "CreateChatCompletionStreamResponse" and isinstance(body, dict) and "error" in body:
+            shape = "ErrorResponse"  # an error event ends a broken stream
+        self.checked[shape] = self.checked.get(shape, 0) + 1
+        errors = openai_shape_errors(shape, body)
+        if errors:
+            message = f"{where}: not an OpenAI {shape}: {errors}; body: {json.dumps(body)[:1000]}"
+            self.violations.append(message)
+            raise AssertionError(message)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self._inner.handle_request(request)
+        streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+        shape = shape_for(request.url.path, response.status_code, streamed=streamed)
+        if shape is None:
+            return response
+        where = f"{request.method} {request.url.path} {response.status_code}"
+        if streamed:
+            stream = _CheckedStream(response, shape, self, where)
+            return httpx.Response(
+                response.status_code, headers=response.headers, stream=stream, extensions=response.extensions
+            )
+        response.read()
+        self.check(shape, response.json(), where)
+        return response
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class _CheckedStream(httpx.SyncByteStream):
+    """The answer's bytes unchanged, each `data:` event validated as it goes by."""
+
+    def __init__(self, response: httpx.Response, shape: str, transport: ContractTransport, where: str) -> None:
+        self._response = response
+        self._shape = shape
+        self._transport = transport
+        self._where = where
+        self._buffer = b""
+        self._done = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        for data in self._response.stream:
+            self._feed(data)
+            yield data
+        if not self._done:
+            message = f"{self._where}: the stream ended without data: [DONE]"
+            self._transport.violations.append(message)
+            raise AssertionError(message)
+
+    def _feed(self, data: bytes) -> None:
+        lines = (self._buffer + data).split(b"\n")
+        self._buffer = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self._done = True
+            else:
+                self._transport.check(self._shape, json.loads(payload), self._where + " chunk")
+
+    def close(self) -> None:
+        self._response.close()
+
+
+def contract_client(**kwargs: Any) -> tuple[httpx.Client, ContractTransport]:
+    """An httpx client whose every OpenAI answer is validated, and its transport (for `violations`)."""
+    transport = ContractTransport()
+    return httpx.Client(transport=transport, **kwargs), transport
