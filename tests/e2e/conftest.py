@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.e2e.stack import Service, Stack
+from services.cli.launcher import Service
+from tests.e2e.stack import Stack
 from tests.services import ServiceUrls
 
 SIM_MODEL = "sim-model"

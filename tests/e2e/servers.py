@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.e2e.stack import free_port
+from services.cli.launcher import free_port
 
 RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 POSTGRES_BIN = next(iter(sorted(Path("/usr/lib/postgresql").glob("*/bin"))), Path("/nonexistent"))

@@ -6,7 +6,7 @@ import contextlib
 import threading
 from urllib.parse import urlsplit
 
-from tests.e2e.stack import free_port
+from services.cli.launcher import free_port
 
 
 class TcpProxy:

@@ -8,8 +8,9 @@ import openai
 import pytest
 from openai import OpenAI
 
+from services.cli.launcher import Service, free_port
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import Service, Stack, free_port
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -33,11 +33,12 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from services.cli.launcher import Service
 from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.load import report
-from tests.e2e.stack import ADMIN_TOKEN, Service
+from tests.e2e.stack import ADMIN_TOKEN
 
 pytestmark = pytest.mark.e2e
 

@@ -12,8 +12,9 @@ import httpx
 import orjson
 import pytest
 
+from services.cli.launcher import Service
 from tests.e2e.load import report
-from tests.e2e.stack import Service, Stack
+from tests.e2e.stack import Stack
 from tests.e2e.test_workers import metric
 
 pytestmark = pytest.mark.e2e

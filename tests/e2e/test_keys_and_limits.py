@@ -11,10 +11,11 @@ import openai
 import pytest
 from openai import OpenAI
 
+from services.cli.launcher import Service, free_port
 from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import ADMIN_TOKEN, Service, Stack, free_port
+from tests.e2e.stack import ADMIN_TOKEN, Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -12,10 +12,11 @@ import aio_pika
 import httpx
 import pytest
 
+from services.cli.launcher import Service
 from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import ADMIN_TOKEN, Service, Stack
+from tests.e2e.stack import ADMIN_TOKEN, Stack
 from tests.metric_names import SYNTHETIC_METRICS, Scrape, queried_metric_jobs, queried_metrics
 
 pytestmark = pytest.mark.e2e

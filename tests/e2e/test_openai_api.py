@@ -8,8 +8,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from services.cli.launcher import Service
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import Service
 
 pytestmark = pytest.mark.e2e
 

@@ -17,8 +17,9 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Dialog, Page, expect, sync_playwright
 
+from services.cli.launcher import Service
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import ADMIN_TOKEN, Service
+from tests.e2e.stack import ADMIN_TOKEN
 from tests.e2e.test_workers import metric
 
 pytestmark = pytest.mark.e2e

@@ -7,7 +7,8 @@ import time
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.e2e.stack import Service, Stack
+from services.cli.launcher import Service
+from tests.e2e.stack import Stack
 from tests.e2e.test_workers import holder, wait_listed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]

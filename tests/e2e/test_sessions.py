@@ -10,12 +10,13 @@ import httpx
 import pytest
 import redis.asyncio as redis
 
+from services.cli.launcher import Service
 from shared.keys import KeyLimits
 from shared.names import Names
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.load import report
-from tests.e2e.stack import Service, Stack
+from tests.e2e.stack import Stack
 from tests.e2e.tcpproxy import TcpProxy
 from tests.services import ServiceUrls
 

@@ -13,8 +13,9 @@ import openai
 import pytest
 from openai import OpenAI
 
+from services.cli.launcher import Service
 from shared.names import Names
-from tests.e2e.stack import ADMIN_TOKEN, Service, Stack
+from tests.e2e.stack import ADMIN_TOKEN, Stack
 
 pytestmark = pytest.mark.e2e
 

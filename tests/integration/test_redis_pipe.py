@@ -8,8 +8,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.cli.launcher import free_port
 from shared.redis_pipe import PipeScript, RedisPipe, pack
-from tests.e2e.stack import free_port
 from tests.e2e.tcpproxy import TcpProxy
 
 
