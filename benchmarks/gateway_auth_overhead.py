@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from harness import UNLIMITED, BenchEnvironment, Process, cpu_seconds, free_port, wait_ready
+from harness import UNLIMITED, BenchEnvironment, cpu_seconds
 
+from services.cli.launcher import Service, free_port, wait_ready
 from shared.http1 import Http1Pool
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
@@ -217,7 +218,7 @@ def serve(role: str, port: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def start(role: str, env: BenchEnvironment, extra: dict[str, str] | None = None) -> Process:
+def start(role: str, env: BenchEnvironment, extra: dict[str, str] | None = None) -> Service:
     port = free_port()
     return env.start(role, [sys.executable, __file__, "--serve", role, str(port)], env=extra, port=port)
 
@@ -294,7 +295,7 @@ async def drive(url: str, key: str, *, concurrency: int, seconds: float, into: S
             into.errors[text] = into.errors.get(text, 0) + count
 
 
-def check_variants(auth: Process, open_: Process, key: str) -> None:
+def check_variants(auth: Service, open_: Service, key: str) -> None:
     """Refuse to measure unless A really authenticates and limits, and B really does neither.
 
     Raises:
@@ -316,7 +317,7 @@ def check_variants(auth: Process, open_: Process, key: str) -> None:
         raise RuntimeError("; ".join(failed))
 
 
-async def measure(args: argparse.Namespace, variants: dict[str, Process], key: str) -> dict[str, dict[str, Samples]]:
+async def measure(args: argparse.Namespace, variants: dict[str, Service], key: str) -> dict[str, dict[str, Samples]]:
     results: dict[str, dict[str, Samples]] = {"throughput": {}, "latency": {}}
     for process in variants.values():  # warm-up: connections, key caches, lazily built routes
         await drive(process.url, key, concurrency=args.concurrency, seconds=args.warmup, into=None)
@@ -331,7 +332,7 @@ async def measure(args: argparse.Namespace, variants: dict[str, Process], key: s
         for round_no in range(args.rounds):
             # A B, B A, A B, ...: linear drift falls on both variants equally.
             for name in order if round_no % 2 == 0 else reversed(order):
-                samples, pid = results[phase][name], variants[name].popen.pid
+                samples, pid = results[phase][name], variants[name].pid
                 cpu_before = cpu_seconds(pid)
                 await drive(variants[name].url, key, concurrency=concurrency, seconds=seconds, into=samples)
                 cpu_after = cpu_seconds(pid)
@@ -461,11 +462,10 @@ def main() -> int:
     with BenchEnvironment(postgres_url=args.postgres, redis_url=args.redis) as env:
         key = env.create_key(LIMITS)
         stub = start("stub", env)
-        wait_ready(stub)
+        wait_ready([stub], timeout_s=120)
         gateway_env = {"AXON_SESSIONS_URL": stub.url, "AXON_LOG_LEVEL": args.log_level}
         variants = {"A": start("gateway-auth", env, gateway_env), "B": start("gateway-open", env, gateway_env)}
-        for process in variants.values():
-            wait_ready(process)
+        wait_ready(list(variants.values()), timeout_s=120)
         check_variants(variants["A"], variants["B"], key)
         print(f"measuring (logs in {env.log_dir})", file=sys.stderr, flush=True)
         try:  # the driver is not what is measured: keep it cheap

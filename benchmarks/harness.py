@@ -5,21 +5,18 @@ Everything a benchmark creates is removed at the end (`BenchEnvironment` is a co
 """
 
 import asyncio
-import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncpg
-import httpx
 
+from services.cli import launcher
+from services.cli.launcher import Service
 from shared.keys import KeyLimits, KeyRepository
 from shared.migrations import drop_database, migrate, split_database_url
 
@@ -27,20 +24,8 @@ ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
 # Limits far above anything a benchmark sends: every request is admitted, but all three limits
 # (requests, tokens, concurrency) are checked on every request, as in production.
 UNLIMITED = KeyLimits(rpm=1_000_000_000, tpm=2_000_000_000, max_concurrent=100_000)
-SERVICE_MODULES = {
-    "worker": "services.worker.main",
-    "sessions": "services.sessions.main",
-    "gateway": "services.gateway.main",
-}
-_PORT_VARIABLES = {"worker": "AXON_WORKER_PORT", "sessions": "AXON_SESSIONS_PORT", "gateway": "AXON_GATEWAY_PORT"}
 # The shared servers whose CPU a benchmark also reports (process name patterns for pgrep).
 SERVERS = {"redis": "redis-server", "rabbitmq": "beam.smp", "postgres": "postgres"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -62,59 +47,6 @@ def server_pids() -> dict[str, list[int]]:
 
 
 @dataclass
-class Process:
-    name: str
-    port: int
-    popen: subprocess.Popen
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self, timeout_s: float = 20) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
-
-
-def start_process(name: str, argv: list[str], env: dict[str, str], log_dir: Path, port: int) -> Process:
-    log_path = log_dir / f"{name}.log"
-    with log_path.open("wb") as log_file:
-        popen = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-    return Process(name, port, popen, log_path)
-
-
-def wait_ready(process: Process, timeout_s: float = 120) -> None:
-    """Until `GET /ready` answers 200.
-
-    Raises:
-        RuntimeError: the process exited.
-        TimeoutError: it was not ready in time.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.popen.poll() is not None:
-            raise RuntimeError(f"{process.name} exited:\n{process.log_tail()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{process.url}/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{process.name} not ready in {timeout_s}s:\n{process.log_tail()}")
-
-
-@dataclass
 class BenchEnvironment:
     """A database (`axon_bench_<id>`), Redis namespace and log folder of one benchmark run."""
 
@@ -122,7 +54,7 @@ class BenchEnvironment:
     redis_url: str = os.environ.get("AXON_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
     amqp_url: str = os.environ.get("AXON_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
-    processes: list[Process] = field(default_factory=list)
+    processes: list[Service] = field(default_factory=list)
     # Models whose job queues this run declared (removed with the run).
     models: set[str] = field(default_factory=set)
 
@@ -138,7 +70,7 @@ class BenchEnvironment:
 
     def __exit__(self, *_exc: object) -> None:
         for process in reversed(self.processes):
-            process.stop()
+            process.stop(timeout_s=20)
         print("removing the benchmark's database, Redis keys and queues...", file=sys.stderr, flush=True)
         asyncio.run(drop_database(self.database_url))
         asyncio.run(_delete_namespace(self.redis_url, self.namespace))
@@ -146,17 +78,17 @@ class BenchEnvironment:
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """The environment of a service of this run (the caller's own AXON_* settings dropped)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AXON_")}
-        env.update(
-            AXON_NAMESPACE=self.namespace,
-            AXON_REDIS_URL=self.redis_url,
-            AXON_AMQP_URL=self.amqp_url,
-            AXON_DATABASE_URL=self.database_url,
-            AXON_ADMIN_TOKEN=ADMIN_TOKEN,
-            AXON_LOG_LEVEL="INFO",
+        return launcher.environment_with(
+            {
+                "AXON_NAMESPACE": self.namespace,
+                "AXON_REDIS_URL": self.redis_url,
+                "AXON_AMQP_URL": self.amqp_url,
+                "AXON_DATABASE_URL": self.database_url,
+                "AXON_ADMIN_TOKEN": ADMIN_TOKEN,
+                "AXON_LOG_LEVEL": "INFO",
+                **(extra or {}),
+            }
         )
-        env.update(extra or {})
-        return env
 
     def create_key(self, limits: KeyLimits = UNLIMITED) -> str:
         """A new API key in this run's database (printed nowhere)."""
@@ -173,24 +105,24 @@ class BenchEnvironment:
 
     def start(
         self, name: str, argv: list[str], *, env: dict[str, str] | None = None, port: int | None = None
-    ) -> Process:
-        process = start_process(name, argv, self.env(env), self.log_dir, port or free_port())
+    ) -> Service:
+        process = launcher.start_process(
+            name, argv, env=self.env(env), port=port or launcher.free_port(), log_path=self.log_dir / f"{name}.log"
+        )
         self.processes.append(process)
         return process
 
-    def start_service(self, kind: str, *, env: dict[str, str] | None = None, name: str | None = None) -> Process:
+    def start_service(self, kind: str, *, env: dict[str, str] | None = None, name: str | None = None) -> Service:
         """An Axon service (`worker`, `sessions`, `gateway`) as its console script runs it, once ready."""
-        port = free_port()
-        process = self.start(
-            name or kind,
-            [sys.executable, "-m", SERVICE_MODULES[kind]],
-            env={_PORT_VARIABLES[kind]: str(port), **(env or {})},
-            port=port,
+        name = name or kind
+        process = launcher.start_service(
+            kind, env=self.env(env), port=launcher.free_port(), name=name, log_path=self.log_dir / f"{name}.log"
         )
-        wait_ready(process)
+        self.processes.append(process)
+        launcher.wait_ready([process], timeout_s=120)
         return process
 
-    def start_stack(self, worker_env: dict[str, str]) -> dict[str, Process]:
+    def start_stack(self, worker_env: dict[str, str]) -> dict[str, Service]:
         """Worker, session manager and gateway, as `axon up` starts them."""
         self.models.add(worker_env["AXON_MODEL"])
         worker = self.start_service("worker", env=worker_env)
