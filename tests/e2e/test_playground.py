@@ -7,6 +7,7 @@ they fail. Every browser test saves a screenshot of its page at the end, pass or
 run's `artifacts/playground` folder under pytest's base temporary directory (see `--basetemp`).
 """
 
+import json
 import os
 import re
 import time
@@ -14,8 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
-from playwright.sync_api import Browser, Dialog, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Dialog, Locator, Page, expect, sync_playwright
 
 from services.cli.launcher import Service
 from tests.e2e.conftest import SIM_MODEL
@@ -268,3 +270,109 @@ def test_a_rate_limit_is_explained_with_its_retry_time(page: Page, gateway: Serv
     pick_model(page, SIM_MODEL)
     send(page, "one too many", max_tokens=4)
     expect(page.locator("#alert")).to_contain_text(re.compile(r"Rate limited \(429\): .+ Try again in \d+ s\."))
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+def assert_pretty_json(block: Locator) -> object:
+    """`block` shows one JSON value pretty-printed in a monospace font; returns the value."""
+    shown = block.inner_text()
+    value = json.loads(shown)
+    if value:
+        assert shown == json.dumps(value, indent=2, ensure_ascii=False)
+    assert "monospace" in block.evaluate("element => getComputedStyle(element).fontFamily")
+    return value
+
+
+def test_tool_calls_show_their_name_and_pretty_arguments_live_and_from_history(
+    page: Page, api_key: str, api: httpx.Client
+) -> None:
+    use_key(page, api_key)
+    pick_model(page, SIM_MODEL)
+    page.click("#tools-panel summary")
+    page.fill("#tools", json.dumps([WEATHER_TOOL]))
+    page.select_option("#tool-choice", "required")
+    send(page, "What is the weather in Paris?", max_tokens=200)
+    answer = page.locator(".message.assistant").last
+    expect(answer.locator(".meta")).to_contain_text("finish: tool_calls")
+    call = answer.locator(".tool-call")
+    expect(call.locator(".tool-name")).to_have_text(["get_weather"])
+    arguments = assert_pretty_json(call.locator("pre.json"))
+    jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
+
+    session_id = current_session_id(page)
+    [stored] = api.get(f"/v1/sessions/{session_id}/messages").json()["data"][1]["tool_calls"]
+    assert json.loads(stored["function"]["arguments"]) == arguments
+    page.reload()  # the call is shown again from the session's history
+    expect(page.locator(".message.assistant .tool-call .tool-name")).to_have_text(["get_weather"])
+    assert assert_pretty_json(page.locator(".message.assistant .tool-call pre.json")) == arguments
+
+
+def test_a_json_answer_is_pretty_printed_in_monospace(page: Page, api_key: str, api: httpx.Client) -> None:
+    use_key(page, api_key)
+    pick_model(page, SIM_MODEL)
+    page.select_option("#response-format", "json_object")
+    send(page, "Describe Paris as JSON", max_tokens=300)
+    answer = page.locator(".message.assistant").last
+    expect(answer.locator(".meta")).to_contain_text("finish: stop")
+    value = assert_pretty_json(answer.locator(".body > pre.json"))
+    assert isinstance(value, dict)
+    stored = api.get(f"/v1/sessions/{current_session_id(page)}/messages").json()["data"][1]["content"]
+    assert json.loads(stored) == value
+
+
+def test_tools_that_are_not_json_are_explained_before_anything_is_sent(page: Page, api_key: str) -> None:
+    use_key(page, api_key)
+    pick_model(page, SIM_MODEL)
+    page.click("#tools-panel summary")
+    page.fill("#tools", "[{not json")
+    send(page, "call something", max_tokens=4)
+    expect(page.locator("#alert")).to_contain_text("Tools: not JSON")
+    expect(page.locator(".message")).to_have_count(0)
+    expect(page.locator("#prompt")).to_have_value("call something")
+
+
+def test_a_tool_call_streamed_in_pieces_is_assembled_before_it_is_shown(page: Page, api_key: str) -> None:
+    # OpenAI's streaming shape, played by the browser's network layer: the first piece of a call
+    # brings its id and name, the arguments follow in pieces that are not JSON on their own.
+    def event(delta: dict, finish: str | None = None) -> str:
+        chunk = {
+            "id": "chatcmpl-x",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": SIM_MODEL,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    first = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    pieces = ['{"city": "Pa', 'ris", "unit', '": "c"}']
+    body = (
+        event({"role": "assistant", "content": None, "tool_calls": [first]})
+        + "".join(event({"tool_calls": [{"index": 0, "function": {"arguments": p}}]}) for p in pieces)
+        + event({}, "tool_calls")
+        + "data: [DONE]\n\n"
+    )
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body),
+    )
+    use_key(page, api_key)
+    pick_model(page, SIM_MODEL)
+    send(page, "What is the weather in Paris?", max_tokens=50)
+    answer = page.locator(".message.assistant").last
+    expect(answer.locator(".meta")).to_contain_text("finish: tool_calls")
+    expect(answer.locator(".tool-call .tool-name")).to_have_text(["get_weather"])
+    assert assert_pretty_json(answer.locator(".tool-call pre.json")) == {"city": "Paris", "unit": "c"}

@@ -114,7 +114,53 @@
     element.innerHTML = DOMPurify.sanitize(marked.parse(text));
   }
 
-  function addMessage(role, text) {
+  // A JSON text as a value (objects and arrays only: a bare number or string reads fine as prose),
+  // or undefined when it is not one (yet: a streamed answer is incomplete until its end).
+  function jsonValue(text) {
+    const trimmed = text.trim();
+    if (!/^[[{]/.test(trimmed)) return undefined;
+    try {
+      return JSON.parse(trimmed);
+    } catch {
+      return undefined;
+    }
+  }
+
+  // JSON shown legibly: pretty-printed in a monospace block once it parses, as it came until then.
+  function jsonBlock(text) {
+    const pre = document.createElement("pre");
+    pre.className = "json";
+    const value = jsonValue(text);
+    pre.textContent = value === undefined ? text : JSON.stringify(value, null, 2);
+    return pre;
+  }
+
+  // One tool call the model made: its function's name, then its arguments as JSON.
+  function toolCallBlock(call) {
+    const block = document.createElement("div");
+    block.className = "tool-call";
+    const title = document.createElement("div");
+    title.className = "tool-name";
+    title.textContent = call.name || "";
+    if (call.id) title.title = call.id;
+    block.append(title, jsonBlock(call.arguments || ""));
+    return block;
+  }
+
+  // An assistant answer: its text (JSON pretty-printed when the answer is JSON, else markdown),
+  // then its tool calls, each `{id, name, arguments}`.
+  function renderAnswer(element, text, calls = [], { json = false } = {}) {
+    if (json || jsonValue(text) !== undefined) element.replaceChildren(jsonBlock(text));
+    else renderMarkdown(element, text);
+    element.append(...calls.map(toolCallBlock));
+  }
+
+  // A stored or sent message's tool calls (OpenAI's shape) as `{id, name, arguments}`.
+  function plainCalls(toolCalls) {
+    return (toolCalls || []).map((c) => ({ id: c.id, name: c.function.name, arguments: c.function.arguments }));
+  }
+
+  function addMessage(role, text, calls = []) {
     const article = document.createElement("article");
     article.className = `message ${role}`;
     const body = document.createElement("div");
@@ -123,7 +169,8 @@
     meta.className = "meta";
     article.append(body, meta);
     if (role === "user") body.textContent = text;
-    else renderMarkdown(body, text);
+    else if (role === "tool") body.replaceChildren(jsonBlock(text));
+    else renderAnswer(body, text, calls);
     $("messages").append(article);
     article.scrollIntoView({ block: "end" });
     return { article, body, meta };
@@ -258,8 +305,10 @@
     if (session.model && [...$("model").options].some((o) => o.value === session.model)) $("model").value = session.model;
     $("messages").replaceChildren();
     for (const message of messages) {
-      const { meta } = addMessage(message.role === "user" ? "user" : "assistant", message.content);
-      if (message.status === "cancelled") meta.textContent = "Stopped";
+      const role = message.role === "user" || message.role === "tool" ? message.role : "assistant";
+      const { meta } = addMessage(role, message.content || "", plainCalls(message.tool_calls));
+      if (role === "tool") meta.textContent = `Result of ${message.tool_call_id || "a tool call"}`;
+      else if (message.status === "cancelled") meta.textContent = "Stopped";
       else if (message.status !== "complete") meta.textContent = `Status: ${message.status}`;
     }
     markActive();
@@ -297,17 +346,42 @@
     if (maxTokens > 0) body.max_tokens = maxTokens;
     const temperature = Number.parseFloat($("temperature").value);
     if (!Number.isNaN(temperature)) body.temperature = temperature;
+    if ($("response-format").value !== "text") body.response_format = { type: $("response-format").value };
+    const tools = $("tools").value.trim();
+    if (tools) {
+      let parsed;
+      try {
+        parsed = JSON.parse(tools);
+      } catch (error) {
+        throw new Error(`Tools: not JSON (${error.message}).`);
+      }
+      body.tools = Array.isArray(parsed) ? parsed : [parsed];
+      body.tool_choice = $("tool-choice").value;
+    }
     return body;
+  }
+
+  // Folds one chunk's `delta.tool_calls` into `calls`: the first piece of call `index` brings its
+  // id and name, the next ones pieces of its arguments.
+  function addToolCallDeltas(calls, deltas) {
+    for (const delta of deltas) {
+      const call = calls[delta.index] || (calls[delta.index] = { id: null, name: "", arguments: "" });
+      if (delta.id) call.id = delta.id;
+      if (delta.function && delta.function.name) call.name += delta.function.name;
+      if (delta.function && delta.function.arguments) call.arguments += delta.function.arguments;
+    }
   }
 
   // Streams one answer into `view`, re-rendering at most once a frame.
   async function streamAnswer(body, view, controller) {
     const answer = { startedAt: performance.now(), firstAt: null, endedAt: null, usage: null, finishReason: null };
+    const json = Boolean(body.response_format);
+    const calls = [];
     let text = "";
     let pending = false;
     const render = () => {
       pending = false;
-      renderMarkdown(view.body, text);
+      renderAnswer(view.body, text, calls.filter(Boolean), { json });
       view.article.scrollIntoView({ block: "end" });
     };
     try {
@@ -319,9 +393,11 @@
         if (event.usage) answer.usage = event.usage;
         const choice = event.choices && event.choices[0];
         if (!choice) continue;
-        if (choice.delta && choice.delta.content) {
+        const delta = choice.delta || {};
+        if (delta.content || delta.tool_calls) {
           if (answer.firstAt === null) answer.firstAt = performance.now();
-          text += choice.delta.content;
+          text += delta.content || "";
+          addToolCallDeltas(calls, delta.tool_calls || []);
           if (!pending) {
             pending = true;
             requestAnimationFrame(render);
@@ -358,8 +434,9 @@
     state.generation = controller;
     setGenerating(true);
     try {
-      if (!state.sessionId) await createSession(content);
       const body = chatBody(content);
+      if (!state.sessionId) await createSession(content);
+      body.session_id = state.sessionId;
       $("prompt").value = "";
       addMessage("user", content);
       const view = addMessage("assistant", "");
