@@ -85,11 +85,17 @@ class BenchConfig:
 
 @dataclass(frozen=True, slots=True)
 class PromptEntry:
-    """One line of a prompts file (or one synthetic prompt): a prompt or chat messages."""
+    """One line of a prompts file (or one synthetic prompt): a prompt or chat messages, and any
+    other request fields of its own (`tools`, `response_format`, ...), sent as they are."""
 
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     max_tokens: int | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+# Request fields the bench sets itself: a prompts file line may not.
+_BENCH_FIELDS = frozenset({"model", "stream", "stream_options"})
 
 
 class PromptsFileError(ValueError):
@@ -99,7 +105,9 @@ class PromptsFileError(ValueError):
 def load_prompts_file(path: str | Path) -> list[PromptEntry]:
     """Read a JSONL prompts file: one `{"prompt": ...}` or `{"messages": [...]}` object per line.
 
-    Each object may carry `max_tokens`. Blank lines are skipped.
+    Each object may carry `max_tokens`, and any other request field (`tools`, `tool_choice`,
+    `response_format`, `temperature`, ...), which its requests send as they are. Blank lines are
+    skipped.
 
     Raises:
         PromptsFileError: the file is empty, a line is not JSON, or a line has neither field.
@@ -125,15 +133,18 @@ def _prompt_entry(obj: Any, *, where: str) -> PromptEntry:
     max_tokens = obj.get("max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise PromptsFileError(f"{where}: max_tokens must be a positive integer")
+    fields = {k: v for k, v in obj.items() if k not in ("prompt", "messages", "max_tokens")}
+    if reserved := sorted(_BENCH_FIELDS.intersection(fields)):
+        raise PromptsFileError(f"{where}: {', '.join(reserved)} is set by the bench, not by a prompt")
     messages = obj.get("messages")
     if messages is not None:
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise PromptsFileError(f"{where}: messages must be a non-empty list of objects")
-        return PromptEntry(messages=messages, max_tokens=max_tokens)
+        return PromptEntry(messages=messages, max_tokens=max_tokens, fields=fields)
     prompt = obj.get("prompt")
     if not isinstance(prompt, str):
         raise PromptsFileError(f'{where}: needs "prompt" (a string) or "messages" (a list)')
-    return PromptEntry(prompt=prompt, max_tokens=max_tokens)
+    return PromptEntry(prompt=prompt, max_tokens=max_tokens, fields=fields)
 
 
 def synthetic_prompts(count: int, *, input_len: int, seed: int) -> list[PromptEntry]:
@@ -157,7 +168,7 @@ def build_bodies(config: BenchConfig, entries: Sequence[PromptEntry], count: int
     bodies = []
     for i in range(count):
         entry = entries[i % len(entries)]
-        body = dict(common, max_tokens=entry.max_tokens or config.output_len)
+        body = {**common, **entry.fields, "max_tokens": entry.max_tokens or config.output_len}
         if config.endpoint == "chat":
             body["messages"] = entry.messages or [{"role": "user", "content": entry.prompt}]
         elif entry.messages is not None:
@@ -282,7 +293,12 @@ class StreamParser:
         if choices:
             choice = choices[0]
             delta = choice.get("delta")
-            text = (delta.get("content") or delta.get("reasoning_content")) if delta is not None else choice.get("text")
+            # Tool-call pieces are output as much as content is.
+            text = (
+                (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+                if delta is not None
+                else choice.get("text")
+            )
             if text:
                 self.content_chunks += 1
                 if self.ttft_s is None:
@@ -693,7 +709,7 @@ def _positive_float(text: str) -> float:
 
 
 _EPILOG = """\
-Metrics: TTFT = send to first non-empty content; TPOT = (E2E - TTFT) / (output tokens - 1), per
+Metrics: TTFT = send to first non-empty content (or tool-call piece); TPOT = (E2E - TTFT) / (output tokens - 1), per
 request; ITL = gap between consecutive content-bearing events (an event may carry several tokens);
 E2E = send to last byte. Output tokens come from the final usage chunk (stream_options.include_usage
 is sent), else one per content event. Throughputs count completed requests only, over the
@@ -778,8 +794,8 @@ def add_bench_command(commands: "argparse._SubParsersAction[argparse.ArgumentPar
     work.add_argument(
         "--prompts-file",
         metavar="JSONL",
-        help='one {"prompt": "..."} or {"messages": [...]} object per line, optional "max_tokens"; '
-        "replaces the synthetic prompts",
+        help='one {"prompt": "..."} or {"messages": [...]} object per line, optional "max_tokens" and '
+        'any other request field ("tools", "response_format", ...); replaces the synthetic prompts',
     )
     work.add_argument(
         "--stream",

@@ -226,10 +226,43 @@ def test_prompts_file_reads_prompts_messages_and_max_tokens(tmp_path: Path) -> N
     ]
 
 
+def test_prompts_file_lines_carry_other_request_fields_into_their_bodies(tmp_path: Path) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        orjson.dumps({"prompt": "call f", "tools": [tool], "tool_choice": "required", "temperature": 1}).decode()
+        + "\n"
+        + orjson.dumps({"prompt": "as JSON", "response_format": {"type": "json_object"}, "max_tokens": 5}).decode()
+    )
+    entries = load_prompts_file(path)
+    assert entries[0].fields == {"tools": [tool], "tool_choice": "required", "temperature": 1}
+    config = BenchConfig(base_url="http://x/v1", model="m", output_len=16, temperature=0.0)
+    first, second = (orjson.loads(b) for b in build_bodies(config, entries, 2))
+    assert first["tools"] == [tool] and first["tool_choice"] == "required"
+    assert first["temperature"] == 1  # the line's own value wins over --temperature
+    assert first["model"] == "m" and first["max_tokens"] == 16 and first["stream"] is True
+    assert second["response_format"] == {"type": "json_object"} and second["max_tokens"] == 5
+    assert "tools" not in second
+
+
+def test_parser_counts_tool_call_pieces_as_output() -> None:
+    parser = StreamParser(started_s=0.0)
+    first = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    parser.feed(sse({"choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [first]}}]}), 0.1)
+    parser.feed(
+        sse({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]}), 0.3
+    )
+    parser.feed(sse(chat_chunk(None, finish="tool_calls")) + sse(b"[DONE]"), 0.4)
+    parser.finish()
+    assert parser.ttft_s == pytest.approx(0.1) and parser.itls_s == pytest.approx([0.2])
+    assert parser.content_chunks == 2 and parser.done
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
         ('{"prompt": "ok"}\n{oops\n', ":2: not JSON"),
+        ('{"prompt": "x", "stream": false}\n', ":1: stream is set by the bench"),
         ('{"text": "x"}\n', ':1: needs "prompt"'),
         ('{"prompt": "x", "max_tokens": 0}\n', "max_tokens must be a positive integer"),
         ('{"messages": []}\n', "messages must be a non-empty list"),
