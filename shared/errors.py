@@ -4,6 +4,7 @@ Each exception names its HTTP status and OpenAI error type, so mapping an
 exception to a response happens in one place (`shared.http_errors`).
 """
 
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 
@@ -125,3 +126,51 @@ def error_body(
 ) -> dict[str, Any]:
     """Return OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}`."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+# What pydantic puts in an error's `loc` for the member of a union it tried (`str`,
+# `list[TextPart]`, `literal['none','auto']`, a model's class name): not a field of the body.
+_UNION_LABELS = frozenset({"str", "int", "float", "bool", "none", "bytes", "dict", "list"})
+
+
+def _is_union_label(part: object) -> bool:
+    return isinstance(part, str) and (part in _UNION_LABELS or "[" in part or part[:1].isupper())
+
+
+def _body_path(loc: Sequence[Any]) -> tuple[Any, ...]:
+    """An error's location in the body (FastAPI's start with `body`)."""
+    return tuple(loc[1:] if loc[:1] == ("body",) else loc)
+
+
+def invalid_request(errors: Sequence[Mapping[str, Any]], *, whole: Collection[str] = ()) -> InvalidRequest:
+    """The 400 for a body that failed validation (pydantic's or FastAPI's error list).
+
+    Unknown top-level fields are refused as OpenAI refuses them ("Unrecognized request argument(s)
+    supplied: …", sorted, `param` and `code` null). Otherwise the first error, with the field it is
+    about as `param` (a path such as `messages.0.content`; for a field in `whole`, the field alone).
+    """
+    locs = [_body_path(e.get("loc", ())) for e in errors]
+    unknown = sorted(
+        str(loc[0]) for e, loc in zip(errors, locs, strict=True) if e.get("type") == "extra_forbidden" and len(loc) == 1
+    )
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        return InvalidRequest(f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}")
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return InvalidRequest("The request body is not valid JSON.", code="invalid_request")
+    params = [_param(loc, whole) for loc in locs]
+    param = params[0] if params else None
+    # A value no member of a union accepts fails once per member: say what each wanted.
+    reasons = dict.fromkeys(
+        str(e.get("msg", "Invalid value")) for e, p in zip(errors, params, strict=True) if p == param
+    )
+    message = " or ".join(reasons) or "Invalid request body"
+    return InvalidRequest(f"{param}: {message}" if param else message, param=param, code="invalid_request")
+
+
+def _param(loc: tuple[Any, ...], whole: Collection[str]) -> str | None:
+    parts = [str(part) for part in loc if not _is_union_label(part)]
+    if parts and parts[0] in whole:
+        parts = parts[:1]
+    return ".".join(parts) or None

@@ -1,9 +1,6 @@
 """The one mapping from exceptions to HTTP answers in OpenAI's error shape, for FastAPI routes and
 hot routes alike."""
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
 import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,7 +9,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.disconnects import ClientGone
-from shared.errors import AxonError, InvalidRequest, Unavailable, error_body
+from shared.errors import AxonError, Unavailable, error_body, invalid_request
 from shared.logging import get_logger
 from shared.responses import ORJSONResponse
 
@@ -21,18 +18,6 @@ log = get_logger(__name__)
 
 def error_response(exc: AxonError) -> ORJSONResponse:
     return ORJSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
-
-
-def invalid_request(errors: Sequence[Mapping[str, Any]]) -> InvalidRequest:
-    """The 400 for a body that failed validation (pydantic's or FastAPI's error list): the first
-    error, with the field it is about as `param`."""
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return InvalidRequest("The request body is not valid JSON.", code="invalid_request")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    message = first.get("msg", "Invalid request body")
-    return InvalidRequest(f"{param}: {message}" if param else message, param=param, code="invalid_request")
 
 
 # Dependencies being unreachable: the client can do nothing but come back, so say when.

@@ -48,12 +48,12 @@ from starlette.types import Message, Receive, Scope, Send
 
 from benchmarks.micro.common import Comparison, Contender, add_arguments, compare, report, run
 from services.sessions.api.deps import CallerDep, caller_from
-from services.sessions.protocol import ChatCompletionRequest
 from services.sessions.service import Caller
 from shared.disconnects import DisconnectWatch, unless_disconnected
 from shared.hot_routes import HotRoute, HotRoutes, read_body, send_json
 from shared.http_errors import install_error_handlers
 from shared.middleware import NO_FASTAPI_TELEMETRY
+from shared.openai_requests import ChatCompletionRequest
 from shared.responses import SSE_END, ORJSONResponse
 
 MODES = ("json", "sse")

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from services.gateway import playground
 from services.gateway.admission import Admitter
 from services.gateway.api import admin, routes
+from services.gateway.api.openapi import install_request_schemas
 from services.gateway.auth import Authenticator
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.resources import GatewayClients, open_clients
@@ -107,6 +108,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(admin.router)
     app.include_router(playground.create_router())
+    install_request_schemas(app)
 
     install_probes(
         app,

@@ -27,6 +27,7 @@ from shared.http1 import ConnectError, Http1Client, ReadTimeout, RemoteProtocolE
 from shared.http1 import Response as UpstreamResponse
 from shared.keys import KeyRecord
 from shared.logging import bind_contextvars, get_logger
+from shared.openai_requests import MAX_CHOICES
 from shared.responses import SSE_END
 from shared.tokens import estimate_tokens
 
@@ -68,7 +69,11 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """Prompt tokens estimated from characters, charged at admission; real usage is settled later."""
+    """Prompt tokens estimated from characters, charged at admission; real usage is settled later.
+
+    Each of `n` choices is a job of its own that reads the prompt, so the estimate is charged `n`
+    times (an `n` the session manager will refuse counts once).
+    """
     chars, messages = 0, 0
     if isinstance(body.get("messages"), list):
         for message in body["messages"]:
@@ -84,7 +89,9 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
         chars += len(prompt)
     elif isinstance(prompt, list):
         chars += sum(len(p) for p in prompt if isinstance(p, str))
-    return estimate_tokens(chars=chars, messages=messages)
+    n = body.get("n")
+    choices = n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
+    return estimate_tokens(chars=chars, messages=messages) * choices
 
 
 def upstream_target(request: Request) -> str:

@@ -111,6 +111,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         telemetry=NO_FASTAPI_TELEMETRY,
     )
     app.state.metrics = metrics
+    app.state.request_limits = settings.request_limits
     install_error_handlers(app)
     app.add_middleware(HotRoutes, routes=HOT_ROUTES)  # inside the request context below
     app.add_middleware(

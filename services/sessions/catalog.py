@@ -1,9 +1,12 @@
-"""Which models can be served now, from worker heartbeats, with a short cache."""
+"""Which models can be served now, from worker heartbeats, with a short cache, and what they
+support."""
 
 import asyncio
 import time
+from typing import Any
 
-from shared.errors import ModelNotFound, Unavailable
+from shared.errors import InvalidRequest, ModelNotFound, Unavailable
+from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.registry import LiveModel, WorkerRegistry
 
 # Suggested wait before retrying a model that has no live worker.
@@ -67,8 +70,50 @@ class ModelCatalog:
             )
         raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
 
-    async def listing(self) -> list[dict[str, object]]:
+    async def listing(self) -> list[dict[str, Any]]:
         """OpenAI `/v1/models` entries: live models and the aliases that point at them."""
         live = await self.live()
         names = sorted(live) + sorted(a for a, target in self._aliases.items() if target in live and a not in live)
-        return [{"id": n, "object": "model", "created": 0, "owned_by": "axon"} for n in names]
+        return [_entry(name, self._aliases.get(name, name), live[self._aliases.get(name, name)]) for name in names]
+
+    async def entry(self, name: str) -> dict[str, Any]:
+        """The `/v1/models/{name}` entry of a live model or of an alias pointing at one.
+
+        Raises:
+            ModelNotFound: no live worker serves it.
+        """
+        model = await self.resolve(name)
+        live = (await self.live()).get(model)
+        if live is None:
+            raise ModelNotFound(f"The model '{name}' does not exist or no worker serves it now.")
+        return _entry(name, model, live)
+
+
+def _entry(name: str, model: str, live: LiveModel) -> dict[str, Any]:
+    """OpenAI's Model object (`id`, `object`, `created`, `owned_by`), plus the model an alias points
+    at (`root`), the context its live workers have and the request parameters they all honour."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "axon",
+        "root": model,
+        "context_length": live.context_tokens,
+        "capabilities": sorted(live.supports),
+    }
+
+
+def require_supported(body: ChatCompletionRequest | CompletionRequest, model: str, live: LiveModel) -> None:
+    """Refuse a request that sets a parameter not every live worker of `model` honours (its job may
+    go to any of them): nothing a client asks for is silently dropped.
+
+    Raises:
+        InvalidRequest: naming the first such parameter.
+    """
+    for capability in body.capabilities_used():
+        if capability not in live.supports:
+            raise InvalidRequest(
+                f"{capability} is not supported by the engine serving model {model}.",
+                param=capability,
+                code="unsupported_parameter",
+            )

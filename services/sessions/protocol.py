@@ -1,108 +1,11 @@
-"""OpenAI wire models for chat and text completions (requests in, chunks and responses out)."""
+"""OpenAI chunks and responses out, for chat and text completions (the requests they answer are
+`shared/openai_requests.py`)."""
 
 import time
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from shared.errors import InvalidRequest
-from shared.schemas import FinishReason, Message, Role
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: str
-    text: str | None = None
-
-
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Role
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def to_message(self, index: int) -> Message:
-        if self.content is None:
-            return Message(role=self.role, content="")
-        if isinstance(self.content, str):
-            return Message(role=self.role, content=self.content)
-        if any(part.type != "text" for part in self.content):
-            raise InvalidRequest("Only text content parts are supported.", param=f"messages.{index}.content")
-        return Message(role=self.role, content="".join(part.text or "" for part in self.content))
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    include_usage: bool = False
-
-
-class _SamplingFields(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI-compatible servers do."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = Field(min_length=1, max_length=256)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _at_most_four_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
-        return value
-
-    @property
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    session_id: str | None = None
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str]
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError("exactly one prompt per request is supported")
-        return value
-
-    @property
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
-
-
-Kind = Literal["chat", "completion"]
+from shared.openai_requests import Kind
+from shared.schemas import FinishReason
 
 
 def openai_finish_reason(reason: FinishReason | None) -> str | None:

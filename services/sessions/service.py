@@ -18,17 +18,18 @@ import orjson
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from services.sessions.catalog import ModelCatalog
+from services.sessions.catalog import ModelCatalog, require_supported
 from services.sessions.jobs import JobPublisher
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox, UsageRow
-from services.sessions.protocol import ChatCompletionRequest, CompletionRequest, Kind, ResponseBuilder
+from services.sessions.protocol import ResponseBuilder
 from services.sessions.relay import STREAM_LOST, TokenRelay, TokenStream
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import Turn, Turns
 from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
 from shared.logging import bind_contextvars, get_logger
 from shared.names import Names
+from shared.openai_requests import ChatCompletionRequest, CompletionRequest, Kind
 from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.registry import LiveModel
@@ -194,6 +195,7 @@ class CompletionService:
         """
         started = time.perf_counter()
         model, live = await self._catalog.require(body.model)
+        require_supported(body, model, live)
         sampling = self._sampling(body, live)
         messages, prompt = self._input(body)
         # A confirmed subscription to a new job's channel, so no chunk of it can be missed.
@@ -228,7 +230,7 @@ class CompletionService:
     def _input(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[Message] | None, str | None]:
         """The request's messages (a chat, checked) or its prompt (a completion)."""
         if isinstance(body, ChatCompletionRequest):
-            messages = [m.to_message(i) for i, m in enumerate(body.messages)]
+            messages = [m.to_message() for m in body.messages]
             self._check_messages(messages)
             return messages, None
         return None, body.prompt_text

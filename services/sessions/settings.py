@@ -2,6 +2,7 @@
 
 from pydantic import Field
 
+from shared.openai_requests import MAX_CHOICES, RequestLimits
 from shared.settings import CommonSettings
 
 
@@ -22,6 +23,11 @@ class SessionsSettings(CommonSettings):
     stream_buffer_chunks: int = Field(4096, ge=16)
     # Messages one chat request may carry.
     max_messages: int = Field(1000, ge=1)
+    # Choices (`n`) one request may ask for: each is a job of its own.
+    max_choices: int = Field(8, ge=1, le=MAX_CHOICES)
+    # Size of a `response_format` JSON Schema, and of a request's tool parameter schemas together
+    # (compiled into a grammar by the worker): larger ones are refused with 400.
+    max_schema_bytes: int = Field(64 * 1024, ge=1024)
 
     # Sessions and history
     history_max_messages: int = Field(200, ge=2, description="recent messages kept in Redis per session")
@@ -33,3 +39,7 @@ class SessionsSettings(CommonSettings):
     persist_concurrency: int = Field(2, ge=1, le=8)
     # Entries another persister read but did not acknowledge for this long are taken over.
     persist_reclaim_after_ms: int = Field(5_000, ge=100)
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(max_choices=self.max_choices, max_schema_bytes=self.max_schema_bytes)

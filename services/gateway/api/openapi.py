@@ -1,17 +1,20 @@
 """What the gateway's OpenAPI schema says about the public routes: request bodies, query
 parameters, the bearer key and the OpenAI error shape.
 
-The public routes take the raw body and forward it unchanged; the session manager validates it
-against its pydantic models (`services/sessions/protocol.py`, `services/sessions/api/sessions.py`).
-Services do not import each other, so the bodies are described here as JSON Schema, documentation
-only: nothing in the gateway validates against them. `tests/unit/gateway/test_gateway_openapi.py` fails
-when they drift from the session manager's models.
+The public routes take the raw body and forward it unchanged; the session manager validates it.
+The bodies are documented from the very models it validates them with (`shared/openai_requests.py`,
+`shared/session_requests.py`): their JSON Schemas, each model a named schema under
+`components.schemas` (`install_request_schemas`). Nothing in the gateway validates against them.
 """
 
 from typing import Any
 
+from fastapi import FastAPI
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
+
+from shared.openai_requests import ChatCompletionRequest, CompletionRequest
+from shared.session_requests import SessionCreate, SessionUpdate
 
 # Documents `Authorization: Bearer <key>` as the routes' security scheme (`components.securitySchemes`).
 # It never refuses anything itself (auto_error=False): `deps.get_caller` decides who is calling.
@@ -22,96 +25,38 @@ bearer_scheme = HTTPBearer(
     auto_error=False,
 )
 
+_COMPONENT = "#/components/schemas/{model}"
+_BODY_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest, SessionCreate, SessionUpdate)
 
-def _nullable(schema: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}], "default": None, **extra}
+
+def _request_components() -> dict[str, Any]:
+    """Every body model's JSON Schema and the models it uses, by name."""
+    components: dict[str, Any] = {}
+    for model in _BODY_MODELS:
+        schema = model.model_json_schema(ref_template=_COMPONENT)
+        for name, definition in {**schema.pop("$defs", {}), model.__name__: schema}.items():
+            if components.setdefault(name, definition) != definition:
+                raise RuntimeError(f"two request schemas are named {name}")
+    return components
 
 
-_STRINGS = {"anyOf": [{"type": "string"}, {"items": {"type": "string"}, "type": "array"}]}
+REQUEST_COMPONENTS = _request_components()
 
-_STREAM_OPTIONS = {
-    "properties": {"include_usage": {"default": False, "type": "boolean"}},
-    "type": "object",
-}
 
-# The sampling fields both completion endpoints take (`protocol._SamplingFields`).
-_SAMPLING = {
-    "model": {"maxLength": 256, "minLength": 1, "type": "string", "description": "A model name or alias."},
-    "max_tokens": _nullable({"minimum": 1, "type": "integer"}),
-    "temperature": _nullable({"maximum": 2.0, "minimum": 0.0, "type": "number"}),
-    "top_p": _nullable({"exclusiveMinimum": 0.0, "maximum": 1.0, "type": "number"}),
-    "top_k": _nullable({"minimum": -1, "type": "integer"}),
-    "stop": {"anyOf": [*_STRINGS["anyOf"], {"type": "null"}], "default": None, "description": "Up to 4 stop strings."},
-    "seed": _nullable({"type": "integer"}),
-    "n": {
-        "default": 1,
-        "maximum": 1,
-        "minimum": 1,
-        "type": "integer",
-        "description": "Only one choice per request is supported.",
-    },
-    "stream": {"default": False, "type": "boolean", "description": "Answer as server-sent events."},
-    "stream_options": _nullable(_STREAM_OPTIONS),
-}
+def install_request_schemas(app: FastAPI) -> None:
+    """Add the body models' schemas to `app`'s OpenAPI document (`components.schemas`), which
+    `json_body` refers to."""
+    generate = app.openapi
 
-_TEXT_PART = {
-    "properties": {"type": {"type": "string"}, "text": _nullable({"type": "string"})},
-    "required": ["type"],
-    "type": "object",
-}
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schemas = generate().setdefault("components", {}).setdefault("schemas", {})
+            if clash := schemas.keys() & REQUEST_COMPONENTS.keys():
+                raise RuntimeError(f"request schemas named like other components: {sorted(clash)}")
+            schemas.update(REQUEST_COMPONENTS)
+        return generate()
 
-_CHAT_MESSAGE = {
-    "properties": {
-        "role": {"enum": ["system", "user", "assistant", "tool", "developer"], "type": "string"},
-        "content": {
-            "anyOf": [{"type": "string"}, {"items": _TEXT_PART, "type": "array"}, {"type": "null"}],
-            "default": None,
-            "description": "Text, or a list of text parts.",
-        },
-        "name": _nullable({"type": "string"}),
-    },
-    "required": ["role"],
-    "type": "object",
-}
-
-CHAT_COMPLETION_REQUEST: dict[str, Any] = {
-    "properties": {
-        **_SAMPLING,
-        "messages": {"items": _CHAT_MESSAGE, "minItems": 1, "type": "array"},
-        "max_completion_tokens": _nullable({"minimum": 1, "type": "integer"}),
-        "session_id": _nullable(
-            {"type": "string"},
-            description="Axon extension: prepend this session's history and store the new turn in it.",
-        ),
-    },
-    "required": ["model", "messages"],
-    "type": "object",
-}
-
-COMPLETION_REQUEST: dict[str, Any] = {
-    "properties": {
-        **_SAMPLING,
-        "prompt": {**_STRINGS, "description": "One prompt (a string, or a list holding exactly one string)."},
-    },
-    "required": ["model", "prompt"],
-    "type": "object",
-}
-
-SESSION_CREATE: dict[str, Any] = {
-    "additionalProperties": False,
-    "properties": {
-        "title": _nullable({"maxLength": 200, "type": "string"}),
-        "system_prompt": _nullable({"maxLength": 100_000, "type": "string"}),
-        "model": _nullable({"maxLength": 256, "type": "string"}),
-    },
-    "type": "object",
-}
-
-SESSION_UPDATE: dict[str, Any] = {
-    "additionalProperties": False,
-    "properties": {"title": _nullable({"maxLength": 200, "type": "string"})},
-    "type": "object",
-}
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class ErrorDetail(BaseModel):
@@ -127,8 +72,9 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def json_body(schema: dict[str, Any], *, required: bool = True) -> dict[str, Any]:
-    """`openapi_extra` describing a JSON request body the route reads raw."""
+def json_body(model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:
+    """`openapi_extra` describing a JSON request body the route reads raw: one of `model`."""
+    schema = {"$ref": _COMPONENT.format(model=model.__name__)}
     return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
 
 

@@ -1,27 +1,27 @@
 """Public API routes: the caller is authenticated by `CallerDep`; the service admits and forwards.
 
-The routes read bodies raw and forward them; `api/openapi.py` describes them for the OpenAPI schema.
+The routes read bodies raw and forward them; the OpenAPI schema describes them with the session
+manager's own models (`api/openapi.py`).
 The two completion routes are answered by `GatewayService.completion` ahead of FastAPI
 (`HOT_ROUTES`); FastAPI only documents them.
 """
 
 from fastapi import APIRouter, Request, Security
 from fastapi.responses import Response
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from services.gateway.api.deps import CallerDep, ServiceDep
 from services.gateway.api.openapi import (
-    CHAT_COMPLETION_REQUEST,
-    COMPLETION_REQUEST,
     COMPLETION_RESPONSES,
-    SESSION_CREATE,
-    SESSION_UPDATE,
     bearer_scheme,
     error_responses,
     json_body,
     query,
 )
 from shared.hot_routes import HotRoute
+from shared.openai_requests import ChatCompletionRequest, CompletionRequest
+from shared.session_requests import SessionCreate, SessionUpdate
 
 # The bearer scheme only documents the key in the schema; `CallerDep` checks it.
 router = APIRouter(dependencies=[Security(bearer_scheme)])
@@ -50,10 +50,11 @@ async def _answered_by_hot_route() -> None:
     raise RuntimeError("the completion routes are answered by HotRoutes")
 
 
-for _path, _name, _what, _body in [
-    ("/v1/chat/completions", "chat_completions", "chat completion", CHAT_COMPLETION_REQUEST),
-    ("/v1/completions", "completions", "text completion", COMPLETION_REQUEST),
-]:
+_COMPLETION_ROUTES: list[tuple[str, str, str, type[BaseModel]]] = [
+    ("/v1/chat/completions", "chat_completions", "chat completion", ChatCompletionRequest),
+    ("/v1/completions", "completions", "text completion", CompletionRequest),
+]
+for _path, _name, _what, _body in _COMPLETION_ROUTES:
     router.add_api_route(
         _path,
         _answered_by_hot_route,
@@ -68,12 +69,18 @@ for _path, _name, _what, _body in [
 
 @router.get("/v1/models", responses=error_responses())
 async def list_models(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
-    """List the models that live workers serve."""
+    """List the models that live workers serve, with their context length and capabilities."""
+    return await service.call(request, caller)
+
+
+@router.get("/v1/models/{model_id:path}", responses=error_responses(404))
+async def get_model(model_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """One model (or alias) live workers serve: its context length and the parameters they honour."""
     return await service.call(request, caller)
 
 
 @router.post(
-    "/v1/sessions", status_code=201, responses=error_responses(400, 413), openapi_extra=json_body(SESSION_CREATE)
+    "/v1/sessions", status_code=201, responses=error_responses(400, 413), openapi_extra=json_body(SessionCreate)
 )
 async def create_session(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Create a session (optional `title`, `system_prompt`, `model`)."""
@@ -93,7 +100,7 @@ async def get_session(session_id: str, request: Request, caller: CallerDep, serv
 
 
 @router.patch(
-    "/v1/sessions/{session_id}", responses=error_responses(400, 404, 413), openapi_extra=json_body(SESSION_UPDATE)
+    "/v1/sessions/{session_id}", responses=error_responses(400, 404, 413), openapi_extra=json_body(SessionUpdate)
 )
 async def update_session(session_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Rename one of your sessions (`title`)."""

@@ -9,17 +9,15 @@ import asyncio
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from services.sessions.api.deps import caller_from
-from services.sessions.protocol import ChatCompletionRequest, CompletionRequest, Kind
 from services.sessions.service import Caller, CompletionService
 from shared.disconnects import DisconnectWatch
 from shared.errors import AxonError, ModelNotFound
 from shared.hot_routes import HotRoute, read_body, send_json
-from shared.http_errors import invalid_request
 from shared.logging import bind_contextvars
+from shared.openai_requests import ChatCompletionRequest, CompletionRequest, Kind, RequestLimits, parse_request
 from shared.responses import SSE_END, ORJSONResponse
 
 router = APIRouter()
@@ -30,14 +28,6 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
-def _parse(kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionRequest:
-    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise invalid_request(exc.errors()) from None
-
-
 def _hot_completion(kind: Kind) -> HotRoute:
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
@@ -45,7 +35,8 @@ def _hot_completion(kind: Kind) -> HotRoute:
         service: CompletionService = scope["app"].state.completions
         metrics = scope["app"].state.metrics
         caller = caller_from(scope)
-        body = _parse(kind, await read_body(scope, receive, max_bytes=MAX_BODY_BYTES))
+        limits: RequestLimits = scope["app"].state.request_limits
+        body = parse_request(kind, await read_body(scope, receive, max_bytes=MAX_BODY_BYTES), limits)
         status, model = 500, body.model
         try:
             status = await _complete(service, body, kind=kind, caller=caller, scope=scope, receive=receive, send=send)
@@ -76,6 +67,8 @@ async def _complete(
     """Run the completion and write the answer; returns the status sent."""
     if isinstance(body, ChatCompletionRequest) and body.session_id is not None:
         bind_contextvars(session_id=body.session_id)
+    if body.user is not None:
+        bind_contextvars(user=body.user)
     active = await service.start(body, kind=kind, caller=caller, request_id=scope["state"]["request_id"])
     watch = DisconnectWatch(scope, receive)
     try:
@@ -108,3 +101,9 @@ async def list_models(request: Request) -> Response:
     """List the models that at least one live worker serves, and their aliases."""
     models = await request.app.state.catalog.listing()
     return ORJSONResponse({"object": "list", "data": models})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> Response:
+    """One live model (or alias): its context length and the parameters its workers honour."""
+    return ORJSONResponse(await request.app.state.catalog.entry(model_id))

@@ -3,11 +3,11 @@
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.sessions.api.deps import CallerDep
 from services.sessions.history import SessionStore
 from shared.logging import bind_contextvars
+from shared.session_requests import SessionCreate, SessionUpdate
 
 
 async def _bind_session_id(request: Request) -> None:
@@ -17,37 +17,6 @@ async def _bind_session_id(request: Request) -> None:
 
 
 router = APIRouter(prefix="/v1/sessions", dependencies=[Depends(_bind_session_id)])
-
-
-def _no_nul(value: str | None) -> str | None:
-    # PostgreSQL's text cannot hold U+0000: refuse it here rather than fail the INSERT (a 500).
-    if value is not None and "\x00" in value:
-        raise ValueError("must not contain NUL (U+0000) characters")
-    return value
-
-
-class SessionCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    title: str | None = Field(None, max_length=200)
-    system_prompt: str | None = Field(None, max_length=100_000)
-    model: str | None = Field(None, max_length=256)
-
-    @field_validator("title", "system_prompt", "model")
-    @classmethod
-    def _storable(cls, value: str | None) -> str | None:
-        return _no_nul(value)
-
-
-class SessionUpdate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    title: str | None = Field(None, max_length=200)
-
-    @field_validator("title")
-    @classmethod
-    def _storable(cls, value: str | None) -> str | None:
-        return _no_nul(value)
 
 
 def _store(request: Request) -> SessionStore:

@@ -67,3 +67,13 @@ def test_prompt_estimate_counts_text() -> None:
         ]
     }
     assert estimate_prompt_tokens(body) == 12 + 2 * 4
+
+
+@pytest.mark.parametrize(
+    ("n", "factor"), [(None, 1), (1, 1), (3, 3), (128, 128), (129, 1), (0, 1), (True, 1), ("4", 1)]
+)
+def test_prompt_estimate_is_charged_once_per_choice(n: object, factor: int) -> None:
+    """Each of `n` choices is a job that reads the prompt; an `n` the session manager will refuse
+    (out of range, not an integer) counts once."""
+    body = {"messages": [{"role": "user", "content": "x" * 40}], "n": n}
+    assert estimate_prompt_tokens(body) == (10 + 4) * factor

@@ -1,0 +1,38 @@
+"""Bodies of Axon's sessions API (`POST /v1/sessions`, `PATCH /v1/sessions/{id}`).
+
+Plain pydantic (no fastapi): the session manager validates bodies with them and the gateway's
+OpenAPI document is generated from them.
+"""
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def _no_nul(value: str | None) -> str | None:
+    # PostgreSQL's text cannot hold U+0000: refuse it here rather than fail the INSERT (a 500).
+    if value is not None and "\x00" in value:
+        raise ValueError("must not contain NUL (U+0000) characters")
+    return value
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    title: str | None = Field(None, max_length=200)
+    system_prompt: str | None = Field(None, max_length=100_000)
+    model: str | None = Field(None, max_length=256)
+
+    @field_validator("title", "system_prompt", "model")
+    @classmethod
+    def _storable(cls, value: str | None) -> str | None:
+        return _no_nul(value)
+
+
+class SessionUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    title: str | None = Field(None, max_length=200)
+
+    @field_validator("title")
+    @classmethod
+    def _storable(cls, value: str | None) -> str | None:
+        return _no_nul(value)
