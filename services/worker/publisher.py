@@ -1,19 +1,31 @@
 """A job's stream of chunks and its progress in Redis, written in the same round trip.
 
-With every chunk the worker records the next `seq`, the text (and token ids) so far, so
-a worker that takes over a redelivered job resumes exactly where the dead one stopped
-(`failover.py` reads it back).
+With every chunk the worker records the next `seq`, the engine's raw text (and token ids) so
+far, so a worker that takes over a redelivered job resumes exactly where the dead one stopped
+(`failover.py` reads it back). A job with tools has its raw text split into content and tool-call
+deltas by a `ToolCallParser` on the way out; a resumed job's parser is first fed the raw text
+already published, so it continues from the same state.
 """
 
 import asyncio
 import time
-
-import orjson
+from collections.abc import Callable
 
 from services.worker.engines import EngineOutput
+from services.worker.engines.base import ToolCallParser
 from services.worker.failover import Progress
+from services.worker.tools import merge_deltas
 from shared.names import Names
 from shared.redis_pipe import PipeScript, RedisPipe
+from shared.schemas import (
+    ChunkError,
+    FinishReason,
+    PromptTokensDetails,
+    TokenChunk,
+    TokenLogprob,
+    ToolCallDelta,
+    Usage,
+)
 
 # Progress outlives the job's deadline by this much, then Redis forgets it.
 _PROGRESS_GRACE_S = 60
@@ -42,6 +54,13 @@ return 1
 """)
 
 
+# The chunk's JSON straight from pydantic's serializer (`model_dump_json` costs a little more).
+_chunk_json = TokenChunk.__pydantic_serializer__.to_json
+
+# Decides an answer's finish reason from the engine's and whether tool calls were made.
+FinishRule = Callable[[FinishReason, bool], FinishReason]
+
+
 class ChunkPublisher:
     """Publishes one job's chunks, numbered on from where any earlier attempt stopped (`progress`)."""
 
@@ -56,29 +75,80 @@ class ChunkPublisher:
         self.completion_tokens = progress.resume.completion_tokens if progress.resume is not None else 0
         self.prompt_tokens = progress.prompt_tokens
         self.resumed = progress.resume is not None
+        self._resumed_text = progress.resume.text if progress.resume is not None else ""
         self._expiry_set = False
+        self._parser: ToolCallParser | None = None
+        self._finish_rule: FinishRule | None = None
+        self._echo = ""
+
+    def shape(self, parser: ToolCallParser | None, finish_rule: FinishRule | None = None, *, echo: str = "") -> None:
+        """How the engine's text becomes chunks: split by `parser` into content and tool calls (a
+        resumed job's parser is fed what was already published first), the final reason decided by
+        `finish_rule`, and `echo` (a completion's prompt) put before the first chunk's text."""
+        self._parser = parser
+        self._finish_rule = finish_rule
+        self._echo = echo
+        if parser is not None and self._resumed_text:
+            parser.feed(self._resumed_text)
 
     async def publish(self, out: EngineOutput) -> None:
         """Publish the engine's output as the next chunk and record the progress atomically."""
         self.completion_tokens += out.n_tokens
         if not self.resumed or self.prompt_tokens == 0:
             self.prompt_tokens = out.prompt_tokens
-        chunk: dict[str, object] = {"seq": self.seq, "text": out.text, "n_tokens": out.n_tokens}
-        if out.finish_reason is not None:
-            chunk["finish_reason"] = out.finish_reason
-            chunk["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        text, reason, tool_calls = out.text, out.finish_reason, None
+        if self._parser is not None:
+            text, tool_calls, reason = self._parse(text, reason)
+        if self.seq == 0 and self._echo:
+            text = self._echo + text
+        logprobs: list[TokenLogprob] | None = None
+        if out.logprobs or out.prompt_logprobs:
+            logprobs = [*out.prompt_logprobs, *out.logprobs]
+        usage = None
+        if reason is not None:
+            details = PromptTokensDetails(cached_tokens=out.cached_tokens)
+            usage = Usage(
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens,
+                prompt_tokens_details=details,
+            )
+        chunk = TokenChunk(
+            seq=self.seq,
+            text=text,
+            n_tokens=out.n_tokens,
+            finish_reason=reason,
+            usage=usage,
+            tool_calls=tool_calls,
+            logprobs=logprobs,
+        )
         await self._send(chunk, text=out.text, token_ids=out.token_ids)
 
+    def _parse(
+        self, raw: str, reason: FinishReason | None
+    ) -> tuple[str, list[ToolCallDelta] | None, FinishReason | None]:
+        """The content and tool-call deltas of the engine's new text; at the end, what the parser
+        held back too, and the answer's finish reason."""
+        assert self._parser is not None
+        text, deltas = self._parser.feed(raw)
+        if reason is not None:
+            more_text, more = self._parser.finish()
+            text, deltas = text + more_text, merge_deltas(deltas + more)
+            if self._finish_rule is not None:
+                reason = self._finish_rule(reason, self._parser.called)
+        return text, deltas or None, reason
+
     async def finish_with_error(self, message: str, error_type: str) -> None:
-        await self._send({"seq": self.seq, "finish_reason": "error", "error": {"message": message, "type": error_type}})
+        error = ChunkError(message=message, type=error_type)
+        await self._send(TokenChunk(seq=self.seq, finish_reason="error", error=error))
 
     async def finish_cancelled(self) -> None:
-        await self._send({"seq": self.seq, "finish_reason": "cancelled"})
+        await self._send(TokenChunk(seq=self.seq, finish_reason="cancelled"))
 
-    async def _send(self, chunk: dict[str, object], *, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
+    async def _send(self, chunk: TokenChunk, *, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
         """One script call: publish the chunk and record the progress (or, for a final chunk,
-        forget it), so a worker dying in between never leaves half a record."""
-        final = "finish_reason" in chunk
+        forget it), so a worker dying in between never leaves half a record. `text` is the engine's
+        raw text (tool calls included), which a resumed job replays."""
+        final = chunk.finish_reason is not None
         expire_s = 0
         if final or not self._expiry_set:
             expire_s = max(1, int(self._deadline - time.time()) + _PROGRESS_GRACE_S)
@@ -88,7 +158,7 @@ class ChunkPublisher:
             list(self._keys),
             [
                 self._channel,
-                orjson.dumps(chunk),
+                _chunk_json(chunk, exclude_none=True),
                 int(final),
                 self.seq + 1,
                 self.completion_tokens,
@@ -137,4 +207,7 @@ class Coalescer:
             completion_tokens=last.completion_tokens,
             finish_reason=last.finish_reason,
             token_ids=tuple(t for p in pending for t in p.token_ids),
+            logprobs=tuple(lp for p in pending for lp in p.logprobs),
+            prompt_logprobs=tuple(lp for p in pending for lp in p.prompt_logprobs),
+            cached_tokens=last.cached_tokens,
         )

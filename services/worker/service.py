@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 from aio_pika.exceptions import AMQPError
@@ -18,6 +19,7 @@ from services.worker.engines import Engine, EngineError, EngineOutput, Generatio
 from services.worker.failover import Failover, Progress, remaining_sampling
 from services.worker.metrics import WorkerMetrics
 from services.worker.publisher import ChunkPublisher, Coalescer
+from services.worker.tools import answer_finish_reason, guide_for
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
 from shared.redis_pipe import RedisPipe, RedisSubscriber
@@ -180,6 +182,13 @@ class JobRunner:
 
     async def _generate(self, job: Job, publisher: ChunkPublisher, resume: Resume | None) -> str:
         sampling = job.sampling
+        guide = guide_for(job)
+        parser = self._engine.tool_call_parser(job)
+        publisher.shape(
+            parser,
+            partial(answer_finish_reason, job) if parser is not None else None,
+            echo=(job.prompt or "") if job.echo else "",
+        )
         if resume is not None:
             log.info("job_resumed", seq=publisher.seq, completion_tokens=resume.completion_tokens)
             rest = remaining_sampling(sampling, resume)
@@ -188,7 +197,15 @@ class JobRunner:
                 return "completed"
             sampling = rest
         request = GenerationRequest(
-            request_id=job.job_id, sampling=sampling, messages=job.messages, prompt=job.prompt, resume=resume
+            request_id=job.job_id,
+            sampling=sampling,
+            messages=job.messages,
+            prompt=job.prompt,
+            resume=resume,
+            tools=job.tools or None,
+            guide=guide,
+            logprobs=job.logprobs,
+            echo=job.echo and resume is None,  # a resumed job's prompt was echoed already
         )
         model = job.model
         started = time.perf_counter()

@@ -5,7 +5,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
 
-from shared.schemas import Capability, FinishReason, FunctionSpec, Message, Sampling, TokenLogprob, ToolCallDelta
+from shared.schemas import (
+    Capability,
+    FinishReason,
+    FunctionSpec,
+    Job,
+    Message,
+    Sampling,
+    TokenLogprob,
+    ToolCallDelta,
+)
 
 
 class EngineError(Exception):
@@ -78,6 +87,8 @@ class EngineOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     # With `echo` and `logprobs`: the prompt's tokens, on the first output only.
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # Prompt tokens served from the engine's prefix cache (a running figure, like `prompt_tokens`).
+    cached_tokens: int = 0
 
 
 class ToolCallParser(Protocol):
@@ -131,6 +142,16 @@ class Engine(ABC):
     @abstractmethod
     async def check_health(self) -> None:
         """Raise `EngineError` if the engine cannot serve requests."""
+
+    def tool_call_parser(self, job: Job) -> ToolCallParser | None:
+        """The parser that splits this job's answer into content and tool calls (None: all content).
+
+        The default reads Axon's own formats (`services/worker/tools.py`); an engine whose model
+        writes tool calls its own way overrides this.
+        """
+        from services.worker.tools import parser_for  # tools.py imports this module
+
+        return parser_for(job)
 
     # Engines that can say how full their KV cache is set this and override `kv_cache_usage`.
     reports_kv_cache = False

@@ -1,8 +1,17 @@
 """A simulated engine for load tests of the platform itself (never the default).
 
-It emits exactly `max_tokens` short words after `ttft_ms`, one every `itl_ms`, with
-`finish_reason="length"`. Word `i` depends only on the prompt, the seed and `i`, so a
-resumed job continues exactly where it stopped.
+A plain request gets exactly `max_tokens` short words after `ttft_ms`, one every `itl_ms`, with
+`finish_reason="length"`. With a `guide` (`response_format`, or a `required` or named
+`tool_choice`) the answer is a JSON value valid against the guide's schema (`json_instance`: a
+small generator over the JSON Schema subset clients send), and with tools but no guide it is
+one Hermes-style call `<tool_call>{"name": …, "arguments": …}</tool_call>` of a tool picked by
+the prompt and seed (unless the conversation ends with a tool's result: then words, the answer
+to it). Such answers come in short pieces, one per "token", and end `stop` once complete (or
+`length` at `max_tokens`). Logprobs are synthetic but well formed (and the prompt's, for a
+completion's `echo`).
+
+Token `i` depends only on the prompt, the seed, the guide and `i`, so a resumed job continues
+exactly where it stopped.
 
 Tokens that are already due (a zero or very short `itl_ms`, or a sequence that fell behind)
 are emitted without waiting, yielding to the event loop once every `_TOKENS_PER_STEP` of them,
@@ -11,12 +20,22 @@ costs the worker little and the platform's own cost is what a load test measures
 """
 
 import asyncio
+import functools
 import hashlib
+import json
+import math
+import random
+import re
 import time
+import uuid
+import zlib
 from collections.abc import AsyncIterator
+from typing import Any, ClassVar
 
-from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest
+from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest, Guide, InvalidPrompt
 from services.worker.engines.text import StopMatcher
+from services.worker.tools import TOOL_CALL_END, TOOL_CALL_START, tool_prompt_messages
+from shared.schemas import Capability, FinishReason, TokenLogprob, TopLogprob
 
 _TOKENS_PER_STEP = 64
 
@@ -44,8 +63,38 @@ _WORDS = (
 )
 
 
+# Alternatives offered in synthetic `top_logprobs` (at least 20 besides any one token).
+_ALTERNATIVES = (*_WORDS, "and", "of", "to", "in")
+# Short pieces of a JSON text, one per simulated token: up to 6 letters or digits, or up to 3 other
+# characters, each with at most one space before it; or a run of whitespace.
+_PIECE = re.compile(r"\s?[A-Za-z0-9]{1,6}|\s?[^A-Za-z0-9\s]{1,3}|\s+")
+# Past this depth the generator takes the shortest way out of recursive schemas; past the limit
+# it gives up.
+_SHALLOW_DEPTH = 4
+_MAX_DEPTH = 24
+_FORMATS = {
+    "date-time": "2024-05-17T12:00:00Z",
+    "date": "2024-05-17",
+    "time": "12:00:00",
+    "email": "axon@example.com",
+    "uri": "https://example.com/axon",
+    "url": "https://example.com/axon",
+    "hostname": "example.com",
+    "ipv4": "192.0.2.1",
+}
+# A `json_object` answer's shape.
+_OBJECT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}, "score": {"type": "integer", "minimum": 0, "maximum": 100}},
+    "required": ["answer", "score"],
+}
+
+
 def prompt_text(request: GenerationRequest) -> str:
     if request.messages is not None:
+        if request.tools or any(m.tool_calls or m.role == "tool" for m in request.messages):
+            turns = tool_prompt_messages(request.messages, request.tools)
+            return "\n".join(f"{t['role']}: {t['content']}" for t in turns)
         return "\n".join(f"{m.role}: {m.content}" for m in request.messages)
     return request.prompt or ""
 
@@ -56,8 +105,248 @@ def sim_word(prompt: str, seed: int | None, index: int) -> str:
     return _WORDS[int.from_bytes(digest, "big") % len(_WORDS)]
 
 
+def answer_pieces(request: GenerationRequest, prompt: str) -> list[str] | None:
+    """The pieces of a JSON or tool-call answer to `request`; None for a plain one (words)."""
+    seed = request.sampling.seed
+    if request.guide is not None:
+        return json_pieces(guided_text(request.guide, prompt, seed))
+    tools = request.tools
+    if not tools or (request.messages and request.messages[-1].role == "tool"):
+        return None
+    rng = random.Random(f"{seed}|{prompt}|tools")
+    tool = tools[rng.randrange(len(tools))]
+    parameters = tool.parameters or {"type": "object", "properties": {}}
+    call = {"name": tool.name, "arguments": json_instance(parameters, rng)}
+    return [TOOL_CALL_START, "\n", *json_pieces(json.dumps(call, ensure_ascii=False)), "\n", TOOL_CALL_END]
+
+
+def guided_text(guide: Guide, prompt: str, seed: int | None) -> str:
+    """The JSON text the simulator answers a guided request with."""
+    schema = _OBJECT_SCHEMA if guide.kind == "json_object" else _parsed(guide.schema or "{}")
+    rng = random.Random(f"{seed}|{prompt}|{guide.schema}")
+    return json.dumps(json_instance(schema, rng), ensure_ascii=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(schema: str) -> Any:
+    try:
+        return json.loads(schema)
+    except ValueError as exc:
+        raise InvalidPrompt(f"The schema is not valid JSON: {exc}") from None
+
+
+def json_pieces(text: str) -> list[str]:
+    """`text` cut into short pieces (their concatenation is `text`)."""
+    return _PIECE.findall(text)
+
+
+def json_instance(schema: Any, rng: random.Random, root: Any = None, depth: int = 0) -> Any:
+    """A value valid against `schema` (the subset clients send: object with properties, required,
+    additionalProperties; array with items, prefixItems, minItems, maxItems; string with enum,
+    const, minLength, maxLength and common formats; integer and number with bounds; boolean;
+    null; anyOf (any branch), oneOf (the first), allOf; `$ref` into the document), chosen by `rng`.
+
+    Raises:
+        InvalidPrompt: the schema admits nothing the generator can build (or nests too deep).
+    """
+    root = schema if root is None else root
+    if depth > _MAX_DEPTH:
+        raise InvalidPrompt("The schema nests too deep for the simulator.")
+    if schema is True or schema == {}:
+        return _words(rng, 2)
+    if not isinstance(schema, dict):
+        raise InvalidPrompt("The schema admits no value the simulator can build.")
+    if "$ref" in schema:
+        return json_instance(_resolve(root, schema["$ref"]), rng, root, depth + 1)
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    if "allOf" in schema:
+        return json_instance(_all_of(schema, root), rng, root, depth + 1)
+    if "oneOf" in schema:
+        return json_instance(schema["oneOf"][0], rng, root, depth + 1)
+    if "anyOf" in schema:
+        branches = schema["anyOf"]
+        if depth >= _SHALLOW_DEPTH:
+            branches = [b for b in branches if "$ref" not in b] or branches
+        branch = dict(rng.choice(branches))
+        for key, value in schema.items():  # siblings of anyOf (vLLM's `"type": "object"`) apply too
+            if key != "anyOf":
+                branch.setdefault(key, value)
+        return json_instance(branch, rng, root, depth + 1)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kinds = [k for k in kind if k != "null"] if depth >= _SHALLOW_DEPTH and "null" in kind else kind
+        kind = rng.choice(kinds) if depth < _SHALLOW_DEPTH else ("null" if "null" in kind else kinds[0])
+    if kind is None:
+        kind = "object" if "properties" in schema else "array" if "items" in schema else "string"
+    return _BUILDERS[kind](schema, rng, root, depth)
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    if not ref.startswith("#"):
+        raise InvalidPrompt(f"The simulator resolves only references inside the schema, not {ref!r}.")
+    node = root
+    for part in ref[1:].lstrip("/").split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            raise InvalidPrompt(f"The schema's reference {ref!r} points nowhere.")
+        node = node[part]
+    return node
+
+
+def _all_of(schema: dict[str, Any], root: Any) -> dict[str, Any]:
+    merged: dict[str, Any] = {k: v for k, v in schema.items() if k != "allOf"}
+    for part in schema["allOf"]:
+        part = _resolve(root, part["$ref"]) if isinstance(part, dict) and "$ref" in part else part
+        for key, value in part.items():
+            if key == "properties":
+                merged["properties"] = {**merged.get("properties", {}), **value}
+            elif key == "required":
+                merged["required"] = [*merged.get("required", []), *value]
+            else:
+                merged.setdefault(key, value)
+    return merged
+
+
+def _object(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> dict[str, Any]:
+    properties: dict[str, Any] = schema.get("properties", {})
+    required = set(schema.get("required", []))
+    chosen = [name for name in properties if name in required or (depth < _SHALLOW_DEPTH and rng.random() < 0.5)]
+    missing = schema.get("minProperties", 0) - len(chosen)
+    for name in properties:
+        if missing <= 0:
+            break
+        if name not in chosen:
+            chosen.append(name)
+            missing -= 1
+    return {name: json_instance(properties[name], rng, root, depth + 1) for name in properties if name in chosen}
+
+
+def _array(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> list[Any]:
+    low = schema.get("minItems", 0)
+    high = schema.get("maxItems", low + 3)
+    size = low if depth >= _SHALLOW_DEPTH else rng.randint(low, max(low, min(high, low + 3)))
+    prefix: list[Any] = schema.get("prefixItems", [])
+    items = schema.get("items", {})
+    values: list[Any] = []
+    for index in range(size * 3 if schema.get("uniqueItems") else size):
+        if len(values) == size:
+            break
+        value = json_instance(prefix[index] if index < len(prefix) else items, rng, root, depth + 1)
+        if not schema.get("uniqueItems") or value not in values:
+            values.append(value)
+    return values
+
+
+def _string(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> str:
+    del root, depth
+    fmt = schema.get("format")
+    if fmt == "uuid":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    text = _FORMATS.get(fmt, "") if isinstance(fmt, str) else ""
+    text = text or _words(rng, rng.randint(1, 3))
+    while len(text) < schema.get("minLength", 0):
+        text += " " + _words(rng, 1)
+    return text[: schema["maxLength"]] if "maxLength" in schema else text
+
+
+def _bounds(schema: dict[str, Any], step: float) -> tuple[float, float]:
+    low = schema.get("minimum", -math.inf)
+    high = schema.get("maximum", math.inf)
+    if "exclusiveMinimum" in schema:
+        low = max(low, schema["exclusiveMinimum"] + step)
+    if "exclusiveMaximum" in schema:
+        high = min(high, schema["exclusiveMaximum"] - step)
+    if math.isinf(low):
+        low = min(0, high - 100)
+    if math.isinf(high):
+        high = low + 100
+    if high < low:
+        raise InvalidPrompt("The schema's number bounds admit no value.")
+    return low, high
+
+
+def _integer(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> int:
+    del root, depth
+    low, high = _bounds(schema, 1)
+    low, high = math.ceil(low), math.floor(high)
+    step = schema.get("multipleOf", 1)
+    if isinstance(step, int) and step > 1:
+        first, last = math.ceil(low / step), math.floor(high / step)
+        if first > last:
+            raise InvalidPrompt("The schema's integer bounds admit no multiple of multipleOf.")
+        return rng.randint(first, last) * step
+    if high < low:
+        raise InvalidPrompt("The schema's integer bounds admit no value.")
+    return rng.randint(low, high)
+
+
+def _number(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> float:
+    del root, depth
+    low, high = _bounds(schema, 0.01)
+    value = round(rng.uniform(low, high), 2)
+    return value if low <= value <= high else (low + high) / 2
+
+
+def _boolean(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> bool:
+    del schema, root, depth
+    return rng.random() < 0.5
+
+
+def _null(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> None:
+    del schema, rng, root, depth
+
+
+_BUILDERS: dict[str, Any] = {
+    "object": _object,
+    "array": _array,
+    "string": _string,
+    "integer": _integer,
+    "number": _number,
+    "boolean": _boolean,
+    "null": _null,
+}
+
+
+def _words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(count))
+
+
+def token_logprob(token: str, index: int, top: int) -> TokenLogprob:
+    """A synthetic log probability for token `index`: the token the most likely (p in [0.4, 0.95]),
+    `top - 1` other words after it, each half as likely as the one before."""
+    digest = zlib.crc32(f"{index}|{token}".encode())
+    chosen = 0.4 + 0.55 * (digest % 1000) / 1000
+    logprob = math.log(chosen)
+    encoded = list(token.encode())
+    top_logprobs = [TopLogprob(token=token, logprob=logprob, bytes=encoded)] if top else []
+    space = token[: len(token) - len(token.lstrip())]
+    start = digest % len(_ALTERNATIVES)
+    mass = 1.0 - chosen
+    for offset in range(len(_ALTERNATIVES)):
+        if len(top_logprobs) >= top:
+            break
+        other = space + _ALTERNATIVES[(start + offset) % len(_ALTERNATIVES)]
+        if other == token:
+            continue
+        mass /= 2
+        top_logprobs.append(TopLogprob(token=other, logprob=math.log(mass), bytes=list(other.encode())))
+    return TokenLogprob(token=token, logprob=logprob, bytes=encoded, top_logprobs=top_logprobs)
+
+
+def prompt_logprobs(prompt: str, top: int) -> tuple[TokenLogprob, ...]:
+    """Synthetic log probabilities of the prompt's pieces (its words, with the space before each)."""
+    return tuple(token_logprob(piece, -1 - i, top) for i, piece in enumerate(re.findall(r"\s*\S+|\s+", prompt)))
+
+
 class SimEngine(Engine):
     """Deterministic word generator with configurable latency and concurrency."""
+
+    supports: ClassVar[frozenset[Capability]] = frozenset(
+        {"tools", "response_format", "logprobs", "seed", "stop", "echo"}
+    )
 
     def __init__(
         self,
@@ -105,12 +394,19 @@ class SimEngine(Engine):
         prompt = prompt_text(request)
         prompt_tokens = max(1, len(prompt.split()))
         sampling = request.sampling
+        pieces = answer_pieces(request, prompt)
         stops = StopMatcher(sampling.stop)
         started = time.monotonic()
         offset = request.resume.completion_tokens if request.resume else 0
+        total = sampling.max_tokens if pieces is None else min(sampling.max_tokens, len(pieces) - offset)
+        top = request.logprobs
+        echoed = prompt_logprobs(prompt, top) if request.echo and top is not None else ()
+        if total <= 0:  # a resumed answer that was complete
+            yield EngineOutput("", 0, prompt_tokens, 0, finish_reason="stop")
+            return
         self._running_ids.add(request.request_id)
         try:
-            for count in range(sampling.max_tokens):
+            for count in range(total):
                 due = started + self._ttft_s + count * self._itl_s
                 wait_s = due - time.monotonic()
                 if wait_s > 0:
@@ -121,15 +417,24 @@ class SimEngine(Engine):
                     yield EngineOutput("", 0, prompt_tokens, count, finish_reason="cancelled")
                     return
                 index = offset + count
-                word = sim_word(prompt, sampling.seed, index)
-                text = stops.feed(word if index == 0 else " " + word)
+                if pieces is None:
+                    word = sim_word(prompt, sampling.seed, index)
+                    token = word if index == 0 else " " + word
+                else:
+                    token = pieces[index]
+                text = stops.feed(token)
+                logprobs = (token_logprob(token, index, top),) if top is not None else ()
+                first = echoed if count == 0 else ()
                 if stops.stopped:
-                    yield EngineOutput(text, 1, prompt_tokens, count + 1, finish_reason="stop")
+                    yield EngineOutput(
+                        text, 1, prompt_tokens, count + 1, "stop", logprobs=logprobs, prompt_logprobs=first
+                    )
                     return
-                last = count == sampling.max_tokens - 1
-                if last:
+                reason: FinishReason | None = None
+                if count == total - 1:
                     text += stops.flush()
-                yield EngineOutput(text, 1, prompt_tokens, count + 1, finish_reason="length" if last else None)
+                    reason = "stop" if pieces is not None and index == len(pieces) - 1 else "length"
+                yield EngineOutput(text, 1, prompt_tokens, count + 1, reason, logprobs=logprobs, prompt_logprobs=first)
         finally:
             self._running_ids.discard(request.request_id)
             self._aborted.discard(request.request_id)

@@ -1,12 +1,18 @@
-"""services.worker.engines.sim.SimEngine with no latency: lengths, determinism, stops, abort."""
+"""services.worker.engines.sim.SimEngine with no latency: lengths, determinism, stops, abort; JSON
+valid against the guide's schema, tool calls, logprobs, echo, exact resumption."""
 
 import asyncio
+import json
+import math
+from typing import Any
 
+import jsonschema
 import pytest
 
-from services.worker.engines.base import EngineOutput, GenerationRequest
+from services.worker.engines.base import EngineOutput, GenerationRequest, Guide, InvalidPrompt, Resume
 from services.worker.engines.sim import SimEngine, sim_word
-from shared.schemas import Message, Sampling
+from services.worker.tools import AutoCallsParser, RequiredCallsParser, required_tools_schema
+from shared.schemas import FunctionCall, FunctionSpec, Message, Sampling, ToolCall
 
 
 @pytest.fixture
@@ -138,3 +144,223 @@ async def test_request_id_can_be_reused_after_abort(engine: SimEngine) -> None:
     outputs = await collect(engine, request(request_id="again", max_tokens=3))
     assert outputs[-1].finish_reason == "length"
     assert len(outputs) == 3
+
+
+# --- JSON, tool calls, logprobs ----------------------------------------------------------------
+
+WEATHER = FunctionSpec(
+    name="get_weather",
+    parameters={
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 3},
+            "unit": {"enum": ["c", "f"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+)
+TIME = FunctionSpec(name="get_time", parameters={"type": "object", "properties": {"tz": {"type": "string"}}})
+PING = FunctionSpec(name="ping")
+
+SCHEMAS: list[dict[str, Any]] = [
+    # What pydantic writes for nested models, optional fields and lists (instructor, LangChain, parse()).
+    {
+        "$defs": {
+            "Address": {
+                "properties": {"street": {"title": "Street", "type": "string"}, "zip": {"type": "string"}},
+                "required": ["street", "zip"],
+                "title": "Address",
+                "type": "object",
+                "additionalProperties": False,
+            },
+            "Kind": {"enum": ["home", "work"], "title": "Kind", "type": "string"},
+        },
+        "properties": {
+            "name": {"title": "Name", "type": "string"},
+            "age": {"exclusiveMinimum": 0, "maximum": 130, "title": "Age", "type": "integer"},
+            "score": {"type": "number", "minimum": 0.5, "exclusiveMaximum": 1},
+            "address": {"$ref": "#/$defs/Address"},
+            "kind": {"$ref": "#/$defs/Kind", "default": "home"},
+            "nickname": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+            "tags": {"items": {"type": "string", "maxLength": 4}, "type": "array", "minItems": 2, "maxItems": 3},
+            "ids": {"type": "array", "items": {"type": "integer", "multipleOf": 5}, "uniqueItems": True},
+            "active": {"type": "boolean"},
+            "when": {"type": "string", "format": "date-time"},
+            "token": {"type": "string", "format": "uuid"},
+            "nothing": {"type": "null"},
+        },
+        "required": ["name", "age", "score", "address", "kind", "tags", "active", "when", "token"],
+        "title": "Person",
+        "type": "object",
+        "additionalProperties": False,
+    },
+    {"type": "array", "prefixItems": [{"const": "v1"}, {"type": ["integer", "null"]}], "minItems": 2, "maxItems": 2},
+    {"oneOf": [{"type": "string", "enum": ["x"]}, {"type": "integer"}]},
+    {
+        "allOf": [
+            {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"properties": {"b": {"const": 1}}, "required": ["b"]},
+        ]
+    },
+    # A recursive schema: a tree.
+    {
+        "$defs": {
+            "Node": {
+                "type": "object",
+                "properties": {
+                    "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}},
+                    "v": {"type": "integer"},
+                },
+                "required": ["v", "children"],
+            }
+        },
+        "$ref": "#/$defs/Node",
+    },
+]
+
+
+def guided(schema: dict[str, Any] | None, **fields: Any) -> GenerationRequest:
+    guide = Guide("json_object") if schema is None else Guide("json_schema", json.dumps(schema))
+    sampling = {"max_tokens": 2000, "seed": 1, **fields.pop("sampling", {})}
+    return GenerationRequest(request_id="g", sampling=Sampling(**sampling), prompt="make json", guide=guide, **fields)
+
+
+def test_the_simulator_declares_what_it_honours() -> None:
+    assert SimEngine.supports == {"tools", "response_format", "logprobs", "seed", "stop", "echo"}
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+async def test_guided_answers_are_json_valid_against_the_schema(engine: SimEngine, index: int, seed: int) -> None:
+    schema = SCHEMAS[index]
+    outputs = await collect(engine, guided(schema, sampling={"seed": seed}))
+    jsonschema.validate(json.loads(text_of(outputs)), schema)
+    assert outputs[-1].finish_reason == "stop"
+    assert all(o.finish_reason is None for o in outputs[:-1])
+    assert all(o.n_tokens == 1 and len(o.text) <= 7 for o in outputs)  # short pieces, one per token
+    assert outputs[-1].completion_tokens == len(outputs)
+
+
+async def test_json_object_answers_are_a_small_object(engine: SimEngine) -> None:
+    value = json.loads(text_of(await collect(engine, guided(None))))
+    assert isinstance(value, dict) and value
+
+
+async def test_guided_answers_depend_on_prompt_and_seed(engine: SimEngine) -> None:
+    texts = {text_of(await collect(engine, guided(SCHEMAS[0], sampling={"seed": s}))) for s in (1, 1, 2, 3)}
+    assert len(texts) == 3
+
+
+async def test_a_guided_answer_cut_by_max_tokens_ends_with_length(engine: SimEngine) -> None:
+    whole = text_of(await collect(engine, guided(SCHEMAS[0])))
+    outputs = await collect(engine, guided(SCHEMAS[0], sampling={"max_tokens": 5}))
+    assert len(outputs) == 5 and outputs[-1].finish_reason == "length"
+    assert whole.startswith(text_of(outputs))
+
+
+@pytest.mark.parametrize("make", [lambda: guided(SCHEMAS[0]), lambda: request(max_tokens=30, seed=4)])
+async def test_a_resumed_answer_continues_exactly(engine: SimEngine, make: Any) -> None:
+    whole = await collect(engine, make())
+    for done in (1, 7, len(whole) - 1):
+        first = whole[:done]
+        rest = make()
+        resume = Resume(text_of(first), (), done)
+        sampling = rest.sampling.model_copy(update={"max_tokens": rest.sampling.max_tokens - done})
+        rest = GenerationRequest(
+            request_id=rest.request_id, sampling=sampling, prompt=rest.prompt, guide=rest.guide, resume=resume
+        )
+        after = await collect(engine, rest)
+        assert text_of(first) + text_of(after) == text_of(whole)
+        assert after[-1].finish_reason == whole[-1].finish_reason
+
+
+def chat(tools: list[FunctionSpec], *messages: Message, **fields: Any) -> GenerationRequest:
+    return GenerationRequest(
+        request_id="t",
+        sampling=Sampling(max_tokens=500, **fields),
+        messages=list(messages) or [Message(role="user", content="weather?")],
+        tools=tools,
+    )
+
+
+async def test_with_tools_the_answer_is_a_call_of_one_of_them(engine: SimEngine) -> None:
+    names = set()
+    for seed in range(12):
+        outputs = await collect(engine, chat([WEATHER, TIME, PING], seed=seed))
+        assert outputs[-1].finish_reason == "stop"
+        parser = AutoCallsParser("t", single=False)
+        content, deltas = parser.feed(text_of(outputs))
+        more, rest = parser.finish()
+        assert content + more == "" and len(deltas + rest) == 1
+        function = deltas[0].function
+        assert function is not None and function.name is not None and function.arguments is not None
+        tool = {t.name: t for t in (WEATHER, TIME, PING)}[function.name]
+        jsonschema.validate(json.loads(function.arguments), tool.parameters or {"type": "object"})
+        names.add(function.name)
+    assert len(names) == 3  # the tool depends on prompt and seed
+
+
+async def test_after_a_tool_result_the_answer_is_words(engine: SimEngine) -> None:
+    call = ToolCall(id="call_1", function=FunctionCall(name="get_time", arguments="{}"))
+    outputs = await collect(
+        engine,
+        chat(
+            [TIME],
+            Message(role="user", content="time?"),
+            Message(role="assistant", content="", tool_calls=[call]),
+            Message(role="tool", content="12:00", tool_call_id="call_1"),
+            seed=1,
+        ),
+    )
+    assert len(outputs) == 500 and outputs[-1].finish_reason == "length"
+    assert "<tool_call>" not in text_of(outputs)
+
+
+async def test_a_required_call_schema_gives_calls_the_required_parser_reads(engine: SimEngine) -> None:
+    schema = required_tools_schema([WEATHER, TIME], parallel=True)
+    outputs = await collect(engine, guided(schema, tools=[WEATHER, TIME]))
+    calls = json.loads(text_of(outputs))
+    jsonschema.validate(calls, schema)
+    parser = RequiredCallsParser("g", single=False)
+    _, deltas = parser.feed(text_of(outputs))
+    assert [d.function.name for d in deltas if d.function is not None and d.id] == [c["name"] for c in calls]
+
+
+async def test_a_schema_that_is_not_json_is_an_invalid_prompt(engine: SimEngine) -> None:
+    req = GenerationRequest(request_id="x", sampling=Sampling(), prompt="p", guide=Guide("json_schema", "{nope"))
+    with pytest.raises(InvalidPrompt):
+        await collect(engine, req)
+
+
+@pytest.mark.parametrize("top", [0, 3, 20])
+async def test_logprobs_are_well_formed(engine: SimEngine, top: int) -> None:
+    outputs = await collect(engine, GenerationRequest("l", Sampling(max_tokens=8, seed=2), prompt="p", logprobs=top))
+    for out in outputs:
+        (entry,) = out.logprobs
+        assert entry.token == out.text and entry.bytes == list(out.text.encode())
+        assert entry.logprob < 0
+        assert len(entry.top_logprobs) == top
+        assert len({t.token for t in entry.top_logprobs}) == top
+        if top:
+            assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert sum(math.exp(t.logprob) for t in entry.top_logprobs) <= 1
+        assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
+        assert out.prompt_logprobs == ()
+    again = await collect(engine, GenerationRequest("l", Sampling(max_tokens=8, seed=2), prompt="p", logprobs=top))
+    assert [o.logprobs for o in again] == [o.logprobs for o in outputs]
+
+
+async def test_no_logprobs_unless_asked(engine: SimEngine) -> None:
+    assert all(o.logprobs == () for o in await collect(engine, request(max_tokens=3)))
+
+
+async def test_echo_gives_the_prompts_logprobs_first(engine: SimEngine) -> None:
+    prompt = "Once upon  a time\n"
+    req = GenerationRequest("e", Sampling(max_tokens=3), prompt=prompt, logprobs=1, echo=True)
+    outputs = await collect(engine, req)
+    assert "".join(t.token for t in outputs[0].prompt_logprobs) == prompt
+    assert all(len(t.top_logprobs) == 1 for t in outputs[0].prompt_logprobs)
+    assert all(o.prompt_logprobs == () for o in outputs[1:])
