@@ -5,6 +5,7 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
@@ -19,6 +20,44 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 def test_models_lists_the_live_worker_model(client: OpenAI) -> None:
     ids = [m.id for m in client.models.list().data]
     assert SIM_MODEL in ids
+
+
+def test_models_retrieve_gives_the_model_with_its_context_and_capabilities(
+    client: OpenAI, gateway: Service, auth: dict
+) -> None:
+    model = client.models.retrieve(SIM_MODEL)
+    assert (model.id, model.object, model.owned_by) == (SIM_MODEL, "model", "axon")
+    raw = httpx.get(f"{gateway.url}/v1/models/{SIM_MODEL}", headers=auth, timeout=30).json()
+    assert raw["context_length"] > 0
+    assert raw["capabilities"] == sorted(raw["capabilities"])
+    listed = {m.id: m.model_dump(exclude_unset=True) for m in client.models.list().data}
+    assert listed[SIM_MODEL] == raw
+
+
+@pytest.mark.parametrize("name", ["no-such-model", "org/no-such-model", "line\nbreak"])
+def test_models_retrieve_of_an_unknown_model_is_not_found(client: OpenAI, name: str) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve(name)
+    assert info.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"n": 1000}, "n"),
+        ({"logit_bias": {"not-a-token": 5}}, "logit_bias"),
+        ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+        ({"extra_body": {"store": True}}, "store"),
+        ({"extra_body": {"guided_json": {}}}, None),
+    ],
+)
+def test_bad_input_is_a_400_naming_its_param(client: OpenAI, fields: dict, param: str | None) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=SIM_MODEL, messages=MESSAGES, max_tokens=2, **fields)
+    assert info.value.param == param
+    if param is None:
+        assert info.value.body["message"] == "Unrecognized request argument supplied: guided_json"  # type: ignore[index]
 
 
 def test_chat_non_streaming_returns_completion_with_usage(client: OpenAI) -> None:

@@ -22,6 +22,7 @@ from services.gateway.api.openapi import (
 from shared.hot_routes import HotRoute
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.session_requests import SessionCreate, SessionUpdate
+from shared.url_params import ANY
 
 # The bearer scheme only documents the key in the schema; `CallerDep` checks it.
 router = APIRouter(dependencies=[Security(bearer_scheme)])
@@ -73,7 +74,7 @@ async def list_models(request: Request, caller: CallerDep, service: ServiceDep) 
     return await service.call(request, caller)
 
 
-@router.get("/v1/models/{model_id:path}", responses=error_responses(404))
+@router.get(f"/v1/models/{{model_id:{ANY}}}", responses=error_responses(404))
 async def get_model(model_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """One model (or alias) live workers serve: its context length and the parameters they honour."""
     return await service.call(request, caller)

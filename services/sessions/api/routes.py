@@ -19,6 +19,7 @@ from shared.hot_routes import HotRoute, read_body, send_json
 from shared.logging import bind_contextvars
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest, Kind, RequestLimits, parse_request
 from shared.responses import SSE_END, ORJSONResponse
+from shared.url_params import ANY
 
 router = APIRouter()
 
@@ -103,7 +104,7 @@ async def list_models(request: Request) -> Response:
     return ORJSONResponse({"object": "list", "data": models})
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get(f"/v1/models/{{model_id:{ANY}}}")
 async def get_model(model_id: str, request: Request) -> Response:
     """One live model (or alias): its context length and the parameters its workers honour."""
     return ORJSONResponse(await request.app.state.catalog.entry(model_id))

@@ -6,6 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from services.gateway.service import estimate_prompt_tokens, upstream_target
+from shared.url_params import ANY
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +16,7 @@ def client() -> TestClient:
     @app.get("/v1/sessions")
     @app.get("/v1/sessions/{session_id}")
     @app.get("/v1/sessions/{session_id}/messages")
+    @app.get(f"/v1/models/{{model_id:{ANY}}}")
     async def target(request: Request) -> dict:
         return {"target": upstream_target(request)}
 
@@ -35,6 +37,10 @@ def client() -> TestClient:
         ("/v1/sessions/%2E", "/v1/sessions/%2E"),
         ("/v1/sessions/a%25b%20c", "/v1/sessions/a%25b%20c"),
         ("/v1/sessions/%C3%A9?after=%C3%A9&x=%0A", "/v1/sessions/%C3%A9?after=%C3%A9&x=%0A"),
+        # A model id is one parameter whatever it holds: `/` (as the SDK escapes it, or not), a newline.
+        ("/v1/models/org%2Fmodel", "/v1/models/org%2Fmodel"),
+        ("/v1/models/org/model", "/v1/models/org%2Fmodel"),
+        ("/v1/models/a%0Ab", "/v1/models/a%0Ab"),
     ],
 )
 def test_upstream_target_keeps_each_parameter_one_escaped_segment(
