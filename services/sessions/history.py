@@ -11,12 +11,13 @@ import uuid
 
 import asyncpg
 import redis.asyncio as redis
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import MessageRow, Outbox
 from shared.errors import NotFound
 from shared.names import Names
+from shared.schemas import Message, ToolCall
 
 _TOMBSTONE = b"-"
 # Compare-and-delete: only the holder releases a session's lock.
@@ -33,6 +34,7 @@ end
 return 0
 """
 _COLUMNS = "id, tenant, title, system_prompt, model, created_at, updated_at"
+_MESSAGE_COLUMNS = "id, seq, role, content, status, job_id, created_at, tool_calls, tool_call_id, name"
 
 
 class SessionInfo(BaseModel):
@@ -57,6 +59,9 @@ class SessionInfo(BaseModel):
 
 
 class StoredMessage(BaseModel):
+    """A message of a session's history. An assistant answer that called tools keeps its
+    `tool_calls`; a tool's result keeps the `tool_call_id` it answers and the tool's `name`."""
+
     id: str
     seq: int
     role: str
@@ -64,17 +69,29 @@ class StoredMessage(BaseModel):
     status: str = "complete"
     job_id: str | None = None
     created_at: dt.datetime
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def public(self) -> dict[str, object]:
-        return {
+        """The message as the API lists it: OpenAI's message object (`tool_calls`, `tool_call_id`
+        and `name` when it has them; the content of an answer that is only tool calls is null)."""
+        body: dict[str, object] = {
             "id": self.id,
             "object": "session.message",
             "seq": self.seq,
             "role": self.role,
-            "content": self.content,
+            "content": None if self.tool_calls and not self.content else self.content,
             "status": self.status,
             "created_at": int(self.created_at.timestamp()),
         }
+        if self.tool_calls:
+            body["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            body["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            body["name"] = self.name
+        return body
 
 
 def _session_id(raw: str) -> str:
@@ -222,7 +239,7 @@ class SessionStore:
             return [StoredMessage.model_validate_json(item) for item in raw]
         self._metrics.history_cache.labels("miss").inc()
         rows = await self._db.fetch(
-            "SELECT id, seq, role, content, status, job_id, created_at FROM"
+            f"SELECT {_MESSAGE_COLUMNS} FROM"
             " (SELECT * FROM messages WHERE conversation_id = $1 ORDER BY seq DESC LIMIT $2) recent ORDER BY seq",
             uuid.UUID(info.id),
             self._history_max,
@@ -231,7 +248,7 @@ class SessionStore:
         if messages:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.delete(self._names.history(info.id))
-                pipe.rpush(self._names.history(info.id), *[m.model_dump_json() for m in messages])
+                pipe.rpush(self._names.history(info.id), *[m.model_dump_json(exclude_none=True) for m in messages])
                 pipe.expire(self._names.history(info.id), self._ttl_s)
                 await pipe.execute()
         return messages
@@ -239,8 +256,7 @@ class SessionStore:
     async def page(self, info: SessionInfo, *, after_seq: int, limit: int) -> tuple[list[StoredMessage], bool]:
         """Messages with `seq` > `after_seq`, oldest first; recent ones not yet persisted come from Redis."""
         rows = await self._db.fetch(
-            "SELECT id, seq, role, content, status, job_id, created_at FROM messages"
-            " WHERE conversation_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
             uuid.UUID(info.id),
             after_seq,
             limit + 1,
@@ -262,28 +278,30 @@ class SessionStore:
             await self._redis.set(key, last, nx=True)
         return int(await self._redis.incr(key))
 
-    async def append(
-        self, info: SessionInfo, *, role: str, content: str, status: str, job_id: str | None
-    ) -> StoredMessage:
-        """Store a message: in the Redis history and, in the same round trip, in the outbox."""
-        message = StoredMessage(
+    async def append(self, info: SessionInfo, message: Message, *, status: str, job_id: str | None) -> StoredMessage:
+        """Store a message (with its tool calls, or the call it answers): in the Redis history and,
+        in the same round trip, in the outbox."""
+        stored = StoredMessage(
             id=str(uuid.uuid4()),
             seq=await self._next_seq(info.id),
-            role=role,
-            content=content,
+            role=message.role,
+            content=message.content,
             status=status,
             job_id=job_id,
             created_at=dt.datetime.now(dt.UTC),
+            tool_calls=message.tool_calls or None,
+            tool_call_id=message.tool_call_id,
+            name=message.name,
         )
-        row = MessageRow(conversation_id=info.id, **message.model_dump())
+        row = MessageRow.of(stored, conversation_id=info.id)
         key = self._names.history(info.id)
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.rpush(key, message.model_dump_json())
+            pipe.rpush(key, stored.model_dump_json(exclude_none=True))
             pipe.ltrim(key, -self._history_max, -1)
             pipe.expire(key, self._ttl_s)
             await self._outbox.append("message", row, pipe=pipe)
             await pipe.execute()
-        return message
+        return stored
 
 
 def _message(row: asyncpg.Record) -> StoredMessage:
@@ -295,4 +313,11 @@ def _message(row: asyncpg.Record) -> StoredMessage:
         status=row["status"],
         job_id=str(row["job_id"]) if row["job_id"] else None,
         created_at=row["created_at"],
+        # jsonb arrives as its JSON text (no codec is set on the pool).
+        tool_calls=_tool_calls.validate_json(row["tool_calls"]) if row["tool_calls"] else None,
+        tool_call_id=row["tool_call_id"],
+        name=row["name"],
     )
+
+
+_tool_calls: TypeAdapter[list[ToolCall]] = TypeAdapter(list[ToolCall])

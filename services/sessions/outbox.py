@@ -8,7 +8,7 @@ so a batch written twice is harmless.
 
 import datetime as dt
 from itertools import chain
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import orjson
 import redis.asyncio as redis
@@ -16,6 +16,10 @@ from pydantic import BaseModel, field_validator
 
 from shared.names import Names
 from shared.redis_pipe import Arg
+from shared.schemas import ToolCall
+
+if TYPE_CHECKING:
+    from services.sessions.history import StoredMessage
 
 RowKind = Literal["message", "usage"]
 
@@ -34,8 +38,53 @@ def postgres_text(value: str | None) -> str | None:
     return value.replace("\x00", "\ufffd")
 
 
+def _storable_json(value: Any) -> Any:
+    """`value` (decoded JSON) with every string made storable: jsonb cannot hold U+0000 either."""
+    if isinstance(value, str):
+        return postgres_text(value)
+    if isinstance(value, list):
+        return [_storable_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _storable_json(v) for k, v in value.items()}
+    return value
+
+
+def tool_calls_json(calls: list[ToolCall] | None) -> str | None:
+    """An answer's tool calls as the JSON text of the `messages.tool_calls` column (OpenAI's shape)."""
+    if not calls:
+        return None
+    data = [call.model_dump() for call in calls]
+    text = orjson.dumps(data).decode()
+    if "\\u0000" in text:
+        text = orjson.dumps(_storable_json(data)).decode()
+    return text
+
+
+# The columns of a message's COPY line, in order. `format` 2 entries have them all; entries
+# written before tool calls were stored (format 1: no `format` field) stop at `created_at`, and
+# the persister fills the rest with NULL.
+MESSAGE_COLUMNS = (
+    "id",
+    "conversation_id",
+    "seq",
+    "role",
+    "content",
+    "status",
+    "job_id",
+    "created_at",
+    "tool_calls",
+    "tool_call_id",
+    "name",
+)
+MESSAGE_FORMAT = "2"
+
+
 class MessageRow(BaseModel):
-    """A message as PostgreSQL stores it (the Redis history keeps the text exactly as it was)."""
+    """A message as PostgreSQL stores it (the Redis history keeps the text exactly as it was).
+
+    `tool_calls` is the JSON text of an assistant answer's calls; `tool_call_id` and `name` are
+    a tool result's.
+    """
 
     id: str
     conversation_id: str
@@ -45,15 +94,26 @@ class MessageRow(BaseModel):
     status: str
     job_id: str | None = None
     created_at: dt.datetime
+    tool_calls: str | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    @field_validator("role", "content", "status")
+    @field_validator("role", "content", "status", "tool_call_id", "name")
     @classmethod
-    def _storable(cls, value: str) -> str:
+    def _storable(cls, value: str | None) -> str | None:
         return postgres_text(value)
 
+    @classmethod
+    def of(cls, message: "StoredMessage", *, conversation_id: str) -> "MessageRow":
+        return cls(
+            conversation_id=conversation_id,
+            tool_calls=tool_calls_json(message.tool_calls),
+            **message.model_dump(exclude={"tool_calls"}),
+        )
+
     def copy_line(self) -> bytes:
-        """The row in PostgreSQL's COPY text format, rendered once here so the persister only
-        concatenates lines (its hot path)."""
+        """The row in PostgreSQL's COPY text format (`MESSAGE_COLUMNS`), rendered once here so the
+        persister only concatenates lines (its hot path)."""
         fields = (
             self.id,
             self.conversation_id,
@@ -63,6 +123,9 @@ class MessageRow(BaseModel):
             self.status,
             self.job_id,
             self.created_at.isoformat(),
+            self.tool_calls,
+            self.tool_call_id,
+            self.name,
         )
         return ("\t".join(_copy_escape(f) for f in fields) + "\n").encode()
 
@@ -115,7 +178,7 @@ class Outbox:
 
 def _entry_fields(kind: RowKind, row: BaseModel) -> dict[str, bytes | str]:
     """An outbox entry's fields. A message travels only as its COPY line (the persister
-    concatenates them); a usage row as JSON."""
+    concatenates them) and the line's `format`; a usage row as JSON."""
     if isinstance(row, MessageRow):
-        return {"kind": kind, "copy": row.copy_line()}
+        return {"kind": kind, "copy": row.copy_line(), "format": MESSAGE_FORMAT}
     return {"kind": kind, "row": orjson.dumps(row.model_dump(mode="json"))}

@@ -25,12 +25,13 @@ from asyncpg.pool import PoolConnectionProxy
 from redis.exceptions import ResponseError
 
 from services.sessions.metrics import SessionsMetrics
+from services.sessions.outbox import MESSAGE_COLUMNS
 from shared.logging import get_logger
 from shared.names import Names
 
 log = get_logger(__name__)
 
-_MESSAGE_COLUMNS = ("id", "conversation_id", "seq", "role", "content", "status", "job_id", "created_at")
+_MESSAGE_COLUMNS = MESSAGE_COLUMNS
 _STAGE = "messages_stage"
 _CREATE_STAGE = f"CREATE TEMP TABLE {_STAGE} (LIKE messages INCLUDING DEFAULTS) ON COMMIT DROP"
 _INSERT_FROM_STAGE = f"""
@@ -49,6 +50,8 @@ _RETRY_DELAY_S = 1.0
 # KEYS: outbox. ARGV: group, consumer, count, mode ('new' | 'claim'), min idle ms (claim).
 # Returns {space-separated ids, joined COPY lines of the messages, usage rows as JSON}.
 # No BLOCK (scripts cannot block): an empty outbox is polled every flush interval.
+# A message line without `format` (written before messages had tool calls) gets NULL for the
+# three columns it lacks, so entries of both formats share one COPY during a rolling upgrade.
 _READ = """
 local entries
 if ARGV[4] == 'claim' then
@@ -65,7 +68,13 @@ for _, entry in ipairs(entries) do
         ids[#ids + 1] = entry[1]
         local row = {}
         for j = 1, #fields, 2 do row[fields[j]] = fields[j + 1] end
-        if row['kind'] == 'message' then lines[#lines + 1] = row['copy'] else usage[#usage + 1] = row['row'] end
+        if row['kind'] ~= 'message' then
+            usage[#usage + 1] = row['row']
+        elseif row['format'] then
+            lines[#lines + 1] = row['copy']
+        else
+            lines[#lines + 1] = string.sub(row['copy'], 1, -2) .. '\\t\\\\N\\t\\\\N\\t\\\\N\\n'
+        end
     end
 end
 return {table.concat(ids, ' '), table.concat(lines), usage}

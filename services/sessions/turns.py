@@ -15,7 +15,7 @@ from prometheus_client import Gauge
 from services.sessions.history import SessionInfo, SessionStore, StoredMessage
 from shared.errors import Conflict
 from shared.logging import get_logger
-from shared.schemas import Message, Role
+from shared.schemas import Message, Role, ToolCall
 from shared.tasks import BackgroundTasks
 from shared.tokens import estimate_tokens
 
@@ -30,7 +30,10 @@ _PROMPT_ROLES: dict[str, Role] = {role: role for role in get_args(Role)}
 
 
 def message_tokens(message: Message) -> int:
-    return estimate_tokens(chars=len(message.content), messages=1)
+    chars = len(message.content)
+    for call in message.tool_calls or ():
+        chars += len(call.function.name) + len(call.function.arguments)
+    return estimate_tokens(chars=chars, messages=1)
 
 
 def build_prompt(
@@ -42,12 +45,15 @@ def build_prompt(
 ) -> tuple[list[Message], int]:
     """System prompt + as much recent history as fits + the new messages.
 
+    History replays tool calls: an assistant answer with its `tool_calls`, a tool's result with
+    its `tool_call_id`. The kept history never starts with a tool result, whose call was left out.
+
     Returns:
         The prompt, and how many history messages were left out (oldest first).
     """
     head = [Message(role="system", content=system_prompt)] if system_prompt else []
     usable = [
-        Message(role=role, content=m.content)
+        Message(role=role, content=m.content, name=m.name, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
         for m in history
         if m.status not in _SKIPPED_STATUSES and (role := _PROMPT_ROLES.get(m.role)) is not None
     ]
@@ -60,6 +66,8 @@ def build_prompt(
             break
         kept.append(message)
         used += cost
+    while kept and kept[-1].role == "tool":
+        kept.pop()
     kept.reverse()
     return head + kept + new_messages, len(usable) - len(kept)
 
@@ -128,17 +136,19 @@ class Turns:
     async def record_question(self, turn: Turn) -> None:
         """Store the new messages (after the job was accepted by the broker)."""
         for message in turn.new_messages:
-            await self._store.append(
-                turn.info, role=message.role, content=message.content, status="complete", job_id=turn.job_id
-            )
+            await self._store.append(turn.info, message, status="complete", job_id=turn.job_id)
 
-    async def record_answer(self, turn: Turn, *, text: str, status: str) -> None:
-        """Store the answer (complete, cancelled or failed) and release the session."""
+    async def record_answer(
+        self, turn: Turn, *, text: str, status: str, tool_calls: list[ToolCall] | None = None
+    ) -> None:
+        """Store the answer (complete, cancelled or failed), with the tools it called, and
+        release the session."""
         if turn.closed:
             return
         turn.closed = True
+        answer = Message(role="assistant", content=text, tool_calls=tool_calls)
         try:
-            await self._store.append(turn.info, role="assistant", content=text, status=status, job_id=turn.job_id)
+            await self._store.append(turn.info, answer, status=status, job_id=turn.job_id)
         finally:
             await self._end(turn)
 

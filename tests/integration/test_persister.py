@@ -2,15 +2,18 @@
 
 import asyncio
 import datetime as dt
+import json
 import uuid
 
 import asyncpg
 import pytest
 
+from services.sessions.history import SessionInfo, SessionStore, StoredMessage
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import MessageRow, Outbox, UsageRow
 from services.sessions.persister import Persister
 from shared.names import Names
+from shared.schemas import FunctionCall, ToolCall
 from tests.e2e.tcpproxy import TcpProxy
 
 
@@ -55,6 +58,16 @@ async def _stop(persister: Persister, task: asyncio.Task) -> None:
     await asyncio.wait_for(task, timeout=5)
 
 
+async def _drain(redis_client, pool, names: Names) -> None:
+    """Run a persister until the outbox is empty."""
+    persister = _persister(redis_client, pool, names)
+    task = asyncio.create_task(persister.run())
+    try:
+        await _wait_drained(redis_client, names)
+    finally:
+        await _stop(persister, task)
+
+
 async def _wait_drained(redis_client, names: Names, timeout_s: float = 5) -> None:
     for _ in range(int(timeout_s / 0.05)):
         if await redis_client.xlen(names.outbox) == 0:
@@ -72,12 +85,7 @@ async def test_duplicates_and_rows_of_deleted_sessions_are_skipped(setup, redis_
     await outbox.append("message", first)  # a redelivered entry
     await outbox.append("message", _row(uuid.uuid4(), 1))  # its session is gone
     await outbox.append("message", _row(session, 2))
-    persister = _persister(redis_client, pool, names)
-    task = asyncio.create_task(persister.run())
-    try:
-        await _wait_drained(redis_client, names)
-    finally:
-        await _stop(persister, task)
+    await _drain(redis_client, pool, names)
     rows = await pool.fetch("SELECT seq, content FROM messages WHERE conversation_id = $1 ORDER BY seq", session)
     assert [(r["seq"], r["content"]) for r in rows] == [(1, tricky), (2, "hi")]
 
@@ -101,12 +109,7 @@ async def test_usage_rows_travel_in_the_same_batches_as_messages(setup, redis_cl
         ),
     )
     await outbox.append("message", _row(session, 2))
-    persister = _persister(redis_client, pool, names)
-    task = asyncio.create_task(persister.run())
-    try:
-        await _wait_drained(redis_client, names)
-    finally:
-        await _stop(persister, task)
+    await _drain(redis_client, pool, names)
     usage = await pool.fetchrow(
         "SELECT tenant, prompt_tokens, completion_tokens FROM usage WHERE job_id = $1", uuid.UUID(job_id)
     )
@@ -173,3 +176,55 @@ async def test_everything_is_written_once_postgres_is_reachable_again(setup, red
         proxy.close()
     seqs = await _pool.fetch("SELECT seq FROM messages WHERE conversation_id = $1 ORDER BY seq", session)
     assert [r["seq"] for r in seqs] == list(range(1, seq + 1))
+
+
+async def test_tool_calls_are_stored_and_read_back_and_old_entries_still_persist(setup, redis_client) -> None:
+    """An answer's tool calls (as jsonb, NUL made storable) and a tool result's call id and name
+    reach PostgreSQL and come back from it; an entry in the format written before messages had
+    tool calls (no `format` field, 8 columns) shares the batch and gets NULLs."""
+    pool, names, session = setup
+    outbox = Outbox(redis_client, names)
+    arguments = '{"city": "Paris\\tFrance", "q": "a\\\\b \\"quoted\\" \x00 é"}'
+    calls = [ToolCall(id="call_1", function=FunctionCall(name="get_weather", arguments=arguments))]
+    now = dt.datetime.now(dt.UTC)
+    answer = StoredMessage(id=str(uuid.uuid4()), seq=2, role="assistant", content="", created_at=now, tool_calls=calls)
+    result = StoredMessage(
+        id=str(uuid.uuid4()), seq=3, role="tool", content="22 C", created_at=now, tool_call_id="call_1", name="w"
+    )
+    old = _row(session, 1, "from before")
+    old_line = b"\t".join(old.copy_line().split(b"\t")[:8]) + b"\n"
+    await redis_client.xadd(names.outbox, {"kind": "message", "copy": old_line})
+    for message in (answer, result):
+        await outbox.append("message", MessageRow.of(message, conversation_id=str(session)))
+    await _drain(redis_client, pool, names)
+    rows = await pool.fetch(
+        "SELECT seq, content, tool_calls, tool_call_id, name FROM messages WHERE conversation_id = $1 ORDER BY seq",
+        session,
+    )
+    assert [(r["seq"], r["content"], r["tool_call_id"], r["name"]) for r in rows] == [
+        (1, "from before", None, None),
+        (2, "", None, None),
+        (3, "22 C", "call_1", "w"),
+    ]
+    assert rows[0]["tool_calls"] is None and rows[2]["tool_calls"] is None
+    stored = json.loads(rows[1]["tool_calls"])
+    assert stored == [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments.replace("\x00", "\ufffd")},
+        }
+    ]
+
+    # Read back by the store (PostgreSQL first; the Redis history of this session is empty).
+    metrics, history = SessionsMetrics(), {"history_max_messages": 10, "cache_ttl_s": 60}
+    store = SessionStore(client=redis_client, db=pool, names=names, outbox=outbox, metrics=metrics, **history)
+    info = SessionInfo(id=str(session), tenant="t", created_at=now, updated_at=now)
+    page, _ = await store.page(info, after_seq=0, limit=10)
+    assert [m.public().get("tool_calls") for m in page] == [None, stored, None]
+    assert page[1].public()["content"] is None  # an answer that is only tool calls
+    assert (page[2].public()["tool_call_id"], page[2].public()["name"]) == ("call_1", "w")
+    history = await store.history(info)  # re-cached in Redis, and read from there next time
+    assert history == await store.history(info)
+    assert history[1].tool_calls is not None and history[1].tool_calls[0].function.name == "get_weather"
+    await redis_client.delete(names.history(str(session)))
