@@ -9,11 +9,15 @@ first chunk.
 A few streams are kept subscribed ahead, for job ids not yet used (`spare_streams`): a request
 takes one at once instead of waiting a round trip to Redis for its subscription, and the relay
 subscribes replacements in the background, in one batch.
+
+A request for `n` choices has one job, and so one stream, per choice: `merge` routes them into one
+queue, each chunk tagged with its choice's index, so they are relayed in arrival order.
 """
 
 import asyncio
 import contextlib
 import uuid
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -32,6 +36,9 @@ STREAM_LOST = b""
 
 class TokenStream:
     """Chunks of one job, in arrival order."""
+
+    # The choice the chunk `next()` returned belongs to (a merged stream's vary).
+    index = 0
 
     def __init__(self, relay: "TokenRelay", job_id: str, channel: str, queue: asyncio.Queue[bytes]) -> None:
         self._relay = relay
@@ -55,6 +62,48 @@ class TokenStream:
         self._relay.close(self)
 
 
+class _ChoiceSink:
+    """Where the relay puts the chunks of one choice of a merged stream: its queue, tagged."""
+
+    __slots__ = ("index", "queue")
+
+    def __init__(self, index: int, queue: "asyncio.Queue[tuple[int, bytes]]") -> None:
+        self.index = index
+        self.queue = queue
+
+    def put_nowait(self, data: bytes) -> None:
+        self.queue.put_nowait((self.index, data))
+
+
+class MergedStream:
+    """Chunks of several jobs (the choices of one request), in arrival order; after `next()`,
+    `index` says whose."""
+
+    def __init__(self, relay: "TokenRelay", streams: list[TokenStream], queue: asyncio.Queue[tuple[int, bytes]]):
+        self._relay = relay
+        self.streams = streams
+        self.queue = queue
+        self.index = 0
+
+    @property
+    def ready(self) -> bool:
+        return not self.queue.empty()
+
+    async def next(self, timeout_s: float) -> bytes:
+        """Return the next raw chunk of any choice (its index in `index`); raises TimeoutError after
+        `timeout_s`."""
+        if not self.queue.empty():
+            self.index, data = self.queue.get_nowait()
+            return data
+        async with asyncio.timeout(timeout_s):
+            self.index, data = await self.queue.get()
+        return data
+
+    async def close(self) -> None:
+        for stream in self.streams:
+            self._relay.close(stream)
+
+
 class TokenRelay:
     """Shared pub/sub subscriber that fans chunks out to per-job queues."""
 
@@ -66,7 +115,7 @@ class TokenRelay:
         )
         self._names = names
         self._buffer_chunks = buffer_chunks
-        self._queues: dict[bytes, asyncio.Queue[bytes]] = {}
+        self._queues: dict[bytes, asyncio.Queue[bytes] | _ChoiceSink] = {}
         self._spare_target = spare_streams
         self._spares: list[TokenStream] = []
         self._refilling = False
@@ -126,6 +175,20 @@ class TokenRelay:
         finally:
             self._refilling = False
 
+    def merge(self, streams: list[TokenStream]) -> MergedStream:
+        """One stream of the chunks of `streams` (opened, their jobs not yet published), each
+        tagged with its position in `streams`. Its buffer holds as many chunks as theirs did."""
+        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue(maxsize=self._buffer_chunks * len(streams))
+        for index, stream in enumerate(streams):
+            name, sink = stream.channel.encode(), _ChoiceSink(index, queue)
+            if self._queues.get(name) is stream.queue:
+                self._queues[name] = sink
+                while not stream.queue.empty():
+                    sink.put_nowait(stream.queue.get_nowait())
+            else:
+                _end(sink)  # already lost (the subscriber connection dropped)
+        return MergedStream(self, streams, queue)
+
     def close(self, stream: TokenStream) -> None:
         if self._queues.pop(stream.channel.encode(), None) is not None:
             self._subscriber.unsubscribe(stream.channel)
@@ -153,10 +216,11 @@ class TokenRelay:
             _end(queue)
 
 
-def _end(queue: asyncio.Queue[bytes]) -> None:
+def _end(sink: asyncio.Queue[bytes] | _ChoiceSink) -> None:
     """End the stream: its reader gets what is queued, then STREAM_LOST (room is made for it
     by dropping the oldest chunk if the queue is full)."""
+    queue: asyncio.Queue[Any] = sink.queue if isinstance(sink, _ChoiceSink) else sink
     with contextlib.suppress(asyncio.QueueEmpty):
         if queue.full():
             queue.get_nowait()
-    queue.put_nowait(STREAM_LOST)
+    sink.put_nowait(STREAM_LOST)

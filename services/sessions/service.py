@@ -1,7 +1,7 @@
-"""Turns a completion request into a job and relays its chunks back.
+"""Turns a completion request into jobs (one per choice, `n`) and relays their chunks back.
 
 Order matters:
-- subscribe to the job's token channel, then publish the job, so no chunk can be
+- subscribe to the jobs' token channels, then publish the jobs, so no chunk can be
   published before someone listens;
 - store the answer (Redis + outbox) before the client sees its end, so an answer a
   client received is never missing from its history.
@@ -22,8 +22,8 @@ from services.sessions.catalog import ModelCatalog, require_supported
 from services.sessions.jobs import JobPublisher
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox, UsageRow
-from services.sessions.protocol import ResponseBuilder
-from services.sessions.relay import STREAM_LOST, TokenRelay, TokenStream
+from services.sessions.relay import STREAM_LOST, MergedStream, TokenRelay, TokenStream
+from services.sessions.responses import Answer, ResponseBuilder, request_usage, work_usage
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import Turn, Turns
 from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
@@ -66,47 +66,65 @@ def chunk_error(chunk: TokenChunk) -> AxonError:
     return _ERROR_TYPES.get(error_type, UpstreamError)(message)
 
 
-class ActiveJob:
-    """A published job whose chunks are being received, deduplicated by `seq`, until its deadline."""
+class Choice:
+    """One choice of a request: its job, the next `seq` expected on it, and its answer so far."""
+
+    __slots__ = ("answer", "index", "job", "next_seq", "sent")
+
+    def __init__(self, index: int, job: Job) -> None:
+        self.index = index
+        self.job = job
+        self.next_seq = 0
+        # Its first chunk was relayed (the next one carries no role).
+        self.sent = False
+        self.answer = Answer(index)
+
+
+class ActiveRequest:
+    """A request whose jobs (one per choice) are published and whose chunks are being received,
+    deduplicated by `seq` per choice, until its deadline."""
 
     def __init__(
         self,
         *,
-        job: Job,
+        choices: list[Choice],
         caller: Caller,
-        stream: TokenStream,
+        stream: TokenStream | MergedStream,
         builder: ResponseBuilder,
         started: float,
         turn: Turn | None,
     ) -> None:
-        self.job = job
+        self.choices = choices
+        # The first choice's job: the request's model, deadline, and the id its usage is recorded under.
+        self.job = choices[0].job
         self.caller = caller
         self.stream = stream
         self.builder = builder
         self.started = started
         self.turn = turn
-        self.finished = False
+        # Choices whose final chunk has not arrived.
+        self.unfinished = len(choices)
         self.closed = False
         self.usage: Usage | None = None
-        self.text: list[str] = []
-        self._next_seq = 0
 
     def headers(self) -> dict[str, str]:
         return {HISTORY_DROPPED_HEADER: str(self.turn.dropped)} if self.turn else {}
 
-    async def chunks(self) -> AsyncIterator[TokenChunk]:
-        """Yield chunks in order until the final one.
+    async def chunks(self) -> AsyncIterator[tuple[Choice, TokenChunk]]:
+        """Yield each choice's chunks in order (choices interleaved as they arrive) until every
+        choice's final one.
 
         Raises:
             DeadlineExceeded: the job's deadline passed first.
             UpstreamError: the stream was lost (shutdown or a client too slow to keep up).
         """
-        while not self.finished:
-            remaining_s = self.job.deadline - time.time()
+        stream, choices, deadline = self.stream, self.choices, self.job.deadline
+        while self.unfinished:
+            remaining_s = deadline - time.time()
             try:
                 if remaining_s <= 0:
                     raise TimeoutError
-                raw = await self.stream.next(remaining_s)
+                raw = await stream.next(remaining_s)
             except TimeoutError:
                 raise DeadlineExceeded("The request's deadline passed before the answer was complete.") from None
             if raw == STREAM_LOST:
@@ -116,16 +134,22 @@ class ActiveJob:
             except ValidationError:
                 log.error("chunk_invalid", size_bytes=len(raw))
                 continue
-            if chunk.seq < self._next_seq:
+            choice = choices[stream.index]
+            if chunk.seq < choice.next_seq:
                 continue  # already relayed: a redelivered job repeats its chunks
-            if chunk.seq > self._next_seq:
-                log.warning("chunk_gap", expected=self._next_seq, got=chunk.seq)
-            self._next_seq = chunk.seq + 1
-            self.finished = chunk.is_final
-            self.text.append(chunk.text)
+            if chunk.seq > choice.next_seq:
+                log.warning("chunk_gap", expected=choice.next_seq, got=chunk.seq, choice=choice.index)
+            choice.next_seq = chunk.seq + 1
+            answer = choice.answer
+            answer.text.append(chunk.text)
+            if chunk.tool_calls is not None:
+                answer.add_tool_calls(chunk.tool_calls)
             if chunk.usage is not None:
-                self.usage = chunk.usage
-            yield chunk
+                answer.usage = chunk.usage
+            if chunk.finish_reason is not None and answer.finish_reason is None:
+                answer.finish_reason = chunk.finish_reason
+                self.unfinished -= 1
+            yield choice, chunk
 
 
 class CompletionService:
@@ -163,15 +187,7 @@ class CompletionService:
             raise InvalidRequest(
                 f"max_tokens is {max_tokens}, more than this model allows ({limit}).", param="max_tokens"
             )
-        defaults = Sampling()
-        return Sampling(
-            max_tokens=max_tokens,
-            temperature=defaults.temperature if body.temperature is None else body.temperature,
-            top_p=defaults.top_p if body.top_p is None else body.top_p,
-            top_k=defaults.top_k if body.top_k is None else body.top_k,
-            stop=body.stop_list,
-            seed=body.seed,
-        )
+        return body.sampling(max_tokens)
 
     def _check_messages(self, messages: list[Message]) -> None:
         if len(messages) > self._settings.max_messages:
@@ -186,8 +202,8 @@ class CompletionService:
         kind: Kind,
         caller: Caller,
         request_id: str,
-    ) -> ActiveJob:
-        """Admit the request and publish its job.
+    ) -> ActiveRequest:
+        """Admit the request and publish its jobs (one per choice, all or none).
 
         Raises:
             ModelNotFound, Unavailable, InvalidRequest, NotFound, Conflict: refused before
@@ -198,34 +214,72 @@ class CompletionService:
         require_supported(body, model, live)
         sampling = self._sampling(body, live)
         messages, prompt = self._input(body)
-        # A confirmed subscription to a new job's channel, so no chunk of it can be missed.
-        stream = await self._relay.open_job()
-        bind_contextvars(job_id=stream.job_id)  # the tenant was bound with the caller
+        session_id = body.session_id if isinstance(body, ChatCompletionRequest) else None
+        n = body.choices
+        if n > 1 and session_id is not None:  # refused by the request's check already
+            raise InvalidRequest("A session turn has one answer: n must be 1 with session_id.", param="n")
+        # Confirmed subscriptions to the new jobs' channels, so no chunk of them can be missed.
+        streams = await self._open_streams(n)
+        stream: TokenStream | MergedStream = streams[0] if n == 1 else self._relay.merge(streams)
+        bind_contextvars(job_id=streams[0].job_id)  # the tenant was bound with the caller
         turn: Turn | None = None
         try:
-            if isinstance(body, ChatCompletionRequest) and body.session_id is not None:
+            if session_id is not None:
                 assert messages is not None
                 turn = await self._turns.begin(
                     tenant=caller.tenant,
-                    session_id=body.session_id,
-                    job_id=stream.job_id,
+                    session_id=session_id,
+                    job_id=streams[0].job_id,
                     new_messages=messages,
                     budget_tokens=live.context_tokens - sampling.max_tokens,
                 )
                 messages = turn.prompt
             job = self._job(
-                model, messages=messages, prompt=prompt, sampling=sampling, stream=stream, turn=turn, caller=caller
+                body,
+                model,
+                messages=messages,
+                prompt=prompt,
+                sampling=sampling,
+                stream=streams[0],
+                turn=turn,
+                caller=caller,
             )
-            await self._publisher.publish(job, priority=caller.priority, request_id=request_id)
-        except BaseException as exc:
-            await self._withdraw(stream, turn, exc)
+            jobs = [job, *(_for_choice(job, i, s) for i, s in enumerate(streams[1:], 1))]
+            await self._publish(jobs, priority=caller.priority, request_id=request_id)
+        except BaseException:
+            await stream.close()
+            if turn is not None:
+                await self._turns.abandon(turn)
             raise
         if turn is not None:
             await self._record_question(turn, stream)
-        self._metrics.jobs_published.labels(model).inc()
+        self._metrics.jobs_published.labels(model).inc(n)
         self._metrics.active_streams.inc()
-        builder = ResponseBuilder(kind=kind, job_id=job.job_id, model=body.model)
-        return ActiveJob(job=job, caller=caller, stream=stream, builder=builder, started=started, turn=turn)
+        builder = ResponseBuilder(
+            kind=kind,
+            job_id=jobs[0].job_id,
+            model=body.model,
+            include_usage=body.include_usage,
+            logprobs=body.logprob_count is not None,
+        )
+        choices = [Choice(i, j) for i, j in enumerate(jobs)]
+        return ActiveRequest(choices=choices, caller=caller, stream=stream, builder=builder, started=started, turn=turn)
+
+    async def _open_streams(self, n: int) -> list[TokenStream]:
+        """`n` confirmed subscriptions, or none (those opened are closed if one fails).
+
+        Raises:
+            Unavailable: Redis did not confirm in time.
+        """
+        if n == 1:
+            return [await self._relay.open_job()]
+        opened = await asyncio.gather(*(self._relay.open_job() for _ in range(n)), return_exceptions=True)
+        streams = [s for s in opened if isinstance(s, TokenStream)]
+        if len(streams) < n:
+            for s in streams:
+                await s.close()
+            raise next(e for e in opened if isinstance(e, BaseException))
+        return streams
 
     def _input(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[Message] | None, str | None]:
         """The request's messages (a chat, checked) or its prompt (a completion)."""
@@ -237,6 +291,7 @@ class CompletionService:
 
     def _job(
         self,
+        body: ChatCompletionRequest | CompletionRequest,
         model: str,
         *,
         messages: list[Message] | None,
@@ -246,7 +301,17 @@ class CompletionService:
         turn: Turn | None,
         caller: Caller,
     ) -> Job:
-        """The job to publish, answered on `stream`'s channel."""
+        """The job of the request's first choice, answered on `stream`'s channel."""
+        features: dict[str, Any] = {}
+        if isinstance(body, ChatCompletionRequest):
+            if body.tools is not None:  # tool_choice `none`: no tools
+                features.update(
+                    tools=body.tool_specs(), tool_choice=body.job_tool_choice(), parallel_tool_calls=body.parallel_calls
+                )
+            if body.response_format is not None:
+                features["response_format"] = body.job_response_format()
+        elif body.echo:
+            features["echo"] = True
         return Job(
             job_id=stream.job_id,
             model=model,
@@ -257,20 +322,37 @@ class CompletionService:
             deadline=time.time() + self._settings.request_timeout_s,
             session_id=turn.info.id if turn else None,
             tenant=caller.tenant,
+            logprobs=body.logprob_count,
+            **features,
         )
 
-    async def _withdraw(self, stream: TokenStream, turn: Turn | None, exc: BaseException) -> None:
-        """Undo a start that failed (`exc`) before its job was surely queued: close its stream,
-        release its session, and call the job off if it may be queued after all."""
-        await stream.close()
-        if turn is not None:
-            await self._turns.abandon(turn)
-        if isinstance(exc, Unavailable) and exc.code != "queue_full":
-            # Unconfirmed, the job may still be queued (the broker went away before its confirm):
-            # workers skip a job they were told was cancelled, so none answers it for nobody.
-            self._cancel(stream.job_id).add_done_callback(_retrieved)
+    async def _publish(self, jobs: list[Job], *, priority: int, request_id: str) -> None:
+        """Publish every job, or none: when one fails, the others are called off.
 
-    async def _record_question(self, turn: Turn, stream: TokenStream) -> None:
+        Raises:
+            Unavailable: a job could not be queued.
+        """
+        publishes = [self._publisher.publish(job, priority=priority, request_id=request_id) for job in jobs]
+        results: list[BaseException | None]
+        if len(publishes) == 1:
+            try:
+                await publishes[0]
+                return
+            except Unavailable as exc:
+                results = [exc]
+        else:
+            results = await asyncio.gather(*publishes, return_exceptions=True)
+        failure = next((r for r in results if r is not None), None)
+        if failure is None:
+            return
+        for job, result in zip(jobs, results, strict=True):
+            # Unconfirmed (the broker went away before its confirm) or published, a job may be
+            # queued: workers skip a job they were told was cancelled, so none answers it for nobody.
+            if not (isinstance(result, Unavailable) and result.code == "queue_full"):
+                self._cancel(job.job_id).add_done_callback(_retrieved)
+        raise failure
+
+    async def _record_question(self, turn: Turn, stream: TokenStream | MergedStream) -> None:
         """Store the user's messages of a turn whose job is queued; if they cannot be stored, the
         job is called off (a turn is stored whole or not at all).
 
@@ -290,13 +372,15 @@ class CompletionService:
         """Tell the workers to stop generating (or skip) job `job_id`: submitted, not awaited."""
         return self._pipe.submit("PUBLISH", self._names.cancel_channel, job_id)
 
-    async def first_chunk(self, active: ActiveJob) -> tuple[TokenChunk, AsyncIterator[TokenChunk]]:
-        """Wait for the first chunk, so failures before any token get a real status code."""
+    async def first_chunk(
+        self, active: ActiveRequest
+    ) -> tuple[tuple[Choice, TokenChunk], AsyncIterator[tuple[Choice, TokenChunk]]]:
+        """Wait for the first chunk (of any choice), so failures before any token get a real status code."""
         chunks = active.chunks()
         try:
             first = await anext(chunks)
-            if first.finish_reason == "error":
-                raise chunk_error(first)
+            if first[1].finish_reason == "error":
+                raise chunk_error(first[1])
         except asyncio.CancelledError:
             await asyncio.shield(self.finish(active, outcome="disconnected"))
             raise
@@ -306,39 +390,34 @@ class CompletionService:
         self._metrics.ttft.labels(active.job.model).observe(time.perf_counter() - active.started)
         return first, chunks
 
-    async def collect(self, active: ActiveJob, first: TokenChunk, rest: AsyncIterator[TokenChunk]) -> dict[str, Any]:
+    async def collect(
+        self, active: ActiveRequest, first: tuple[Choice, TokenChunk], rest: AsyncIterator[tuple[Choice, TokenChunk]]
+    ) -> dict[str, Any]:
         """Gather the whole answer into one OpenAI response object (stored before it is returned)."""
-        last = first
+        choice, chunk = first
         try:
-            if not first.is_final:
-                async for chunk in rest:
-                    last = chunk
-            if last.finish_reason == "error":
-                raise chunk_error(last)
+            while True:
+                if chunk.logprobs is not None:
+                    choice.answer.logprobs.extend(chunk.logprobs)
+                if chunk.finish_reason == "error":
+                    raise chunk_error(chunk)
+                if not active.unfinished:
+                    break
+                choice, chunk = await anext(rest)
         except asyncio.CancelledError:
             await asyncio.shield(self.finish(active, outcome="disconnected"))
             raise
         except BaseException:
             await self.finish(active, outcome="error")
             raise
-        await self.finish(active, outcome=last.finish_reason or "stop")
-        usage = last.usage
-        return active.builder.response(
-            "".join(active.text),
-            last.finish_reason or "stop",
-            usage.prompt_tokens if usage else 0,
-            usage.completion_tokens if usage else 0,
-        )
+        await self.finish(active, outcome=chunk.finish_reason or "stop")
+        return active.builder.response([c.answer for c in active.choices], active.usage)
 
     async def sse(
-        self,
-        active: ActiveJob,
-        first: TokenChunk,
-        rest: AsyncIterator[TokenChunk],
-        *,
-        include_usage: bool,
+        self, active: ActiveRequest, first: tuple[Choice, TokenChunk], rest: AsyncIterator[tuple[Choice, TokenChunk]]
     ) -> AsyncIterator[bytes]:
-        """Relay chunks as OpenAI server-sent events, ending with `data: [DONE]`.
+        """Relay chunks as OpenAI server-sent events (each with its choice's index), ending with
+        `data: [DONE]`.
 
         Events of chunks that arrived together go out as one piece (one socket write), and the
         last chunk's event, the usage event and `[DONE]` as one.
@@ -349,30 +428,28 @@ class CompletionService:
         last_at = time.perf_counter()
         events: list[bytes] = []
         try:
-            chunk = first
-            is_first = True
+            choice, chunk = first
             while True:
-                if chunk.finish_reason == "error":
-                    raise chunk_error(chunk)
-                if chunk.is_final:
-                    outcome = chunk.finish_reason or "stop"
-                    await self.finish(active, outcome=outcome)  # stored before the client sees the end
-                if chunk.text or chunk.is_final or is_first:
-                    events.append(
-                        _sse(builder.chunk(chunk.text, chunk.finish_reason, first=is_first, usage_field=include_usage))
-                    )
-                    is_first = False
-                if chunk.is_final:
+                if chunk.finish_reason is not None:
+                    if chunk.finish_reason == "error":
+                        raise chunk_error(chunk)
+                    if not active.unfinished:
+                        outcome = chunk.finish_reason
+                        await self.finish(active, outcome=outcome)  # stored before the client sees the end
+                if chunk.text or chunk.finish_reason is not None or not choice.sent or chunk.tool_calls:
+                    events.append(_sse(builder.chunk(choice.index, chunk, first=not choice.sent)))
+                    choice.sent = True
+                if not active.unfinished:
                     break
                 if events and not active.stream.ready:
                     yield b"".join(events)
                     events.clear()
-                chunk = await anext(rest)
+                choice, chunk = await anext(rest)
                 now = time.perf_counter()
                 inter_token.observe(now - last_at)
                 last_at = now
-            if include_usage and chunk.usage is not None:
-                events.append(_sse(builder.usage_chunk(chunk.usage.prompt_tokens, chunk.usage.completion_tokens)))
+            if builder.include_usage and active.usage is not None:
+                events.append(_sse(builder.usage_chunk(active.usage)))
             events.append(SSE_END)
             yield b"".join(events)
         except AxonError as exc:
@@ -386,9 +463,9 @@ class CompletionService:
                 # cancel notice must still go out.
                 self._background.spawn(self.finish(active, outcome=outcome))
 
-    async def finish(self, active: ActiveJob, *, outcome: str) -> None:
-        """Stop relaying (once): store the answer and usage, release the session, and if the
-        answer was not complete, tell the workers to stop generating it.
+    async def finish(self, active: ActiveRequest, *, outcome: str) -> None:
+        """Stop relaying (once): store the answer and usage, release the session, and tell the
+        workers to stop generating every choice whose answer is not complete.
 
         Raises:
             Unavailable: a complete answer of a session turn could not be stored (Redis away):
@@ -400,30 +477,37 @@ class CompletionService:
         self._metrics.active_streams.dec()
         self._metrics.outcomes.labels(active.job.model, outcome).inc()
         await active.stream.close()
-        # Submitted now, it goes out before the history is written.
-        cancel = None if active.finished else self._cancel(active.job.job_id)
+        # Submitted now, they go out before the history is written.
+        cancels = [self._cancel(c.job.job_id) for c in active.choices if c.answer.finish_reason is None]
         not_stored: Exception | None = None
         if active.turn is not None:
-            status = {"stop": "complete", "length": "complete", "cancelled": "cancelled"}.get(outcome, "failed")
-            if outcome == "disconnected":
-                status = "cancelled"
+            status = _ANSWER_STATUSES.get(outcome, "failed")
+            answer = active.choices[0].answer
             try:
-                await self._turns.record_answer(active.turn, text="".join(active.text), status=status)
+                await self._turns.record_answer(
+                    active.turn, text=answer.content, status=status, tool_calls=answer.tool_calls
+                )
             except _STORAGE_ERRORS as exc:
                 log.error("answer_not_stored", error=repr(exc))
                 not_stored = exc
-        if active.usage is not None:
-            self._metrics.output_tokens.labels(active.job.model).inc(active.usage.completion_tokens)
-        await self._bill_and_release(active, cancel)
-        if not_stored is not None and outcome in ("stop", "length"):
+        usages = [c.answer.usage for c in active.choices]
+        active.usage = request_usage(usages)
+        work = work_usage(usages)
+        if work is not None:
+            self._metrics.output_tokens.labels(active.job.model).inc(work.completion_tokens)
+        await self._bill_and_release(active, cancels, work)
+        if not_stored is not None and _ANSWER_STATUSES.get(outcome) == "complete":
             raise _history_unavailable() from not_stored
 
-    async def _bill_and_release(self, active: ActiveJob, cancel: asyncio.Future[Any] | None) -> None:
-        """The answer's bookkeeping, in one Redis write: its usage row, the charge of its real token
-        use (correcting the gateway's estimate) and the release of the caller's concurrency lease;
-        then the outcome of those and of the cancel notice. None of it may fail the answer."""
-        writes: dict[str, asyncio.Future[Any]] = {"cancel_publish": cancel} if cancel is not None else {}
-        job, caller, usage = active.job, active.caller, active.usage
+    async def _bill_and_release(
+        self, active: ActiveRequest, cancels: list[asyncio.Future[Any]], usage: Usage | None
+    ) -> None:
+        """The request's bookkeeping, in one Redis write: its usage row, the charge of its real
+        token use `usage` (every choice's job; correcting the gateway's estimate, once for the
+        whole request) and the release of the caller's concurrency lease; then the outcome of
+        those and of the cancel notices. None of it may fail the answer."""
+        writes = [("cancel_publish", cancel) for cancel in cancels]
+        job, caller = active.job, active.caller
         if usage is not None:
             row = UsageRow(
                 job_id=job.job_id,
@@ -435,16 +519,38 @@ class CompletionService:
                 latency_ms=int((time.perf_counter() - active.started) * 1000),
                 created_at=dt.datetime.now(dt.UTC),
             )
-            writes["usage_record"] = self._pipe.submit(*self._outbox.append_command("usage", row))
+            writes.append(("usage_record", self._pipe.submit(*self._outbox.append_command("usage", row))))
             cost = usage.completion_tokens + usage.prompt_tokens - caller.prompt_estimate
             if caller.key_id is not None and caller.tpm_limit and cost:
-                writes["token_charge"] = self._limiter.submit_charge(caller.key_id, caller.tpm_limit, cost)
+                writes.append(("token_charge", self._limiter.submit_charge(caller.key_id, caller.tpm_limit, cost)))
         if caller.key_id is not None and caller.lease_id is not None:
-            writes["lease_release"] = self._limiter.submit_release(caller.key_id, caller.lease_id)
-        results = await asyncio.gather(*writes.values(), return_exceptions=True)
-        for what, result in zip(writes, results, strict=True):
+            writes.append(("lease_release", self._limiter.submit_release(caller.key_id, caller.lease_id)))
+        results = await asyncio.gather(*(future for _, future in writes), return_exceptions=True)
+        for (what, _), result in zip(writes, results, strict=True):
             if isinstance(result, Exception):
                 log.warning(f"{what}_failed", error=repr(result))
+
+
+# How a session turn's answer is stored, by the request's outcome (anything else: `failed`).
+_ANSWER_STATUSES = {
+    "stop": "complete",
+    "length": "complete",
+    "tool_calls": "complete",
+    "cancelled": "cancelled",
+    "disconnected": "cancelled",
+}
+# Seeds are 64-bit: choice i's (seed + i) wraps around within them.
+_SEED_SPAN = 2**64
+
+
+def _for_choice(job: Job, index: int, stream: TokenStream) -> Job:
+    """Choice `index`'s job: the first choice's `job` answered on `stream`, with seed + `index`
+    when it has a seed."""
+    sampling = job.sampling
+    if sampling.seed is not None:
+        seed = (sampling.seed + index + _SEED_SPAN // 2) % _SEED_SPAN - _SEED_SPAN // 2
+        sampling = sampling.model_copy(update={"seed": seed})
+    return job.model_copy(update={"job_id": stream.job_id, "channel": stream.channel, "sampling": sampling})
 
 
 # A store that cannot be reached (a history write that failed).

@@ -1,6 +1,7 @@
 """Sessions and durable history through real processes, real Redis and real PostgreSQL."""
 
 import asyncio
+import json
 import threading
 import time
 import uuid
@@ -14,6 +15,7 @@ from services.cli.launcher import Service
 from shared.keys import KeyLimits
 from shared.names import Names
 from tests.conftest import create_key
+from tests.contract.openai_shapes import assert_openai_stream
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.load import report
 from tests.e2e.stack import Stack
@@ -207,6 +209,90 @@ def test_history_reloads_from_postgres_when_the_cache_is_dropped(
     assert again.status_code == 200
     after = api.messages(session_id)
     assert after[:6] == before and [m["seq"] for m in after] == list(range(1, 9))
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_a_session_stores_and_replays_tool_calls(
+    api: Api, namespace: str, database_url: str, service_urls: ServiceUrls
+) -> None:
+    """A streamed answer that calls a tool is stored with its calls, the tool's result with the
+    call it answers; both are listed in OpenAI's message shape, persisted, and survive a reload
+    of the history from PostgreSQL."""
+    session_id = api.new_session()
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    body = {"model": SIM_MODEL, "session_id": session_id, "stream": True, "tools": [WEATHER_TOOL], "messages": question}
+    with api.http.stream("POST", "/v1/chat/completions", json=body) as stream:
+        assert stream.status_code == 200
+        chunks = assert_openai_stream("CreateChatCompletionStreamResponse", stream.iter_lines())
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or ()]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    call_id = deltas[0]["id"]
+    arguments = "".join(d["function"].get("arguments") or "" for d in deltas)
+    assert json.loads(arguments).keys() == {"city"}
+
+    result = {"role": "tool", "tool_call_id": call_id, "name": "get_weather", "content": "22 C and sunny"}
+    follow_up = api.http.post(
+        "/v1/chat/completions",
+        json={
+            "model": SIM_MODEL,
+            "session_id": session_id,
+            "max_tokens": 5,
+            "tools": [WEATHER_TOOL],
+            "messages": [result],
+        },
+    )
+    assert follow_up.status_code == 200, follow_up.text
+    assert follow_up.json()["choices"][0]["message"]["content"]  # an answer to the result, not another call
+
+    stored = api.messages(session_id)
+    assert [(m["role"], m["status"]) for m in stored] == [
+        ("user", "complete"),
+        ("assistant", "complete"),
+        ("tool", "complete"),
+        ("assistant", "complete"),
+    ]
+    call = {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    assert stored[1]["content"] is None and stored[1]["tool_calls"] == [call]
+    assert (stored[2]["tool_call_id"], stored[2]["name"], stored[2]["content"]) == (
+        call_id,
+        "get_weather",
+        "22 C and sunny",
+    )
+    assert "tool_calls" not in stored[3] and "tool_call_id" not in stored[0]
+
+    wait_persisted(database_url, session_id, 4)
+
+    async def persisted_and_dropped() -> list[tuple]:
+        conn = await asyncpg.connect(database_url)
+        try:
+            rows = await conn.fetch(
+                "SELECT tool_calls, tool_call_id, name FROM messages WHERE conversation_id = $1 ORDER BY seq",
+                uuid.UUID(session_id),
+            )
+        finally:
+            await conn.close()
+        client = redis.Redis.from_url(service_urls.redis)
+        await client.delete(Names(namespace).history(session_id))
+        await client.aclose()
+        return [(json.loads(r["tool_calls"]) if r["tool_calls"] else None, r["tool_call_id"], r["name"]) for r in rows]
+
+    assert asyncio.run(persisted_and_dropped()) == [
+        (None, None, None),
+        ([call], None, None),
+        (None, call_id, "get_weather"),
+        (None, None, None),
+    ]
+    assert api.messages(session_id) == stored  # read back from PostgreSQL
+    # The next turn's prompt is built from the reloaded history, calls included.
+    assert api.chat(session_id, "Thanks").status_code == 200
 
 
 def test_deleted_session_is_gone_from_postgres_and_redis(

@@ -98,3 +98,48 @@ async def test_a_dropped_subscriber_connection_ends_every_stream_and_the_next_op
     finally:
         await relay.stop()
         proxy.close()
+
+
+async def test_a_merged_stream_relays_its_choices_in_arrival_order_each_with_its_index(relay, redis_client) -> None:
+    streams = await asyncio.gather(*(relay.open_job() for _ in range(3)))
+    merged = relay.merge(list(streams))
+    for channel, data in ((2, b"c0"), (0, b"a0"), (2, b"c1"), (1, b"b0")):
+        await redis_client.publish(streams[channel].channel, data)
+    received = []
+    for _ in range(4):
+        data = await merged.next(timeout_s=2)
+        received.append((merged.index, data))
+    assert received == [(2, b"c0"), (0, b"a0"), (2, b"c1"), (1, b"b0")]
+    assert not merged.ready
+    with pytest.raises(TimeoutError):
+        await merged.next(timeout_s=0.1)
+    assert relay.active_streams == 3
+    await merged.close()
+    assert relay.active_streams == 0
+
+
+async def test_one_choice_cut_off_ends_the_merged_stream(relay, redis_client) -> None:
+    streams = await asyncio.gather(*(relay.open_job() for _ in range(2)))
+    merged = relay.merge(list(streams))  # holds 2 x 16 chunks
+    for index in range(40):
+        await redis_client.publish(streams[1].channel, str(index).encode())
+    items = []
+    while (item := await merged.next(timeout_s=2)) != STREAM_LOST:
+        items.append(item)
+    assert merged.index == 1 and len(items) < 32
+    await merged.close()
+
+
+async def test_a_stream_lost_before_it_was_merged_ends_the_merged_stream(namespace, service_urls) -> None:
+    proxy = TcpProxy.to(service_urls.redis)
+    relay = _relay(namespace, proxy.proxied(service_urls.redis))
+    try:
+        streams = await asyncio.gather(*(relay.open_job() for _ in range(2)))
+        proxy.cut()  # the subscriber connection drops: every stream is lost
+        while await streams[0].next(timeout_s=2) != STREAM_LOST:
+            pass
+        merged = relay.merge(list(streams))
+        assert await merged.next(timeout_s=2) == STREAM_LOST
+    finally:
+        await relay.stop()
+        proxy.close()

@@ -81,7 +81,7 @@ async def _complete(
             await send_json(send, 200, orjson.dumps(answer), extra)
             return 200
         started = False
-        async for piece in service.sse(active, first, rest, include_usage=body.include_usage):
+        async for piece in service.sse(active, first, rest):
             if not started:  # the head goes out right before the first piece: the gateway reads them together
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + extra})
                 started = True
