@@ -35,6 +35,12 @@ class WorkerSettings(CommonSettings):
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_model_len: int | None = None
+    # vLLM's structured-output backend (`StructuredOutputsConfig.backend`) for response_format and
+    # required or named tool calls; xgrammar is the library the transformers engine uses too.
+    structured_outputs_backend: Literal["auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"] = "xgrammar"
+    # vLLM's tool parser (`ToolParserManager`) for tool_choice auto: it must read what the model's
+    # chat template asks the model to write (hermes: `<tool_call>{…}</tool_call>`, Qwen2.5, Hermes).
+    tool_parser: str = Field("hermes", min_length=1)
 
     # sim engine
     sim_ttft_ms: float = Field(50.0, ge=0)

@@ -31,6 +31,8 @@ def create_engine(settings: WorkerSettings) -> Engine:
             max_seqs=max_seqs,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_model_len=settings.max_model_len,
+            structured_outputs_backend=settings.structured_outputs_backend,
+            tool_parser=settings.tool_parser,
         )
     from services.worker.engines.transformers_engine import TransformersEngine, bundled_gguf_path
 
