@@ -25,12 +25,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from harness import BenchEnvironment, CpuMeter, server_pids
 
 MODEL = "sim"
 PROCESSES = ("gateway", "sessions", "worker", "redis", "rabbitmq", "postgres", "client")
+
+
+def zero_latency_sim(max_seqs: int) -> dict[str, str]:
+    """The worker's environment: the `sim` engine with every token due at once (it costs
+    nothing, so the platform's own cost is what is measured)."""
+    return {
+        "AXON_ENGINE": "sim",
+        "AXON_MODEL": MODEL,
+        "AXON_SIM_TTFT_MS": "0",
+        "AXON_SIM_ITL_MS": "0",
+        "AXON_SIM_MAX_SEQS": str(max_seqs),
+    }
 
 
 def run_level(
@@ -43,8 +56,10 @@ def run_level(
     requests: int,
     output_tokens: int,
     warmup: int,
+    bench_args: Sequence[str] = (),
 ) -> dict:
-    """One `axon bench` run; its summary plus the CPU every process spent during it."""
+    """One `axon bench` run (`bench_args`: more of its options, e.g. `--prompts-file`); its summary
+    plus the CPU every process spent during it."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         argv = [
             sys.executable,
@@ -68,6 +83,7 @@ def run_level(
             "--no-progress",
             "--json",
             out.name,
+            *bench_args,
         ]
         meter = CpuMeter(pids)
         meter.start()
@@ -146,13 +162,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write every figure to this file")
     args = parser.parse_args()
 
-    worker_env = {
-        "AXON_ENGINE": "sim",
-        "AXON_MODEL": MODEL,
-        "AXON_SIM_TTFT_MS": "0",
-        "AXON_SIM_ITL_MS": "0",
-        "AXON_SIM_MAX_SEQS": str(args.max_seqs),
-    }
+    worker_env = zero_latency_sim(args.max_seqs)
     results: dict = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "config": vars(args) | {"json": None}}
     with BenchEnvironment() as env:
         stack = env.start_stack(worker_env)

@@ -80,6 +80,12 @@ def sdk(gateway: Service, api_key: str, checked: ContractTransport) -> OpenAI:
     return openai_client(gateway, api_key, checked)
 
 
+def schema_request(model: str, messages: list[dict], name: str, schema: dict, **fields: Any) -> dict:
+    """A chat request whose answer must follow `schema` (`response_format` `json_schema`)."""
+    response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    return {"model": model, "messages": messages, "response_format": response_format, **fields}
+
+
 def assert_valid_call(call: Any, *, name: str | None = None) -> dict:
     """A complete tool call of one of TOOLS, its arguments a JSON text valid against its schema;
     returns the arguments."""
@@ -217,8 +223,7 @@ def test_json_object_answers_one_json_object(sdk: OpenAI) -> None:
 
 def test_a_streamed_json_schema_answer_is_the_whole_answer_in_pieces(sdk: OpenAI) -> None:
     schema = Weather.model_json_schema()
-    response_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}
-    request = {"model": SIM_MODEL, "messages": ASK, "response_format": response_format, "seed": 8}
+    request = schema_request(SIM_MODEL, ASK, "weather", schema, seed=8)
     whole = sdk.chat.completions.create(**request).choices[0].message.content
     pieces = [
         c.choices[0].delta.content or "" for c in sdk.chat.completions.create(**request, stream=True) if c.choices
@@ -515,16 +520,7 @@ def test_a_json_schema_stream_survives_a_kill_9_with_identical_text(
     client = openai_client(gateway, api_key, checked)
     wait_listed(client, model)
     schema = Weather.model_json_schema()
-    request = {
-        "model": model,
-        "messages": ASK,
-        "seed": 18,
-        "max_tokens": 400,
-        "response_format": {
-            "type": "json_schema",
-            "json_schema": {"name": "weather", "schema": schema, "strict": True},
-        },
-    }
+    request = schema_request(model, ASK, "weather", schema, seed=18, max_tokens=400)
     reference = client.chat.completions.create(**request)
     kill_at = max(2, reference.usage.completion_tokens // 3)
     pieces = []

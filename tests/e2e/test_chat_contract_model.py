@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from services.cli.launcher import Service
 from tests.contract.transport import ContractTransport
 from tests.e2e.stack import Stack
+from tests.e2e.test_chat_contract import schema_request
 from tests.e2e.test_workers import holder, wait_listed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -155,13 +156,7 @@ def test_a_json_schema_stream_survives_a_kill_9_with_identical_text(
     second = stack.start("worker:smollm2-contract-b", env=WORKER_ENV, ready_timeout_s=240)
     try:
         schema = City.model_json_schema()
-        request = {
-            "model": MODEL,
-            "messages": PARIS,
-            "temperature": 0,
-            "max_tokens": 120,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
-        }
+        request = schema_request(MODEL, PARIS, "city", schema, temperature=0, max_tokens=120)
         reference = sdk.chat.completions.create(**request).choices[0].message.content
         pieces: list[str] = []
         for chunk in sdk.chat.completions.create(**request, stream=True):
