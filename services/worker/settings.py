@@ -30,6 +30,13 @@ class WorkerSettings(CommonSettings):
     kv_cache_blocks: int = Field(64, ge=1)
     max_batch_tokens: int = Field(512, ge=16)
     torch_threads: int = Field(0, ge=0)
+    # Constrained decoding (response_format, forced tool calls): a new JSON schema is compiled in a
+    # child process first, killed past this time or memory; longer schemas are refused outright.
+    grammar_compile_timeout_s: float = Field(5.0, gt=0)
+    grammar_compile_memory_mb: int = Field(1024, ge=16)
+    grammar_max_schema_bytes: int = Field(64 * 1024, ge=64)
+    # Compiled grammars kept (by schema text), in MB.
+    grammar_cache_mb: int = Field(256, ge=1)
 
     # vllm engine
     tensor_parallel_size: int = Field(1, ge=1)

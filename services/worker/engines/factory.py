@@ -34,6 +34,7 @@ def create_engine(settings: WorkerSettings) -> Engine:
             structured_outputs_backend=settings.structured_outputs_backend,
             tool_parser=settings.tool_parser,
         )
+    from services.worker.engines.grammar import GrammarLimits
     from services.worker.engines.transformers_engine import TransformersEngine, bundled_gguf_path
 
     return TransformersEngine(
@@ -43,4 +44,10 @@ def create_engine(settings: WorkerSettings) -> Engine:
         kv_cache_blocks=settings.kv_cache_blocks,
         max_batch_tokens=settings.max_batch_tokens,
         threads=settings.torch_threads or None,
+        grammar_limits=GrammarLimits(
+            compile_timeout_s=settings.grammar_compile_timeout_s,
+            max_schema_bytes=settings.grammar_max_schema_bytes,
+            cache_mb=settings.grammar_cache_mb,
+            compile_memory_mb=settings.grammar_compile_memory_mb,
+        ),
     )

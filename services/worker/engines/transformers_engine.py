@@ -3,14 +3,20 @@
 The model runs in transformers' own background generation thread; this class only
 moves requests in and token ids out, so the worker's event loop never blocks.
 Per-request temperature, top_p and top_k go through transformers' per-request logits
-processors; temperature 0 is greedy (top_k = 1). Stop strings are cut here.
+processors; temperature 0 is greedy (top_k = 1). Everything else a request may ask of the
+sampler (a grammar, logit bias, penalties, min_p, min_tokens, ignore_eos, a seed, logprobs)
+goes through `cb_extension.py`; grammars come from `grammar.py`. Parameters a request leaves
+unset take the model's generation config where it sets them, else OpenAI's defaults.
+Tools are written into the prompt by `tools.tool_prompt_messages` (the bundled model's chat
+template knows nothing of tools). Stop strings are cut here.
 """
 
 import asyncio
+import dataclasses
 import importlib.util
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, get_args
 
 from services.worker.engines.base import (
     Engine,
@@ -19,15 +25,40 @@ from services.worker.engines.base import (
     GenerationRequest,
     InvalidPrompt,
 )
+from services.worker.engines.grammar import GrammarLimits
 from services.worker.engines.text import IncrementalDetokenizer, StopMatcher
+from services.worker.tools import tool_prompt_messages
 from shared.logging import get_logger
-from shared.schemas import FinishReason
+from shared.schemas import Capability, FinishReason, TokenLogprob, TopLogprob
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 log = get_logger(__name__)
 
 _CANCELLED = object()
+# OpenAI's floor for a logprob too small to report.
+_LOGPROB_FLOOR = -9999.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """What a request's unset sampling parameters mean: the model's generation config where it
+    sets them (as vLLM reads `generation_config.json`), else OpenAI's (temperature 1, top_p 1)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def of(cls, generation_config: Any) -> "SamplingDefaults":
+        found: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            value = getattr(generation_config, f.name, None)
+            if value is not None:
+                found[f.name] = int(value) if f.name == "top_k" else float(value)
+        return cls(**found)
 
 
 def bundled_gguf_path() -> Path:
@@ -44,6 +75,9 @@ def bundled_gguf_path() -> Path:
 class TransformersEngine(Engine):
     """transformers `ContinuousBatchingManager` behind the `Engine` interface."""
 
+    # Every parameter but `echo` (it has no prompt logprobs).
+    supports: ClassVar[frozenset[Capability]] = frozenset(get_args(Capability)) - {"echo"}
+
     def __init__(
         self,
         *,
@@ -53,6 +87,7 @@ class TransformersEngine(Engine):
         kv_cache_blocks: int,
         max_batch_tokens: int,
         threads: int | None,
+        grammar_limits: GrammarLimits | None = None,
     ) -> None:
         self.model_name = model_name
         self.max_seqs = max_seqs
@@ -60,7 +95,12 @@ class TransformersEngine(Engine):
         self._kv_cache_blocks = kv_cache_blocks
         self._max_batch_tokens = max_batch_tokens
         self._threads = threads
+        self._grammar_limits = grammar_limits or GrammarLimits()
         self._manager: Any = None
+        self._grammars: Any = None  # grammar.Grammars, once loaded
+        self._extension: Any = None  # cb_extension.SamplingExtension, once loaded
+        self._token_bytes: list[bytes] = []
+        self._defaults = SamplingDefaults()
         self._tokenizer: Any = None
         self._eos_ids: set[int] = set()
         self._vocab_size = 0
@@ -80,6 +120,9 @@ class TransformersEngine(Engine):
             GenerationConfig,
         )
 
+        from services.worker.engines.cb_extension import SamplingExtension
+        from services.worker.engines.grammar import Grammars
+
         if not self._gguf_path.is_file():
             raise EngineError(f"Model file not found: {self._gguf_path}")
         if self._threads:
@@ -92,6 +135,14 @@ class TransformersEngine(Engine):
         self._eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
         self._vocab_size = int(model.config.vocab_size)
         self.context_tokens = int(getattr(model.config, "max_position_embeddings", 2048))
+        self._defaults = SamplingDefaults.of(model.generation_config)
+        self._grammars = Grammars.for_tokenizer(
+            self._tokenizer, vocab_size=self._vocab_size, eos_ids=self._eos_ids, limits=self._grammar_limits
+        )
+        self._token_bytes = self._grammars.token_bytes
+        self._extension = SamplingExtension(
+            self._vocab_size, sorted(self._eos_ids), blocked_in_grammar=self._grammars.blocked_ids
+        )
         # Defaults only decide which per-request processors exist (a processor is created
         # only for a value that changes the logits); every request passes its own values.
         generation_config = GenerationConfig(  # type: ignore[no-untyped-call]  # its __init__ is unannotated
@@ -108,17 +159,25 @@ class TransformersEngine(Engine):
             num_blocks=self._kv_cache_blocks,
             max_batch_tokens=self._max_batch_tokens,
             max_requests_per_batch=self.max_seqs,
+            # The extension's grammar state must see each batch's tokens before the next is prepared.
+            use_async_batching=False,
         )
-        self._manager = model.init_continuous_batching(
+        manager = model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=cb_config
         )
-        self._manager.start()
+        self._extension.install(manager)  # between init_continuous_batching and start
+        manager.start()
+        self._grammars.wait_ready()  # started with the grammars: the first new schema need not wait for it
+        self._manager = manager
         log.info("model_loaded", model=self.model_name, context_tokens=self.context_tokens)
 
     async def stop(self) -> None:
         if self._manager is not None:
             manager, self._manager = self._manager, None
             await asyncio.to_thread(manager.stop, block=True, timeout=10, hard_stop=True)
+        if self._grammars is not None:
+            grammars, self._grammars = self._grammars, None
+            await asyncio.to_thread(grammars.close)
 
     async def check_health(self) -> None:
         if self._manager is None or not self._manager.is_running():
@@ -141,7 +200,7 @@ class TransformersEngine(Engine):
 
     def _encode(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
-            messages = [m.model_dump() for m in request.messages]
+            messages = tool_prompt_messages(request.messages, request.tools)
             encoded = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
         return list(self._tokenizer.encode(request.prompt or ""))
@@ -150,14 +209,50 @@ class TransformersEngine(Engine):
         text: str = self._tokenizer.decode(token_ids, skip_special_tokens=True)
         return text
 
+    def _temperature(self, request: GenerationRequest) -> float:
+        temperature = request.sampling.temperature
+        return self._defaults.temperature if temperature is None else temperature
+
     def _sampling_kwargs(self, request: GenerationRequest) -> dict[str, Any]:
-        sampling = request.sampling
-        if sampling.temperature == 0:
+        """transformers' own per-request processors: temperature, top-k, top-p."""
+        sampling, defaults = request.sampling, self._defaults
+        temperature = self._temperature(request)
+        if temperature == 0:
             return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
-        temperature = 1.0 if sampling.temperature is None else sampling.temperature
-        top_k = sampling.top_k if sampling.top_k is not None and sampling.top_k > 0 else self._vocab_size
-        top_p = 1.0 if sampling.top_p is None else sampling.top_p
+        top_k = defaults.top_k if sampling.top_k is None else sampling.top_k
+        top_k = min(top_k, self._vocab_size) if top_k > 0 else self._vocab_size
+        top_p = defaults.top_p if sampling.top_p is None else sampling.top_p
         return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p)}
+
+    async def _controls(self, request: GenerationRequest, prompt_ids: list[int], resumed: list[int]) -> Any:
+        """The extension's controls for `request` (a `cb_extension.Controls`); compiles its grammar."""
+        from services.worker.engines.cb_extension import Controls
+
+        sampling, defaults = request.sampling, self._defaults
+        outside = sorted(t for t in sampling.logit_bias if not 0 <= t < self._vocab_size)
+        if outside:
+            raise InvalidPrompt(
+                f"logit_bias names token ids outside the model's vocabulary (0 to {self._vocab_size - 1}): "
+                + ", ".join(map(str, outside[:5]))
+            )
+        matcher = await self._grammars.matcher(request.guide) if request.guide is not None else None
+        return Controls(
+            greedy=self._temperature(request) == 0,
+            seed=sampling.seed,
+            matcher=matcher,
+            logit_bias=sampling.logit_bias,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            repetition_penalty=(
+                defaults.repetition_penalty if sampling.repetition_penalty is None else sampling.repetition_penalty
+            ),
+            min_p=defaults.min_p if sampling.min_p is None else sampling.min_p,
+            min_tokens=sampling.min_tokens,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=request.logprobs,
+            context=prompt_ids,
+            replay=resumed,
+        )
 
     def _resumed_ids(self, request: GenerationRequest) -> list[int]:
         resume = request.resume
@@ -178,32 +273,41 @@ class TransformersEngine(Engine):
                 f"The prompt is {len(prompt_ids)} tokens, which leaves no room in the model's "
                 f"context of {self.context_tokens} tokens."
             )
+        controls = await self._controls(request, prompt_ids, resumed)
         rid = request.request_id
+        slot = self._extension.register(rid, controls) if controls.active else None
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[rid] = queue
-        self._manager.register_result_handler(rid, queue.put_nowait)
-        added = self._manager.add_request(
-            prompt_ids + resumed,
-            request_id=rid,
-            max_new_tokens=max_tokens,
-            streaming=True,
-            **self._sampling_kwargs(request),
-        )
-        if added is None:
-            self._queues.pop(rid, None)
-            raise EngineError("The engine is not accepting requests.")
         try:
-            async for output in self._outputs(rid, queue, len(prompt_ids), request.sampling.stop, resumed):
+            self._manager.register_result_handler(rid, queue.put_nowait)
+            added = self._manager.add_request(
+                prompt_ids + resumed,
+                request_id=rid,
+                max_new_tokens=max_tokens,
+                streaming=True,
+                **self._sampling_kwargs(request),
+            )
+            if added is None:
+                raise EngineError("The engine is not accepting requests.")
+            async for output in self._outputs(rid, queue, len(prompt_ids), request.sampling.stop, resumed, slot):
                 yield output
         finally:
             self._queues.pop(rid, None)
+            self._extension.release(rid)
             self._forget_handler(rid)
 
     async def _outputs(
-        self, rid: str, queue: asyncio.Queue[Any], prompt_tokens: int, stop: list[str], resumed: list[int]
+        self,
+        rid: str,
+        queue: asyncio.Queue[Any],
+        prompt_tokens: int,
+        stop: list[str],
+        resumed: list[int],
+        slot: Any,
     ) -> AsyncIterator[EngineOutput]:
         detokenizer = IncrementalDetokenizer(self._decode, prefix_len=len(resumed))
         stops = StopMatcher(stop)
+        wants_logprobs = slot is not None and slot.controls.logprobs is not None
         sent = 0  # generated tokens already reported
         while True:
             result = await queue.get()
@@ -217,18 +321,52 @@ class TransformersEngine(Engine):
             ended_by_eos = finished and bool(tokens) and tokens[-1] in self._eos_ids
             text = stops.feed(detokenizer.step(resumed + (tokens[:-1] if ended_by_eos else tokens)))
             new_ids = tuple(tokens[sent:])
+            reason: FinishReason | None = None
             if stops.stopped:
                 self._manager.cancel_request(rid)
-                yield EngineOutput(text, len(new_ids), prompt_tokens, len(tokens), "stop", new_ids)
-                return
-            if finished:
+                reason = "stop"
+            elif finished:
                 text += stops.flush()
-                reason: FinishReason = "stop" if ended_by_eos else "length"
-                yield EngineOutput(text, len(new_ids), prompt_tokens, len(tokens), reason, new_ids)
+                reason = "stop" if ended_by_eos else "length"
+            elif not text:
+                continue
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if wants_logprobs:  # one per token of the text: not the final EOS
+                shown = len(tokens) - 1 if ended_by_eos else len(tokens)
+                logprobs = self._logprobs(slot, len(resumed) + sent, len(resumed) + shown)
+            yield EngineOutput(text, len(new_ids), prompt_tokens, len(tokens), reason, new_ids, logprobs)
+            if reason is not None:
                 return
-            if text:
-                sent = len(tokens)
-                yield EngineOutput(text, len(new_ids), prompt_tokens, sent, None, new_ids)
+            sent = len(tokens)
+
+    def _logprobs(self, slot: Any, start: int, end: int) -> tuple[TokenLogprob, ...]:
+        """The extension's scores of answer positions [start, end), as OpenAI's logprobs."""
+        scores = slot.logprobs
+        out = []
+        for step in range(start, end):
+            score = scores.pop(step, None)
+            if score is None:  # the request ended before this token was scored
+                continue
+            token, logprob, top = score
+            text, raw = self._token_text(token)
+            out.append(
+                TokenLogprob.model_construct(
+                    token=text,
+                    logprob=max(logprob, _LOGPROB_FLOOR),
+                    bytes=raw,
+                    top_logprobs=[self._top_logprob(t, lp) for t, lp in top],
+                )
+            )
+        return tuple(out)
+
+    def _top_logprob(self, token: int, logprob: float) -> TopLogprob:
+        text, raw = self._token_text(token)
+        return TopLogprob.model_construct(token=text, logprob=max(logprob, _LOGPROB_FLOOR), bytes=raw)
+
+    def _token_text(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and its exact bytes (a token may hold part of a UTF-8 character)."""
+        raw = self._token_bytes[token] if 0 <= token < len(self._token_bytes) else b""
+        return raw.decode("utf-8", errors="replace"), list(raw)
 
     def _forget_handler(self, rid: str) -> None:
         # transformers drops a result handler only when its request finishes; a cancelled
