@@ -107,3 +107,18 @@ def test_failover_mid_stream_with_the_real_engine_at_temperature_0(
     assert "".join(pieces) == reference.choices[0].message.content
     pause_s = max(b - a for a, b in itertools.pairwise(arrivals))
     print(f"\nfailover pause (SmolLM2 CPU): {pause_s * 1000:.0f} ms")
+
+
+def test_completions_echo_with_logprobs_scores_the_prompt_too(model_client: OpenAI) -> None:
+    prompt = "The capital of France is"
+    plain = model_client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4, logprobs=2)
+    echoed = model_client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=4, logprobs=2, echo=True
+    )
+    choice = echoed.choices[0]
+    assert choice.text == prompt + plain.choices[0].text
+    tokens, answer_tokens = choice.logprobs.tokens, plain.choices[0].logprobs.tokens
+    assert tokens[len(tokens) - len(answer_tokens) :] == answer_tokens
+    prompt_part = tokens[: len(tokens) - len(answer_tokens)]
+    assert prompt_part and prompt.endswith("".join(prompt_part))  # every prompt token but the first
+    assert all(lp is not None and lp <= 0 for lp in choice.logprobs.token_logprobs)

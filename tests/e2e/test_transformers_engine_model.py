@@ -154,3 +154,25 @@ async def test_a_constrained_answer_resumed_from_its_first_tokens_is_the_uninter
     )
     assert ids[:k] + [t for out in rest for t in out.token_ids] == ids
     assert engine._decode(ids[:k]) + text_of(rest) == text_of(whole)
+
+
+async def test_echo_with_logprobs_scores_the_prompt_as_generation_scores_its_tokens(engine: TransformersEngine) -> None:
+    prompt = "The capital of France is"
+    generated = await answer(engine, "gen", prompt=prompt, sampling=Sampling(temperature=0, max_tokens=6), logprobs=2)
+    echoed = await answer(
+        engine, "echo", prompt=prompt, sampling=Sampling(temperature=0, max_tokens=6), logprobs=2, echo=True
+    )
+    prompt_ids = engine._encode(GenerationRequest(request_id="x", sampling=Sampling(), prompt=prompt))
+    first = echoed[0].prompt_logprobs
+    assert len(first) == len(prompt_ids) - 1  # the first token has nothing before it
+    assert prompt.endswith("".join(lp.token for lp in first))
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in first)
+    assert all(not out.prompt_logprobs for out in echoed[1:])
+    assert text_of(echoed) == text_of(generated)
+    # The prompt's scores come from another forward pass than generation's: the same model, the same
+    # numbers. Scored as a prompt, the generated tokens get the logprobs generation gave them.
+    ids = [t for out in generated for t in out.token_ids]
+    rescored = engine._scorer.score(prompt_ids + ids, 2)[len(prompt_ids) - 1 :]  # type: ignore[union-attr]
+    generation = [lp.logprob for out in generated for lp in out.logprobs]
+    assert [token for token, _, _ in rescored][: len(generation)] == ids[: len(generation)]
+    assert [logprob for _, logprob, _ in rescored][: len(generation)] == pytest.approx(generation, abs=1e-3)

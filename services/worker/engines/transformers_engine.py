@@ -8,12 +8,14 @@ sampler (a grammar, logit bias, penalties, min_p, min_tokens, ignore_eos, a seed
 goes through `cb_extension.py`; grammars come from `grammar.py`. Parameters a request leaves
 unset take the model's generation config where it sets them, else OpenAI's defaults.
 Tools are written into the prompt by `tools.tool_prompt_messages` (the bundled model's chat
-template knows nothing of tools). Stop strings are cut here.
+template knows nothing of tools). Completions' `echo` with `logprobs` scores the prompt with
+`PromptScorer`. Stop strings are cut here.
 """
 
 import asyncio
 import dataclasses
 import importlib.util
+import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, get_args
@@ -72,11 +74,54 @@ def bundled_gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
 
 
+class PromptScorer:
+    """The log probabilities of a prompt's tokens (completions' `echo` with `logprobs`).
+
+    A forward pass of the prompt through a second instance of the model that shares its weights
+    (`deepcopy` with the parameters and buffers in the memo: only the modules and the config are
+    new), made before the batching manager changes anything of the model. It runs on a worker
+    thread beside the generation thread; both only read the weights, and one prompt is scored at
+    a time. The logits are computed 256 positions at a time, so a long prompt does not hold a
+    positions x vocabulary matrix.
+    """
+
+    _CHUNK = 256
+
+    def __init__(self, model: Any) -> None:
+        import copy
+
+        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        self._model = copy.deepcopy(model, shared)
+        self._lock = threading.Lock()
+
+    def score(self, token_ids: Sequence[int], top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """(token, logprob, top alternatives) for each prompt token but the first (nothing precedes it)."""
+        import torch
+
+        with self._lock, torch.inference_mode():
+            ids = torch.tensor([list(token_ids)], dtype=torch.long)
+            hidden = self._model.get_decoder()(input_ids=ids).last_hidden_state[0]
+            head = self._model.get_output_embeddings()
+            scores: list[tuple[int, float, list[tuple[int, float]]]] = []
+            for start in range(0, len(token_ids) - 1, self._CHUNK):
+                targets = list(token_ids[start + 1 : start + 1 + self._CHUNK])
+                logprobs = torch.log_softmax(head(hidden[start : start + len(targets)]).float(), dim=-1)
+                chosen = logprobs.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1).tolist()
+                if top:
+                    values, indices = torch.topk(logprobs, top, dim=-1)
+                    alternatives = [
+                        list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)
+                    ]
+                else:
+                    alternatives = [[] for _ in targets]
+                scores.extend(zip(targets, chosen, alternatives, strict=True))
+            return scores
+
+
 class TransformersEngine(Engine):
     """transformers `ContinuousBatchingManager` behind the `Engine` interface."""
 
-    # Every parameter but `echo` (it has no prompt logprobs).
-    supports: ClassVar[frozenset[Capability]] = frozenset(get_args(Capability)) - {"echo"}
+    supports: ClassVar[frozenset[Capability]] = frozenset(get_args(Capability))
 
     def __init__(
         self,
@@ -100,6 +145,7 @@ class TransformersEngine(Engine):
         self._grammars: Any = None  # grammar.Grammars, once loaded
         self._extension: Any = None  # cb_extension.SamplingExtension, once loaded
         self._token_bytes: list[bytes] = []
+        self._scorer: PromptScorer | None = None
         self._defaults = SamplingDefaults()
         self._tokenizer: Any = None
         self._eos_ids: set[int] = set()
@@ -162,6 +208,7 @@ class TransformersEngine(Engine):
             # The extension's grammar state must see each batch's tokens before the next is prepared.
             use_async_batching=False,
         )
+        self._scorer = PromptScorer(model)  # before the manager changes anything of the model
         manager = model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=cb_config
         )
@@ -274,6 +321,10 @@ class TransformersEngine(Engine):
                 f"context of {self.context_tokens} tokens."
             )
         controls = await self._controls(request, prompt_ids, resumed)
+        echoed: tuple[TokenLogprob, ...] = ()
+        if request.echo and request.logprobs is not None and self._scorer is not None:
+            scores = await asyncio.to_thread(self._scorer.score, prompt_ids, request.logprobs)
+            echoed = tuple(self._token_logprob(score) for score in scores)
         rid = request.request_id
         slot = self._extension.register(rid, controls) if controls.active else None
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -290,6 +341,8 @@ class TransformersEngine(Engine):
             if added is None:
                 raise EngineError("The engine is not accepting requests.")
             async for output in self._outputs(rid, queue, len(prompt_ids), request.sampling.stop, resumed, slot):
+                if echoed:
+                    output, echoed = dataclasses.replace(output, prompt_logprobs=echoed), ()
                 yield output
         finally:
             self._queues.pop(rid, None)
@@ -345,19 +398,19 @@ class TransformersEngine(Engine):
         out = []
         for step in range(start, end):
             score = scores.pop(step, None)
-            if score is None:  # the request ended before this token was scored
-                continue
-            token, logprob, top = score
-            text, raw = self._token_text(token)
-            out.append(
-                TokenLogprob.model_construct(
-                    token=text,
-                    logprob=max(logprob, _LOGPROB_FLOOR),
-                    bytes=raw,
-                    top_logprobs=[self._top_logprob(t, lp) for t, lp in top],
-                )
-            )
+            if score is not None:  # None: the request ended before this token was scored
+                out.append(self._token_logprob(score))
         return tuple(out)
+
+    def _token_logprob(self, score: tuple[int, float, list[tuple[int, float]]]) -> TokenLogprob:
+        token, logprob, top = score
+        text, raw = self._token_text(token)
+        return TokenLogprob.model_construct(
+            token=text,
+            logprob=max(logprob, _LOGPROB_FLOOR),
+            bytes=raw,
+            top_logprobs=[self._top_logprob(t, lp) for t, lp in top],
+        )
 
     def _top_logprob(self, token: int, logprob: float) -> TopLogprob:
         text, raw = self._token_text(token)

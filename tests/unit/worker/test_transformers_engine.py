@@ -88,4 +88,5 @@ def test_the_engine_declares_what_it_honours() -> None:
         "min_tokens",
         "ignore_eos",
         "stop",
+        "echo",
     } <= TransformersEngine.supports
