@@ -42,7 +42,7 @@ def test_unknown_model_is_404_model_not_found(client: OpenAI) -> None:
         (b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "temperature": 9}', "temperature"),
         (b'{"model": "sim-model", "messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role"),
         (b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
-        (b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+        (b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "n": 9}', "n"),
     ],
 )
 def test_invalid_bodies_are_400_in_openai_shape(gateway: Service, auth: dict, body: bytes, param: str | None) -> None:
