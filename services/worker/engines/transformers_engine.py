@@ -2,10 +2,9 @@
 
 The model runs in transformers' own background generation thread; this class only
 moves requests in and token ids out, so the worker's event loop never blocks.
-Per-request temperature, top_p and top_k go through transformers' per-request logits
-processors; temperature 0 is greedy (top_k = 1). Everything else a request may ask of the
-sampler (a grammar, logit bias, penalties, min_p, min_tokens, ignore_eos, a seed, logprobs)
-goes through `cb_extension.py`; grammars come from `grammar.py`. Parameters a request leaves
+Everything a request asks of the sampler (temperature, top_k, top_p, min_p, a grammar, logit
+bias, penalties, min_tokens, ignore_eos, a seed, logprobs) goes through `cb_extension.py`, which
+does the sampling inside transformers' batching; grammars come from `grammar.py`. Parameters a request leaves
 unset take the model's generation config where it sets them, else OpenAI's defaults.
 Tools are written into the prompt by `tools.tool_prompt_messages` (the bundled model's chat
 template knows nothing of tools). Completions' `echo` with `logprobs` scores the prompt with
@@ -159,14 +158,9 @@ class TransformersEngine(Engine):
 
     def _load(self) -> None:
         import torch
-        from transformers import (
-            AutoModelForCausalLM,
-            AutoTokenizer,
-            ContinuousBatchingConfig,
-            GenerationConfig,
-        )
+        from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig
 
-        from services.worker.engines.cb_extension import SamplingExtension
+        from services.worker.engines.cb_extension import SamplingExtension, manager_generation_config
         from services.worker.engines.grammar import Grammars
 
         if not self._gguf_path.is_file():
@@ -189,16 +183,9 @@ class TransformersEngine(Engine):
         self._extension = SamplingExtension(
             self._vocab_size, sorted(self._eos_ids), blocked_in_grammar=self._grammars.blocked_ids
         )
-        # Defaults only decide which per-request processors exist (a processor is created
-        # only for a value that changes the logits); every request passes its own values.
-        generation_config = GenerationConfig(  # type: ignore[no-untyped-call]  # its __init__ is unannotated
-            do_sample=True,
-            temperature=0.7,
-            top_k=50,
-            top_p=0.95,
-            max_new_tokens=256,
-            eos_token_id=eos,
-            pad_token_id=self._tokenizer.pad_token_id or eos,
+        # transformers' own sampler only ever sees the extension's one-hot rows.
+        generation_config = manager_generation_config(
+            eos_token_id=eos, pad_token_id=self._tokenizer.pad_token_id or eos
         )
         cb_config = ContinuousBatchingConfig(
             per_request_processors=True,
@@ -256,21 +243,6 @@ class TransformersEngine(Engine):
         text: str = self._tokenizer.decode(token_ids, skip_special_tokens=True)
         return text
 
-    def _temperature(self, request: GenerationRequest) -> float:
-        temperature = request.sampling.temperature
-        return self._defaults.temperature if temperature is None else temperature
-
-    def _sampling_kwargs(self, request: GenerationRequest) -> dict[str, Any]:
-        """transformers' own per-request processors: temperature, top-k, top-p."""
-        sampling, defaults = request.sampling, self._defaults
-        temperature = self._temperature(request)
-        if temperature == 0:
-            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
-        top_k = defaults.top_k if sampling.top_k is None else sampling.top_k
-        top_k = min(top_k, self._vocab_size) if top_k > 0 else self._vocab_size
-        top_p = defaults.top_p if sampling.top_p is None else sampling.top_p
-        return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p)}
-
     async def _controls(self, request: GenerationRequest, prompt_ids: list[int], resumed: list[int]) -> Any:
         """The extension's controls for `request` (a `cb_extension.Controls`); compiles its grammar."""
         from services.worker.engines.cb_extension import Controls
@@ -283,8 +255,11 @@ class TransformersEngine(Engine):
                 + ", ".join(map(str, outside[:5]))
             )
         matcher = await self._grammars.matcher(request.guide) if request.guide is not None else None
+        top_k = defaults.top_k if sampling.top_k is None else sampling.top_k
         return Controls(
-            greedy=self._temperature(request) == 0,
+            temperature=defaults.temperature if sampling.temperature is None else sampling.temperature,
+            top_k=max(top_k, 0),  # -1 and 0: none
+            top_p=defaults.top_p if sampling.top_p is None else sampling.top_p,
             seed=sampling.seed,
             matcher=matcher,
             logit_bias=sampling.logit_bias,
@@ -326,7 +301,7 @@ class TransformersEngine(Engine):
             scores = await asyncio.to_thread(self._scorer.score, prompt_ids, request.logprobs)
             echoed = tuple(self._token_logprob(score) for score in scores)
         rid = request.request_id
-        slot = self._extension.register(rid, controls) if controls.active else None
+        slot = self._extension.register(rid, controls)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[rid] = queue
         try:
@@ -336,7 +311,6 @@ class TransformersEngine(Engine):
                 request_id=rid,
                 max_new_tokens=max_tokens,
                 streaming=True,
-                **self._sampling_kwargs(request),
             )
             if added is None:
                 raise EngineError("The engine is not accepting requests.")
@@ -360,7 +334,7 @@ class TransformersEngine(Engine):
     ) -> AsyncIterator[EngineOutput]:
         detokenizer = IncrementalDetokenizer(self._decode, prefix_len=len(resumed))
         stops = StopMatcher(stop)
-        wants_logprobs = slot is not None and slot.controls.logprobs is not None
+        wants_logprobs = slot.controls.logprobs is not None
         sent = 0  # generated tokens already reported
         while True:
             result = await queue.get()

@@ -31,31 +31,16 @@ def request(**sampling: object) -> GenerationRequest:
     return GenerationRequest(request_id="r", sampling=Sampling(**sampling))  # type: ignore[arg-type]
 
 
-def test_defaults_come_from_the_generation_config_where_it_sets_them_else_openais() -> None:
+async def test_defaults_come_from_the_generation_config_where_it_sets_them_else_openais() -> None:
     assert SamplingDefaults.of(GenerationConfig()) == SamplingDefaults(1.0, 1.0, 0, 0.0, 1.0)  # type: ignore[no-untyped-call]
     tuned = GenerationConfig(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.1)  # type: ignore[no-untyped-call]
     assert SamplingDefaults.of(tuned) == SamplingDefaults(0.6, 0.9, 20, 0.0, 1.1)
     e = engine(SamplingDefaults.of(tuned))
-    assert e._sampling_kwargs(request()) == {"temperature": 0.6, "top_k": 20, "top_p": pytest.approx(0.9)}
-    assert e._sampling_kwargs(request(temperature=1.5, top_k=-1, top_p=0.5)) == {
-        "temperature": 1.5,
-        "top_k": 100,  # no top-k: the whole vocabulary
-        "top_p": 0.5,
-    }
-
-
-def test_temperature_0_is_greedy_and_needs_no_sampler_of_its_own() -> None:
-    e = engine()
-    assert e._sampling_kwargs(request(temperature=0)) == {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
-
-
-async def test_the_extension_is_asked_only_for_what_transformers_cannot_do() -> None:
-    e = engine(SamplingDefaults(repetition_penalty=1.2))
-    controls = await e._controls(request(temperature=0, seed=5), [1, 2], [])
-    assert controls.greedy and controls.repetition_penalty == 1.2 and controls.active  # from the defaults
-    plain = await engine()._controls(request(temperature=0.7), [1, 2], [])
-    assert not plain.active  # unseeded sampling: transformers' own sampler
-    assert (await engine()._controls(request(temperature=0.7, seed=1), [1], [])).active
+    unset = await e._controls(request(), [1, 2], [])
+    assert (unset.temperature, unset.top_k, unset.top_p, unset.repetition_penalty) == (0.6, 20, 0.9, 1.1)
+    given = await e._controls(request(temperature=1.5, top_k=-1, top_p=0.5, repetition_penalty=1.0), [1], [])
+    assert (given.temperature, given.top_k, given.top_p, given.repetition_penalty) == (1.5, 0, 0.5, 1.0)
+    assert (await e._controls(request(temperature=0), [1], [])).greedy
 
 
 async def test_logit_bias_outside_the_vocabulary_is_the_clients_fault() -> None:

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 import xgrammar as xgr
-from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import ContinuousBatchingConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList
 from transformers.generation.continuous_batching.requests import FutureRequestState, RequestState
 from transformers.generation.logits_process import LogitsProcessorList
 
-from services.worker.engines.cb_extension import Controls, SamplingExtension, check_internals
+from services.worker.engines.cb_extension import Controls, SamplingExtension, check_internals, manager_generation_config
 from services.worker.engines.grammar import compile_schema
 
 EOS, SPECIAL = 0, 17
@@ -58,6 +58,12 @@ class Batch:
         self.ext.install(manager)
         self.states: dict[str, RequestState] = {}
 
+    @classmethod
+    def with_(cls, controls: Controls) -> "Batch":
+        batch = cls()
+        batch.add("r", controls)
+        return batch
+
     def add(self, rid: str, controls: Controls, prompt: list[int] | None = None) -> None:
         self.ext.register(rid, controls)
         self.states[rid] = RequestState(request_id=rid, initial_tokens=prompt or [5, 6, 7])
@@ -69,6 +75,13 @@ class Batch:
         args = self.processors.prepare_tensor_args(futures, storage)
         scores = torch.stack([logits[rid].clone() for rid in logits])
         return self.processors(torch.zeros(len(futures), dtype=torch.long), scores, args)
+
+    def pre(self, logits: dict[str, torch.Tensor]) -> torch.Tensor:
+        """PRE alone: the rows as the sampler gets them (POST turns them one-hot)."""
+        self.ext._prepare([FutureRequestState(self.states[rid], True, {}, 1) for rid in logits])
+        scores = torch.stack([logits[rid].clone() for rid in logits])
+        self.ext._pre(scores)
+        return scores
 
     def accept(self, rid: str, token: int) -> None:
         self.states[rid].generated_tokens.append(token)
@@ -92,18 +105,25 @@ def test_rows_without_controls_are_left_alone_and_grammar_rows_only_allow_the_gr
     compiler: Any, grammar: Any
 ) -> None:
     batch = Batch()
-    batch.add("json", Controls(greedy=True, matcher=xgr.GrammarMatcher(grammar)))
+    batch.add("json", Controls(temperature=0, matcher=xgr.GrammarMatcher(grammar)))
     batch.states["free"] = RequestState(request_id="free", initial_tokens=[5])
     free = ramp(top=SPECIAL)
     out = batch.step({"free": free, "json": ramp(top=SPECIAL)})
-    assert torch.equal(out[0], free)
-    allowed = torch.isfinite(out[1]).nonzero().flatten().tolist()
-    assert allowed == [VOCAB.index("{")]  # only `{` starts the object (whitespace first is not JSON here)
+    assert torch.equal(out[0], free)  # no entry: transformers' own processing and argmax
+    assert chosen(out[1]) == VOCAB.index("{")
+    allowed = torch.isfinite(
+        Batch.with_(Controls(temperature=0, matcher=xgr.GrammarMatcher(grammar))).pre({"r": ramp()})[0]
+    )
+    assert allowed.nonzero().flatten().tolist() == [
+        VOCAB.index("{")
+    ]  # only `{` starts the object (whitespace first is not JSON here)
     text = Batch()
     schema = json.dumps({"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]})
     start = [VOCAB.index(t) for t in ["{", '"', "x", '"', ":", '"']]
-    text.add("json", Controls(greedy=True, matcher=xgr.GrammarMatcher(compile_schema(compiler, schema)), replay=start))
-    out = text.step({"json": ramp(top=SPECIAL)})  # inside a JSON string: text tokens, not the added one
+    text.add(
+        "json", Controls(temperature=0, matcher=xgr.GrammarMatcher(compile_schema(compiler, schema)), replay=start)
+    )
+    out = text.pre({"json": ramp(top=SPECIAL)})  # inside a JSON string: text tokens, not the added one
     assert out[0][SPECIAL] == INF
     assert all(out[0][VOCAB.index(t)] != INF for t in ["a", "w3", '"'])
 
@@ -112,8 +132,8 @@ def test_eos_is_masked_until_min_tokens_and_always_with_ignore_eos_unless_the_gr
     grammar: Any,
 ) -> None:
     batch = Batch()
-    batch.add("min", Controls(greedy=True, min_tokens=2))
-    batch.add("ignore", Controls(greedy=True, ignore_eos=True))
+    batch.add("min", Controls(temperature=0, min_tokens=2))
+    batch.add("ignore", Controls(temperature=0, ignore_eos=True))
     eos_first = ramp(top=EOS)
     for step in range(3):
         out = batch.step({"min": eos_first, "ignore": eos_first})
@@ -124,7 +144,7 @@ def test_eos_is_masked_until_min_tokens_and_always_with_ignore_eos_unless_the_gr
     done = Batch()
     matcher = xgr.GrammarMatcher(grammar)
     answer = [VOCAB.index(t) for t in ["{", '"', "a", '"', ":", "1", "}"]]
-    done.add("json", Controls(greedy=True, matcher=matcher, ignore_eos=True, replay=answer))
+    done.add("json", Controls(temperature=0, matcher=matcher, ignore_eos=True, replay=answer))
     out = done.step({"json": eos_first})
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [EOS]  # the answer is complete: it may end
 
@@ -133,15 +153,10 @@ def test_logit_bias_penalties_and_repetition_shift_the_logits_as_vllm_does() -> 
     batch = Batch()
     logits = torch.zeros(V)
     logits[4], logits[5] = 2.0, -2.0
-    batch.add("bias", Controls(greedy=False, seed=1, logit_bias={4: -100.0, 9: 3.0}))
-    batch.add(
-        "penalties", Controls(greedy=False, seed=1, presence_penalty=0.5, frequency_penalty=0.25, replay=[4, 4, 5])
-    )
-    batch.add("repetition", Controls(greedy=False, seed=1, repetition_penalty=2.0, context=[4], replay=[5]))
-    # Run PRE only: read the rows before POST turns them one-hot.
-    batch.ext._prepare([FutureRequestState(batch.states[r], True, {}, 1) for r in ("bias", "penalties", "repetition")])
-    rows = torch.stack([logits.clone(), logits.clone(), logits.clone()])
-    batch.ext._pre(rows)
+    batch.add("bias", Controls(seed=1, logit_bias={4: -100.0, 9: 3.0}))
+    batch.add("penalties", Controls(seed=1, presence_penalty=0.5, frequency_penalty=0.25, replay=[4, 4, 5]))
+    batch.add("repetition", Controls(seed=1, repetition_penalty=2.0, context=[4], replay=[5]))
+    rows = batch.pre({"bias": logits, "penalties": logits, "repetition": logits})
     assert rows[0][4] == pytest.approx(-98.0) and rows[0][9] == pytest.approx(3.0)
     assert rows[1][4] == pytest.approx(2.0 - 0.5 - 2 * 0.25)  # presence once, frequency per occurrence
     assert rows[1][5] == pytest.approx(-2.0 - 0.5 - 0.25)
@@ -155,8 +170,8 @@ def test_a_seed_draws_the_same_tokens_in_any_batch_and_after_a_resume() -> None:
     def draws(rows_before: int, seed: int, steps: int, replay: list[int] | None = None) -> list[int]:
         batch = Batch()
         for n in range(rows_before):
-            batch.add(f"other{n}", Controls(greedy=False, seed=100 + n))
-        batch.add("me", Controls(greedy=False, seed=seed, replay=replay or []))
+            batch.add(f"other{n}", Controls(seed=100 + n))
+        batch.add("me", Controls(seed=seed, replay=replay or []))
         tokens = []
         for _ in range(steps):
             rows = {f"other{n}": logits for n in range(rows_before)} | {"me": logits}
@@ -176,7 +191,7 @@ def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
     logits = torch.full((V,), -10.0)
     logits[3], logits[8] = 2.0, 1.9  # close to each other, everything else far below
     batch = Batch()
-    batch.add("p", Controls(greedy=False, seed=0, min_p=0.5))
+    batch.add("p", Controls(seed=0, min_p=0.5))
     seen = set()
     for _ in range(40):
         token = chosen(batch.step({"p": logits})[0])
@@ -185,9 +200,32 @@ def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
     assert seen == {3, 8}
 
 
+def draws_of(controls: Controls, logits: torch.Tensor, steps: int = 60) -> set[int]:
+    batch = Batch.with_(controls)
+    seen = set()
+    for _ in range(steps):
+        token = chosen(batch.step({"r": logits})[0])
+        seen.add(token)
+        batch.accept("r", token)
+    return seen
+
+
+def test_top_k_top_p_and_temperature_keep_vllms_meanings() -> None:
+    probs = torch.full((V,), 1e-4)
+    probs[[3, 8, 9]] = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log()
+    assert draws_of(Controls(seed=1), logits) >= {3, 8, 9}
+    assert draws_of(Controls(seed=1, top_k=2), logits) == {3, 8}
+    # top_p: the fewest most likely tokens whose mass reaches it (0.5 + 0.3 >= 0.75)
+    assert draws_of(Controls(seed=1, top_p=0.75), logits) == {3, 8}
+    assert draws_of(Controls(seed=1, top_k=3, top_p=0.75), logits) == {3, 8}
+    assert draws_of(Controls(seed=1, temperature=0.05), logits) == {3}
+    assert draws_of(Controls(temperature=0), logits, steps=3) == {3}
+
+
 def test_logprobs_are_raw_after_the_grammar_with_the_top_alternatives(grammar: Any) -> None:
     batch = Batch()
-    batch.add("free", Controls(greedy=True, logprobs=3, logit_bias={7: 50.0}))
+    batch.add("free", Controls(temperature=0, logprobs=3, logit_bias={7: 50.0}))
     logits = ramp(top=12)
     out = batch.step({"free": logits})
     slot = batch.ext._slots["free"]
@@ -198,7 +236,7 @@ def test_logprobs_are_raw_after_the_grammar_with_the_top_alternatives(grammar: A
     assert [t for t, _ in top] == [12, V - 1, V - 2]
     assert [v for _, v in top] == pytest.approx(raw[[12, V - 1, V - 2]].tolist())
     constrained = Batch()
-    constrained.add("json", Controls(greedy=True, logprobs=5, matcher=xgr.GrammarMatcher(grammar)))
+    constrained.add("json", Controls(temperature=0, logprobs=5, matcher=xgr.GrammarMatcher(grammar)))
     constrained.step({"json": logits})
     token, logprob, top = constrained.ext._slots["json"].logprobs[0]
     assert token == VOCAB.index("{") and logprob == pytest.approx(0.0, abs=1e-6)  # the only allowed token
@@ -222,9 +260,6 @@ def test_install_refuses_a_started_manager_or_async_batching() -> None:
 
 # --- through a real ContinuousBatchingManager, with a tiny random model --------------------------
 
-GREEDY = {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
-SAMPLE = {"temperature": 1.0, "top_k": V, "top_p": 1.0}
-
 
 @pytest.fixture(scope="module")
 def manager() -> Iterator[tuple[Any, SamplingExtension]]:
@@ -242,9 +277,7 @@ def manager() -> Iterator[tuple[Any, SamplingExtension]]:
         bos_token_id=EOS,
     )
     model = LlamaForCausalLM(config)
-    generation = GenerationConfig(  # type: ignore[no-untyped-call]
-        do_sample=True, temperature=0.7, top_k=50, top_p=0.95, max_new_tokens=16, eos_token_id=EOS, pad_token_id=EOS
-    )
+    generation = manager_generation_config(eos_token_id=EOS, pad_token_id=EOS, max_new_tokens=16)
     cb = ContinuousBatchingConfig(
         per_request_processors=True,
         num_blocks=32,
@@ -260,14 +293,11 @@ def manager() -> Iterator[tuple[Any, SamplingExtension]]:
     m.stop(block=True, timeout=10)
 
 
-def generate(
-    manager: tuple[Any, SamplingExtension], requests: dict[str, tuple[Controls | None, dict[str, Any]]]
-) -> dict[str, list[int]]:
+def generate(manager: tuple[Any, SamplingExtension], requests: dict[str, Controls]) -> dict[str, list[int]]:
     m, ext = manager
-    for rid, (controls, sampling) in requests.items():
-        if controls is not None:
-            ext.register(rid, controls)
-        m.add_request([5, 6, 7, 8], request_id=rid, max_new_tokens=16, **sampling)
+    for rid, controls in requests.items():
+        ext.register(rid, controls)
+        m.add_request([5, 6, 7, 8], request_id=rid, max_new_tokens=16)
     out: dict[str, list[int]] = {}
     while len(out) < len(requests):
         result = m.get_result(timeout=30)
@@ -282,22 +312,22 @@ def test_in_a_real_manager_the_grammar_holds_and_a_seed_is_its_own(manager: Any,
     out = generate(
         manager,
         {
-            "json": (Controls(greedy=True, matcher=xgr.GrammarMatcher(grammar)), GREEDY),
-            "seeded": (Controls(greedy=False, seed=9), SAMPLE),
-            "free": (None, SAMPLE),
+            "json": Controls(temperature=0, matcher=xgr.GrammarMatcher(grammar)),
+            "seeded": Controls(seed=9),
+            "free": Controls(),
         },
     )
     check = xgr.GrammarMatcher(grammar)
     assert all(check.accept_token(t) for t in out["json"]), "every token the grammar allowed"
     assert SPECIAL not in out["json"]
-    alone = generate(manager, {"seeded2": (Controls(greedy=False, seed=9), SAMPLE)})
+    alone = generate(manager, {"seeded2": Controls(seed=9)})
     assert alone["seeded2"] == out["seeded"]
-    other = generate(manager, {"seeded3": (Controls(greedy=False, seed=10), SAMPLE)})
+    other = generate(manager, {"seeded3": Controls(seed=10)})
     assert other["seeded3"] != out["seeded"]
 
 
 def test_in_a_real_manager_logit_bias_bans_the_greedy_token(manager: Any) -> None:
-    plain = generate(manager, {"plain": (None, GREEDY)})["plain"]
+    plain = generate(manager, {"plain": Controls(temperature=0)})["plain"]
     banned = plain[0]
-    biased = generate(manager, {"biased": (Controls(greedy=True, logit_bias={banned: -100.0}), GREEDY)})["biased"]
+    biased = generate(manager, {"biased": Controls(temperature=0, logit_bias={banned: -100.0})})["biased"]
     assert banned not in biased
