@@ -1,7 +1,7 @@
 """Constrained decoding on the CPU engine: output tokens/s with and without a JSON schema, and the
 cost of compiling a schema the first time and from the cache.
 
-    .venv/bin/python benchmarks/constrained_decoding.py                 # 16 streams, 3 rounds, ~4 min
+    .venv/bin/python benchmarks/constrained_decoding.py                 # 16 streams, 3 rounds, about 2 minutes
 
 The engine comes from the worker's own factory with the worker's settings (the transformers engine
 and the bundled SmolLM2 GGUF, `AXON_MAX_SEQS` = `--streams`). Each round sends `--streams` prompts at

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import selectors
 import subprocess
@@ -272,8 +273,11 @@ class _Probe:
                 raise _TooComplex(
                     f"The JSON schema is too complex: compiling it needs more than {self._limits.compile_memory_mb} MB."
                 )
-            reply = json.loads(line)
-            error = reply.get("error")
+            try:
+                error = json.loads(line)["error"]
+            except (ValueError, KeyError, TypeError):
+                self._stop()
+                raise EngineError("The grammar compiler answered something unreadable.") from None
             return None if error is None else f"The JSON schema cannot be used: {error}"
         finally:
             self._lock.release()
@@ -291,11 +295,15 @@ class _Probe:
 
 def _probe_main(info_path: str, memory_mb: int) -> None:
     """The probe process: one schema per line in, one reply per line out."""
+    # The replies get the real stdout to themselves; anything printed (a library's warning) goes to stderr.
+    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
     import resource
 
     import xgrammar as xgr
 
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     info = xgr.TokenizerInfo.deserialize_json(Path(info_path).read_text())
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     with open("/proc/self/statm") as statm:  # first field: address space size, in pages
