@@ -124,6 +124,77 @@ def test_langchain_with_structured_output_gives_an_instance(
     assert isinstance(model.with_structured_output(City).invoke(PARIS[0]["content"]), City)
 
 
+def test_a_streamed_required_call_arrives_name_first_then_arguments_in_pieces(sdk: OpenAI) -> None:
+    names: list[str] = []
+    arguments: list[str] = []
+    finish = None
+    for chunk in sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+        stream=True,
+    ):
+        if not chunk.choices:
+            continue
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            assert delta.index == 0
+            if delta.function and delta.function.name:
+                assert not arguments, "the name comes before any argument piece"
+                names.append(delta.function.name)
+            if delta.function and delta.function.arguments:
+                arguments.append(delta.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    assert names == ["get_weather"]
+    assert len(arguments) > 1
+    jsonschema.validate(json.loads("".join(arguments)), WEATHER_PARAMETERS)
+    assert finish == "tool_calls"
+
+
+def test_n_choices_are_independent_and_each_equals_its_own_seed(sdk: OpenAI) -> None:
+    answer = sdk.chat.completions.create(model=MODEL, messages=PARIS, temperature=1, seed=7, n=2, max_tokens=12)
+    texts = [c.message.content for c in sorted(answer.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(answer.choices, key=lambda c: c.index)] == [0, 1]
+    single = [
+        sdk.chat.completions.create(model=MODEL, messages=PARIS, temperature=1, seed=seed, max_tokens=12)
+        .choices[0]
+        .message.content
+        for seed in (7, 8)
+    ]
+    assert texts == single
+
+
+def test_instructor_json_schema_mode_extracts_the_model(sdk: OpenAI) -> None:
+    client = instructor.from_openai(sdk, mode=instructor.Mode.JSON_SCHEMA)
+    city = client.chat.completions.create(
+        model=MODEL, messages=PARIS, response_model=City, max_retries=1, temperature=0, max_tokens=120
+    )
+    assert isinstance(city, City)
+
+
+def test_langchain_bind_tools_returns_tool_calls(
+    sdk: OpenAI, gateway: Service, api_key: str, checked: ContractTransport
+) -> None:
+    model = ChatOpenAI(
+        base_url=f"{gateway.url}/v1",
+        api_key=api_key,
+        model=MODEL,
+        temperature=0,
+        max_tokens=80,
+        max_retries=0,
+        http_client=httpx.Client(transport=checked, timeout=240),
+    )
+    message = model.bind_tools([WEATHER], tool_choice="any").invoke("What is the weather in Paris?")
+    # `any` is `required`: one call or more (parallel calls are allowed), each valid.
+    assert message.tool_calls
+    for call in message.tool_calls:
+        assert call["name"] == "get_weather" and call["id"]
+        jsonschema.validate(call["args"], WEATHER_PARAMETERS)
+
+
 def test_logprobs_at_temperature_0_the_sampled_token_is_the_most_likely(sdk: OpenAI) -> None:
     answer = sdk.chat.completions.create(
         model=MODEL, messages=PARIS, temperature=0, max_tokens=8, logprobs=True, top_logprobs=5
