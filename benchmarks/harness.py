@@ -21,6 +21,8 @@ from shared.keys import KeyLimits, KeyRepository
 from shared.migrations import drop_database, migrate, split_database_url
 
 ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
+# The credential of the hops between the run's own services (the gateway holds it).
+INTERNAL_TOKEN = "bench-internal-token-0123456789abcdef-0123456789"
 # Limits far above anything a benchmark sends: every request is admitted, but all three limits
 # (requests, tokens, concurrency) are checked on every request, as in production.
 UNLIMITED = KeyLimits(rpm=1_000_000_000, tpm=2_000_000_000, max_concurrent=100_000)
@@ -85,6 +87,7 @@ class BenchEnvironment:
                 "AXON_AMQP_URL": self.amqp_url,
                 "AXON_DATABASE_URL": self.database_url,
                 "AXON_ADMIN_TOKEN": ADMIN_TOKEN,
+                "AXON_INTERNAL_TOKEN": INTERNAL_TOKEN,
                 "AXON_LOG_LEVEL": "INFO",
                 **(extra or {}),
             }

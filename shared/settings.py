@@ -2,10 +2,15 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+MIN_INTERNAL_TOKEN_LEN = 32
+
+
+class InsecureConfiguration(RuntimeError):
+    """A service refuses to start with this configuration (its main exits 2)."""
 
 
 class CommonSettings(BaseSettings):
@@ -27,3 +32,32 @@ class CommonSettings(BaseSettings):
     default_max_concurrent: int = Field(32, ge=1)
     # Connect/command timeout for Redis and the broker; every wait has a deadline.
     connect_timeout_s: float = Field(5.0, gt=0)
+    # One stop request (SIGINT or SIGTERM): how long a worker's jobs in flight may still run
+    # before they are handed back to the queue; the session manager and the gateway wait longer
+    # (shared/serving.py:grace_s), so each hop's wait covers the one behind it.
+    drain_timeout_s: float = Field(30.0, ge=0)
+    # The credential of the internal hops (gateway -> session manager, Prometheus -> internal
+    # services): only gateways hold it. Every service refuses to start without one.
+    internal_token: SecretStr | None = None
+    # Let the internal services' /metrics answer without the internal token (a private scrape network).
+    metrics_public: bool = False
+
+    def internal_token_problem(self) -> str | None:
+        """Why the internal token is unacceptable, or None."""
+        token = self.internal_token.get_secret_value() if self.internal_token else ""
+        if not token:
+            return "AXON_INTERNAL_TOKEN is not set"
+        if len(token) < MIN_INTERNAL_TOKEN_LEN:
+            return f"AXON_INTERNAL_TOKEN is shorter than {MIN_INTERNAL_TOKEN_LEN} characters"
+        return None
+
+    def require_internal_token(self) -> str:
+        """The internal token.
+
+        Raises:
+            InsecureConfiguration: it is missing or too short.
+        """
+        problem = self.internal_token_problem()
+        if problem is not None or self.internal_token is None:
+            raise InsecureConfiguration(f"Refusing to start: {problem}.")
+        return self.internal_token.get_secret_value()

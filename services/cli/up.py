@@ -137,6 +137,9 @@ def run_up(*, ready_timeout_s: float) -> int:
     admin_token_generated = not env.get("AXON_ADMIN_TOKEN")
     if admin_token_generated:
         env["AXON_ADMIN_TOKEN"] = secrets.token_urlsafe(24)
+    if not env.get("AXON_INTERNAL_TOKEN"):
+        # The credential of the hops between this run's processes; nobody else needs it.
+        env["AXON_INTERNAL_TOKEN"] = secrets.token_urlsafe(32)
     children = _start_children(env)
     stopping = False
 

@@ -19,21 +19,19 @@ from services.gateway.settings import GatewaySettings
 from shared.hot_routes import HotRoutes
 from shared.http1 import RemoteProtocolError
 from shared.http_errors import install_error_handlers
+from shared.internal_auth import internal_headers
 from shared.keys import KeyRepository
 from shared.logging import get_logger
 from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
 from shared.probes import PROBE_PATHS, install_probes
 from shared.ratelimit import RateLimiter
+from shared.settings import InsecureConfiguration
 
 log = get_logger(__name__)
 
 
 _SESSIONS_READY_TIMEOUT_S = 3.0
-
-
-class InsecureConfiguration(RuntimeError):
-    """The gateway refuses to start with this configuration."""
 
 
 def _attach_services(
@@ -43,6 +41,7 @@ def _attach_services(
     names = Names(settings.namespace)
     keys = KeyRepository(clients.db)
     app.state.upstream = clients.upstream
+    app.state.internal_headers = internal_headers(settings.require_internal_token())
     app.state.redis = clients.redis
     app.state.db = clients.db
     app.state.keys = keys
@@ -62,7 +61,7 @@ def _attach_services(
         lease_s=settings.concurrency_lease_s,
     )
     app.state.gateway = GatewayService(
-        forwarder=Forwarder(clients.upstream),
+        forwarder=Forwarder(clients.upstream, internal_token=settings.require_internal_token()),
         authenticator=app.state.authenticator,
         admitter=admitter,
         in_flight=InFlightLimit(settings.max_requests_in_flight, metrics.overloaded),
@@ -75,9 +74,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     """Build the gateway app.
 
     Raises:
-        InsecureConfiguration: no admin token, or a short or well-known one.
+        InsecureConfiguration: no admin token, or a short or well-known one; no internal token,
+            or a short one.
     """
     settings = settings or GatewaySettings()
+    settings.require_internal_token()
     problem = settings.admin_token_problem()
     if problem is not None:
         raise InsecureConfiguration(f"Refusing to start the admin API: {problem}.")
@@ -126,7 +127,7 @@ async def _not_ready_reason(app: FastAPI) -> str | None:
         return f"Redis unreachable: {exc!r}"
     try:
         async with asyncio.timeout(_SESSIONS_READY_TIMEOUT_S):
-            upstream = await app.state.upstream.request("GET", "/ready")
+            upstream = await app.state.upstream.request("GET", "/ready", headers=app.state.internal_headers)
             body = await upstream.read()
     except (OSError, TimeoutError, RemoteProtocolError) as exc:
         return f"session manager unreachable: {exc!r}"

@@ -4,10 +4,11 @@ import sys
 
 import uvicorn
 
-from services.gateway.app import InsecureConfiguration, create_app
+from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 from shared.guarded_http import ConnectionLimits, guarded_protocol
 from shared.logging import configure_logging, get_logger
+from shared.settings import InsecureConfiguration
 
 
 def main() -> None:

@@ -126,10 +126,12 @@ def _relayed_headers(upstream: UpstreamResponse) -> list[tuple[bytes, bytes]]:
 
 
 class Forwarder:
-    """Requests to the session manager, one keep-alive connection pool per process."""
+    """Requests to the session manager, one keep-alive connection pool per process, each with the
+    internal token (the session manager refuses requests without it)."""
 
-    def __init__(self, client: Http1Client) -> None:
+    def __init__(self, client: Http1Client, *, internal_token: str) -> None:
         self._client = client
+        self._authorization = f"Bearer {internal_token}"
 
     async def open(self, method: str, target: str, *, body: bytes | None, headers: dict[str, str]) -> UpstreamResponse:
         """Send the request; return once the session manager's response head has arrived.
@@ -138,6 +140,7 @@ class Forwarder:
             Unavailable: the session manager cannot be reached.
             DeadlineExceeded: it did not answer in time.
         """
+        headers["authorization"] = self._authorization
         try:
             return await self._client.request(method, target, headers=headers, body=body)
         except ReadTimeout as exc:

@@ -17,6 +17,7 @@ from services.sessions.settings import SessionsSettings
 from services.sessions.turns import Turns
 from shared.hot_routes import HotRoutes
 from shared.http_errors import install_error_handlers
+from shared.internal_auth import InternalAuth
 from shared.logging import get_logger
 from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
@@ -92,8 +93,13 @@ def _attach_services(
 
 
 def create_app(settings: SessionsSettings | None = None) -> FastAPI:
-    """Build the session manager app."""
+    """Build the session manager app.
+
+    Raises:
+        InsecureConfiguration: no internal token, or a short one.
+    """
     settings = settings or SessionsSettings()
+    settings.require_internal_token()
     metrics = SessionsMetrics()
 
     @asynccontextmanager
@@ -113,7 +119,8 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.request_limits = settings.request_limits
     install_error_handlers(app)
-    app.add_middleware(HotRoutes, routes=HOT_ROUTES)  # inside the request context below
+    app.add_middleware(HotRoutes, routes=HOT_ROUTES)  # inside the two below
+    app.add_middleware(InternalAuth, settings=settings)
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics.http,

@@ -7,7 +7,7 @@ from shared.settings import CommonSettings
 
 
 class SessionsSettings(CommonSettings):
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     sessions_port: int = Field(8001, ge=1, le=65535)
     # Every request gets a deadline this far ahead; no wait outlives it.
     request_timeout_s: float = Field(300.0, gt=0)

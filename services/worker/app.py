@@ -12,13 +12,19 @@ from services.worker.engines.factory import create_engine
 from services.worker.lifecycle import Worker
 from services.worker.settings import WorkerSettings
 from shared.http_errors import install_error_handlers
+from shared.internal_auth import InternalAuth
 from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.probes import PROBE_PATHS, install_probes
 
 
 def create_app(settings: WorkerSettings | None = None, engine: Engine | None = None) -> FastAPI:
-    """Build the worker's app; the engine and consumer start in the lifespan."""
+    """Build the worker's app; the engine and consumer start in the lifespan.
+
+    Raises:
+        InsecureConfiguration: no internal token, or a short one.
+    """
     settings = settings or WorkerSettings()
+    settings.require_internal_token()
     worker = Worker(settings, engine or create_engine(settings))
 
     @asynccontextmanager
@@ -36,6 +42,7 @@ def create_app(settings: WorkerSettings | None = None, engine: Engine | None = N
     )
     app.state.worker = worker
     install_error_handlers(app)
+    app.add_middleware(InternalAuth, settings=settings)
     app.add_middleware(
         RequestContextMiddleware,
         metrics=worker.metrics.http,

@@ -9,7 +9,8 @@ import uvicorn
 from services.worker.app import create_app
 from services.worker.lifecycle import Worker
 from services.worker.settings import WorkerSettings
-from shared.logging import configure_logging
+from shared.logging import configure_logging, get_logger
+from shared.settings import InsecureConfiguration
 
 
 class DrainingServer(uvicorn.Server):
@@ -35,7 +36,11 @@ class DrainingServer(uvicorn.Server):
 def main() -> None:
     settings = WorkerSettings()
     configure_logging(service="worker", level=settings.log_level, log_format=settings.log_format)
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except InsecureConfiguration as exc:
+        get_logger(__name__).error("refusing_to_start", reason=str(exc))
+        sys.exit(2)
     worker: Worker = app.state.worker
     config = uvicorn.Config(
         app,

@@ -15,7 +15,7 @@ def _default_worker_id() -> str:
 
 
 class WorkerSettings(CommonSettings):
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     worker_port: int = Field(8002, ge=1, le=65535)
     worker_id: str = Field(default_factory=_default_worker_id)
 
@@ -60,6 +60,5 @@ class WorkerSettings(CommonSettings):
 
     heartbeat_interval_s: float = Field(3.0, gt=0)
     heartbeat_ttl_s: float = Field(10.0, gt=0)
-    drain_timeout_s: float = Field(30.0, ge=0)
     # A job redelivered more often than this (it keeps killing workers) is dead-lettered.
     max_deliveries: int = Field(3, ge=1)

@@ -125,7 +125,7 @@ def helm_binary() -> str:
     found = shutil.which("helm")
     if found:
         return found
-    reason = "helm is not installed: run `bash infra/scripts/install-helm.sh .venv/bin` (make install does)"
+    reason = "helm is not installed: run `bash infra/scripts/install-helm.sh .venv/bin` (make test does)"
     if os.environ.get("CI"):
         pytest.fail(f"{reason}; CI must run the chart checks")
     pytest.skip(reason)
@@ -147,6 +147,7 @@ REQUIRED_SECRETS = {
     "secrets.amqpUrl.name": "axon-rabbitmq",
     "secrets.databaseUrl.name": "axon-postgres",
     "secrets.adminToken.name": "axon-admin",
+    "secrets.internalToken.name": "axon-internal",
 }
 
 

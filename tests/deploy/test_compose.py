@@ -227,6 +227,15 @@ def test_admin_token_is_a_marked_development_value(services: dict) -> None:
     assert problem is None, f"the gateway would refuse to start: {problem}"
 
 
+def test_internal_token_is_a_marked_development_value_every_service_accepts(services: dict) -> None:
+    from services.sessions.settings import SessionsSettings
+
+    for name in ("gateway", "sessions", "worker"):
+        token = env_of(services[name])["AXON_INTERNAL_TOKEN"]
+        assert "NOT-FOR-PRODUCTION" in token.upper()
+        assert SessionsSettings(internal_token=token).internal_token_problem() is None, name
+
+
 # --- infrastructure services ---------------------------------------------------------------------------
 
 

@@ -111,6 +111,13 @@ def test_chart_refuses_to_render_without_the_admin_token_secret(helm_home: Path)
     assert "secrets.adminToken.name" in result.stderr
 
 
+def test_chart_refuses_to_render_without_the_internal_token_secret(helm_home: Path) -> None:
+    values = {k: v for k, v in REQUIRED_SECRETS.items() if k != "secrets.internalToken.name"}
+    result = helm("template", RELEASE, str(CHART), *set_args(values), tmp_home=helm_home)
+    assert result.returncode != 0
+    assert "secrets.internalToken.name" in result.stderr
+
+
 def test_chart_refuses_to_render_without_any_required_secret(helm_home: Path) -> None:
     result = helm("template", RELEASE, str(CHART), tmp_home=helm_home)
     assert result.returncode != 0
@@ -457,6 +464,10 @@ def test_secrets_reach_only_the_components_that_need_them(default_manifests: lis
         assert envs[name]["AXON_DATABASE_URL"] == ("secret", "axon-postgres", "url")
     assert envs["worker"]["AXON_REDIS_URL"] == ("secret", "axon-redis", "url")
     assert envs["worker"]["AXON_AMQP_URL"] == ("secret", "axon-rabbitmq", "url")
+    # Every process holds the internal token; the internal ones listen beyond 127.0.0.1 in the pod.
+    for name in ("gateway", "sessions", "worker"):
+        assert envs[name]["AXON_INTERNAL_TOKEN"] == ("secret", "axon-internal", "token")
+    assert envs["sessions"]["AXON_HOST"] == envs["worker"]["AXON_HOST"] == "0.0.0.0"
 
 
 # --- network -----------------------------------------------------------------------------------------
@@ -539,6 +550,12 @@ def test_service_monitor_scrapes_every_component(eks_manifests: list[dict]) -> N
     assert spec["jobLabel"] == "app.kubernetes.io/component"
     (endpoint,) = spec["endpoints"]
     assert endpoint["path"] == "/metrics"
+    credentials = endpoint["authorization"]["credentials"]
+    assert (endpoint["authorization"]["type"], credentials["name"], credentials["key"]) == (
+        "Bearer",
+        "axon-internal",
+        "token",
+    )
     scraped = {
         s["metadata"]["labels"]["app.kubernetes.io/component"]
         for s in of_kind(eks_manifests, "Service")

@@ -7,6 +7,9 @@ from services.cli import launcher
 from services.cli.launcher import Service
 
 ADMIN_TOKEN = "e2e-admin-token-0123456789abcdef"
+# The credential of the hops between the run's own services (the gateway holds it).
+INTERNAL_TOKEN = "e2e-internal-token-0123456789abcdef-0123456789"
+INTERNAL_AUTH = {"authorization": f"Bearer {INTERNAL_TOKEN}"}
 
 
 @dataclass
@@ -31,6 +34,7 @@ class Stack:
                 "AXON_LOG_FORMAT": "json",
                 "AXON_LOG_LEVEL": "INFO",
                 "AXON_ADMIN_TOKEN": ADMIN_TOKEN,
+                "AXON_INTERNAL_TOKEN": INTERNAL_TOKEN,
                 **extra,
             }
         )

@@ -10,13 +10,13 @@ from openai import OpenAI
 
 from services.cli.launcher import Service, free_port
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import Stack
+from tests.e2e.stack import INTERNAL_AUTH, Stack
 
 pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 # What the gateway adds when it forwards to the (internal) session manager.
-INTERNAL_HEADERS = {"x-axon-tenant": "tests"}
+INTERNAL_HEADERS = {"x-axon-tenant": "tests", **INTERNAL_AUTH}
 
 
 def _assert_openai_error(response: httpx.Response, status: int) -> dict:
@@ -148,7 +148,7 @@ def test_session_manager_down_is_503_and_not_ready(stack: Stack, auth: dict) -> 
 
 
 def _cancelled_jobs(worker: Service) -> float:
-    text = httpx.get(f"{worker.url}/metrics", timeout=5).text
+    text = httpx.get(f"{worker.url}/metrics", headers=INTERNAL_AUTH, timeout=5).text
     match = re.search(r'axon_worker_jobs_total\{model="sim-model",outcome="cancelled"\} ([0-9.]+)', text)
     return float(match.group(1)) if match else 0.0
 

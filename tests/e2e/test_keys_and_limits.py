@@ -15,7 +15,7 @@ from services.cli.launcher import Service, free_port
 from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import ADMIN_TOKEN, Stack
+from tests.e2e.stack import ADMIN_TOKEN, INTERNAL_AUTH, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -270,7 +270,7 @@ def test_redis_unreachable_auth_falls_back_and_limiter_follows_setting(
         headers={"Authorization": f"Bearer {api_key}"},
         timeout=30,
     )
-    metrics = httpx.get(f"{lonely.url}/metrics", timeout=10).text
+    metrics = httpx.get(f"{lonely.url}/metrics", headers=INTERNAL_AUTH, timeout=10).text
     assert "axon_gateway_auth_database_fallbacks_total 1.0" in metrics
     if fail_open:
         assert response.status_code == 200

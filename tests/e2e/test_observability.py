@@ -16,7 +16,7 @@ from services.cli.launcher import Service
 from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import ADMIN_TOKEN, Stack
+from tests.e2e.stack import ADMIN_TOKEN, INTERNAL_AUTH, Stack
 from tests.metric_names import SYNTHETIC_METRICS, Scrape, queried_metric_jobs, queried_metrics
 
 pytestmark = pytest.mark.e2e
@@ -41,7 +41,7 @@ def _chat(gateway: Service, key: str, *, request_id: str | None = None, **body) 
 
 
 def _scrape(service: Service) -> Scrape:
-    response = httpx.get(f"{service.url}/metrics", timeout=10)
+    response = httpx.get(f"{service.url}/metrics", headers=INTERNAL_AUTH, timeout=10)
     assert response.status_code == 200, service.name
     return Scrape(response.text)
 

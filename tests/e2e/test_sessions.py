@@ -18,7 +18,7 @@ from tests.conftest import create_key
 from tests.contract.openai_shapes import assert_openai_stream
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.load import report
-from tests.e2e.stack import Stack
+from tests.e2e.stack import INTERNAL_AUTH, Stack
 from tests.e2e.tcpproxy import TcpProxy
 from tests.services import ServiceUrls
 
@@ -450,7 +450,7 @@ def test_postgres_down_30s_chats_go_on_and_outbox_drains(stack: Stack, api_key: 
 
 
 def _metric(service: Service, name: str) -> float:
-    for line in httpx.get(f"{service.url}/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(f"{service.url}/metrics", headers=INTERNAL_AUTH, timeout=10).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not exported")

@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from services.cli.launcher import Service
 from shared.names import Names
-from tests.e2e.stack import ADMIN_TOKEN, Stack
+from tests.e2e.stack import ADMIN_TOKEN, INTERNAL_AUTH, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +23,7 @@ MESSAGES = [{"role": "user", "content": "tell me everything"}]
 
 
 def metric(service: Service, name: str, **labels: str) -> float:
-    text = httpx.get(f"{service.url}/metrics", timeout=10).text
+    text = httpx.get(f"{service.url}/metrics", headers=INTERNAL_AUTH, timeout=10).text
     wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
     for line in text.splitlines():
         if line.startswith(f"{name}{{{wanted}}} ") or (not labels and line.startswith(f"{name} ")):

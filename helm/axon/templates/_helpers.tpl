@@ -65,6 +65,7 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+
 {{- $_ := required "secrets.amqpUrl.name is required: an existing Secret holding AXON_AMQP_URL" $s.amqpUrl.name -}}
 {{- $_ := required "secrets.databaseUrl.name is required: an existing Secret holding AXON_DATABASE_URL" $s.databaseUrl.name -}}
 {{- $_ := required "secrets.adminToken.name is required: an existing Secret holding AXON_ADMIN_TOKEN" $s.adminToken.name -}}
+{{- $_ := required "secrets.internalToken.name is required: an existing Secret holding AXON_INTERNAL_TOKEN (at least 32 characters)" $s.internalToken.name -}}
 {{- if and .Values.ingress.enabled (not .Values.ingress.certificateArn) -}}
 {{- fail "ingress.certificateArn is required when ingress.enabled: the ALB serves HTTPS with an ACM certificate" -}}
 {{- end -}}

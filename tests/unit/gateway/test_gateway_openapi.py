@@ -16,7 +16,11 @@ from shared.session_requests import SessionCreate, SessionUpdate
 
 @pytest.fixture(scope="module")
 def schema() -> dict[str, Any]:
-    return create_app(GatewaySettings(admin_token="unit-test-admin-token-0123456789")).openapi()
+    return create_app(
+        GatewaySettings(
+            admin_token="unit-test-admin-token-0123456789", internal_token="unit-test-internal-token-0123456789"
+        )
+    ).openapi()
 
 
 def _validator(schema: dict[str, Any], path: str, method: str) -> jsonschema.Draft202012Validator:

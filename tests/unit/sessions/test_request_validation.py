@@ -17,6 +17,8 @@ from shared.registry import LiveModel
 from shared.schemas import Capability
 
 ERROR_KEYS = {"message", "type", "param", "code"}
+INTERNAL_TOKEN = "unit-internal-token-0123456789abcdef"
+HEADERS = {"x-axon-tenant": "t", "authorization": f"Bearer {INTERNAL_TOKEN}"}
 MESSAGES = [{"role": "user", "content": "Hello"}]
 TOOL = {
     "type": "function",
@@ -34,10 +36,10 @@ class _Service:
 
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(SessionsSettings(max_choices=4, max_schema_bytes=2048))
+    app = create_app(SessionsSettings(max_choices=4, max_schema_bytes=2048, internal_token=INTERNAL_TOKEN))
     app.state.completions = _Service()
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://sessions", headers={"x-axon-tenant": "t"}) as c:
+    async with httpx.AsyncClient(transport=transport, base_url="http://sessions", headers=HEADERS) as c:
         yield c
 
 
