@@ -122,6 +122,9 @@ class Job(BaseModel):
     deadline: float = Field(description="Unix time (seconds) after which the job is worthless")
     session_id: str | None = None
     tenant: str = "anonymous"
+    # The API key the request came with: a worker whose final chunk nobody receives records the
+    # job's usage row under it itself (the session manager that would have is gone).
+    key_id: str | None = None
     # Tools the model may call; None: no tools (tool_choice `none` included).
     tools: list[FunctionSpec] | None = None
     tool_choice: ToolChoice = "auto"

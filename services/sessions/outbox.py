@@ -146,7 +146,8 @@ class UsageRow(BaseModel):
     model: str
     prompt_tokens: int
     completion_tokens: int
-    latency_ms: int
+    # None in a row its worker recorded (nobody received the final chunk, see `services/worker/publisher.py`).
+    latency_ms: int | None
     created_at: dt.datetime
 
     @field_validator("tenant", "key_id", "model")

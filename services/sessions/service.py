@@ -31,7 +31,7 @@ from shared.logging import bind_contextvars, get_logger
 from shared.names import Names
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest, Kind
 from shared.ratelimit import RateLimiter
-from shared.redis_pipe import RedisPipe
+from shared.redis_pipe import PipeScript, RedisPipe
 from shared.registry import LiveModel
 from shared.responses import SSE_END
 from shared.schemas import Job, Message, Sampling, TokenChunk, Usage
@@ -69,12 +69,14 @@ def chunk_error(chunk: TokenChunk) -> AxonError:
 class Choice:
     """One choice of a request: its job, the next `seq` expected on it, and its answer so far."""
 
-    __slots__ = ("answer", "index", "job", "next_seq", "sent")
+    __slots__ = ("answer", "index", "job", "next_seq", "sent", "tokens")
 
     def __init__(self, index: int, job: Job) -> None:
         self.index = index
         self.job = job
         self.next_seq = 0
+        # Completion tokens of the chunks received (what is charged if the final chunk never comes).
+        self.tokens = 0
         # Its first chunk was relayed (the next one carries no role).
         self.sent = False
         self.answer = Answer(index)
@@ -140,6 +142,7 @@ class ActiveRequest:
             if chunk.seq > choice.next_seq:
                 log.warning("chunk_gap", expected=choice.next_seq, got=chunk.seq, choice=choice.index)
             choice.next_seq = chunk.seq + 1
+            choice.tokens += chunk.n_tokens
             answer = choice.answer
             answer.text.append(chunk.text)
             if chunk.tool_calls is not None:
@@ -322,6 +325,7 @@ class CompletionService:
             deadline=time.time() + self._settings.request_timeout_s,
             session_id=turn.info.id if turn else None,
             tenant=caller.tenant,
+            key_id=caller.key_id,
             logprobs=body.logprob_count,
             **features,
         )
@@ -464,8 +468,13 @@ class CompletionService:
                 self._background.spawn(self.finish(active, outcome=outcome))
 
     async def finish(self, active: ActiveRequest, *, outcome: str) -> None:
-        """Stop relaying (once): store the answer and usage, release the session, and tell the
-        workers to stop generating every choice whose answer is not complete.
+        """Stop relaying (once): store the answer, tell the workers to stop generating every choice
+        whose answer is not complete, record and charge the usage, and release the session and the
+        caller's lease.
+
+        The usage of a choice whose final chunk has not come (a client that left, a failure of
+        another choice, a deadline) is settled in the background (`_settle`), once the worker's final
+        chunk tells what it generated.
 
         Raises:
             Unavailable: a complete answer of a session turn could not be stored (Redis away):
@@ -476,9 +485,11 @@ class CompletionService:
         active.closed = True
         self._metrics.active_streams.dec()
         self._metrics.outcomes.labels(active.job.model, outcome).inc()
-        await active.stream.close()
+        unfinished = [c for c in active.choices if c.answer.finish_reason is None]
+        if not unfinished:
+            await active.stream.close()
         # Submitted now, they go out before the history is written.
-        cancels = [self._cancel(c.job.job_id) for c in active.choices if c.answer.finish_reason is None]
+        cancels = [self._cancel(c.job.job_id) for c in unfinished]
         not_stored: Exception | None = None
         if active.turn is not None:
             status = _ANSWER_STATUSES.get(outcome, "failed")
@@ -490,14 +501,94 @@ class CompletionService:
             except _STORAGE_ERRORS as exc:
                 log.error("answer_not_stored", error=repr(exc))
                 not_stored = exc
+        if unfinished:
+            self._background.spawn(self._settle(active, unfinished, cancels))
+        else:
+            await self._charge(active, cancels)
+        if not_stored is not None and _ANSWER_STATUSES.get(outcome) == "complete":
+            raise _history_unavailable() from not_stored
+
+    async def _charge(self, active: ActiveRequest, cancels: list[asyncio.Future[Any]]) -> None:
+        """Record and charge the usage every choice's answer carries."""
         usages = [c.answer.usage for c in active.choices]
         active.usage = request_usage(usages)
         work = work_usage(usages)
         if work is not None:
             self._metrics.output_tokens.labels(active.job.model).inc(work.completion_tokens)
         await self._bill_and_release(active, cancels, work)
-        if not_stored is not None and _ANSWER_STATUSES.get(outcome) == "complete":
-            raise _history_unavailable() from not_stored
+
+    async def _settle(
+        self, active: ActiveRequest, unfinished: list[Choice], cancels: list[asyncio.Future[Any]]
+    ) -> None:
+        """Charge a request that ended before the final chunks of `unfinished` choices came.
+
+        Their workers were told to stop, and a stopped (or failed) job's final chunk carries every
+        token it generated, over all its attempts: it is awaited for up to `USAGE_SETTLE_WAIT_S`.
+        A choice whose final chunk does not come (its worker died, or the job is still queued) is
+        charged what its worker recorded as published (`<ns>:progress:<job>`), or at least what
+        was received.
+        """
+        try:
+            missing = await self._await_finals(active, unfinished)
+        finally:
+            await active.stream.close()
+        if missing:
+            await self._recorded_usage(missing)
+        for choice in unfinished:
+            if choice.answer.usage is None:
+                choice.answer.usage = Usage(completion_tokens=choice.tokens)
+        await self._charge(active, cancels)
+
+    async def _await_finals(self, active: ActiveRequest, unfinished: list[Choice]) -> list[Choice]:
+        """Read `active`'s stream until every choice of `unfinished` has its final chunk, for up to
+        `USAGE_SETTLE_WAIT_S`; returns those whose final chunk did not come."""
+        stream, choices = active.stream, active.choices
+        waiting = {c.index for c in unfinished}
+        until = time.monotonic() + USAGE_SETTLE_WAIT_S
+        while waiting:
+            try:
+                raw = await stream.next(until - time.monotonic())
+            except TimeoutError:
+                break
+            if raw == STREAM_LOST:
+                break
+            try:
+                chunk = TokenChunk.model_validate_json(raw)
+            except ValidationError:
+                continue
+            choice = choices[stream.index]
+            if chunk.seq < choice.next_seq:
+                continue
+            choice.next_seq = chunk.seq + 1
+            choice.tokens += chunk.n_tokens
+            if chunk.finish_reason is not None and choice.index in waiting:
+                waiting.discard(choice.index)
+                choice.answer.usage = chunk.usage
+        return [c for c in unfinished if c.index in waiting]
+
+    async def _recorded_usage(self, choices: list[Choice]) -> None:
+        """Set each choice's usage from its job's progress in Redis: the tokens its attempts
+        published (at least those received), and the prompt's. The progress is marked `billed`
+        at the same time, so a final chunk its worker publishes later does not record the job's
+        usage again (`services/worker/publisher.py`)."""
+        now = time.time()
+        reads = [
+            self._pipe.submit_script(
+                _MARK_BILLED,
+                [self._names.job_progress(c.job.job_id)],
+                [max(1, int(c.job.deadline - now) + _BILLED_MARK_GRACE_S)],
+            )
+            for c in choices
+        ]
+        results = await asyncio.gather(*reads, return_exceptions=True)
+        for choice, result in zip(choices, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("usage_progress_read_failed", error=repr(result))
+                continue
+            completion, prompt = result
+            choice.answer.usage = Usage(
+                prompt_tokens=int(prompt or 0), completion_tokens=max(int(completion or 0), choice.tokens)
+            )
 
     async def _bill_and_release(
         self, active: ActiveRequest, cancels: list[asyncio.Future[Any]], usage: Usage | None
@@ -530,6 +621,19 @@ class CompletionService:
             if isinstance(result, Exception):
                 log.warning(f"{what}_failed", error=repr(result))
 
+
+# How long a request that ended before its jobs did waits for their final chunks, which carry the
+# tokens they generated, before charging what their progress records (`CompletionService._settle`).
+USAGE_SETTLE_WAIT_S = 5.0
+# A job's `billed` mark outlives its deadline by this much (as its worker's progress does).
+_BILLED_MARK_GRACE_S = 60
+# KEYS: a job's progress hash. ARGV: expiry (s) if the hash has none (the job has not started).
+# Marks the job charged by a session manager and returns its published completion and prompt tokens.
+_MARK_BILLED = PipeScript("""
+redis.call('HSET', KEYS[1], 'billed', '1')
+if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1])) end
+return redis.call('HMGET', KEYS[1], 'completion_tokens', 'prompt_tokens')
+""")
 
 # How a session turn's answer is stored, by the request's outcome (anything else: `failed`).
 _ANSWER_STATUSES = {

@@ -49,6 +49,8 @@ class Failover:
         recorded = dict(zip(fields[::2], fields[1::2], strict=True))
         if b"done" in recorded:
             return Progress(done=True)
+        if b"seq" not in recorded:
+            return Progress()  # only a session manager's `billed` mark: nothing was published
         return Progress(
             seq=int(recorded[b"seq"]),
             prompt_tokens=int(recorded[b"prompt_tokens"]),

@@ -8,9 +8,14 @@ already published, so it continues from the same state.
 """
 
 import asyncio
+import datetime as dt
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import orjson
+
+from services.sessions.outbox import postgres_text
 from services.worker.engines import EngineOutput
 from services.worker.engines.base import ToolCallParser
 from services.worker.failover import Progress
@@ -20,6 +25,7 @@ from shared.redis_pipe import PipeScript, RedisPipe
 from shared.schemas import (
     ChunkError,
     FinishReason,
+    Job,
     PromptTokensDetails,
     TokenChunk,
     TokenLogprob,
@@ -30,22 +36,30 @@ from shared.schemas import (
 # Progress outlives the job's deadline by this much, then Redis forgets it.
 _PROGRESS_GRACE_S = 60
 
-# KEYS: progress hash, text, token ids.
+# KEYS: progress hash, text, token ids, outbox.
 # ARGV: channel, chunk JSON, final (0/1), next seq, completion tokens, prompt tokens, new text,
-#       expiry in seconds (0: leave as is), new token ids...
-# The final chunk replaces the progress with `done`: a job redelivered after its answer was
-# complete (its ack was lost with the broker connection) is then acked, not generated again.
+#       expiry in seconds (0: leave as is), usage row JSON (final chunk; else ''), new token ids...
+# The final chunk replaces the progress with `done` and the job's final token counts: a job
+# redelivered after its answer was complete (its ack was lost with the broker connection) is then
+# acked, not generated again, and a session manager that never saw the final chunk can still
+# charge what was generated. A final chunk nobody receives (the session manager that published the
+# job is gone) puts the job's usage row in the outbox itself, unless a session manager has already
+# charged the job (`billed`, set by `CompletionService._recorded_usage`).
 _PUBLISH_WITH_PROGRESS = PipeScript("""
-redis.call('PUBLISH', ARGV[1], ARGV[2])
+local receivers = redis.call('PUBLISH', ARGV[1], ARGV[2])
 if ARGV[3] == '1' then
+  local billed = redis.call('HEXISTS', KEYS[1], 'billed')
   redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-  redis.call('HSET', KEYS[1], 'done', '1')
+  redis.call('HSET', KEYS[1], 'done', '1', 'completion_tokens', ARGV[5], 'prompt_tokens', ARGV[6])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
+  if receivers == 0 and billed == 0 and ARGV[9] ~= '' then
+    redis.call('XADD', KEYS[4], '*', 'kind', 'usage', 'row', ARGV[9])
+  end
   return 1
 end
 redis.call('HSET', KEYS[1], 'seq', ARGV[4], 'completion_tokens', ARGV[5], 'prompt_tokens', ARGV[6])
 if ARGV[7] ~= '' then redis.call('APPEND', KEYS[2], ARGV[7]) end
-if #ARGV > 8 then redis.call('RPUSH', KEYS[3], unpack(ARGV, 9)) end
+if #ARGV > 9 then redis.call('RPUSH', KEYS[3], unpack(ARGV, 10)) end
 local ttl = tonumber(ARGV[8])
 if ttl > 0 then
   for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ttl) end
@@ -61,16 +75,45 @@ _chunk_json = TokenChunk.__pydantic_serializer__.to_json
 FinishRule = Callable[[FinishReason, bool], FinishReason]
 
 
+@dataclass(frozen=True, slots=True)
+class UsageOwner:
+    """Whom a job's usage row names (its job's tenant, API key and model), for the row its worker
+    records when nobody receives its final chunk."""
+
+    tenant: str
+    key_id: str | None
+    model: str
+
+    @classmethod
+    def of(cls, job: Job) -> "UsageOwner":
+        return cls(tenant=job.tenant, key_id=job.key_id, model=job.model)
+
+
 class ChunkPublisher:
     """Publishes one job's chunks, numbered on from where any earlier attempt stopped (`progress`)."""
 
     def __init__(
-        self, pipe: RedisPipe, names: Names, *, job_id: str, channel: str, deadline: float, progress: Progress
+        self,
+        pipe: RedisPipe,
+        names: Names,
+        *,
+        job_id: str,
+        channel: str,
+        deadline: float,
+        progress: Progress,
+        owner: UsageOwner | None = None,
     ) -> None:
         self._pipe = pipe
         self._channel = channel
         self._deadline = deadline
-        self._keys = (names.job_progress(job_id), names.job_progress_text(job_id), names.job_progress_tokens(job_id))
+        self._job_id = job_id
+        self._owner = owner
+        self._keys = (
+            names.job_progress(job_id),
+            names.job_progress_text(job_id),
+            names.job_progress_tokens(job_id),
+            names.outbox,
+        )
         self.seq = progress.seq
         self.completion_tokens = progress.resume.completion_tokens if progress.resume is not None else 0
         self.prompt_tokens = progress.prompt_tokens
@@ -106,12 +149,7 @@ class ChunkPublisher:
             logprobs = [*out.prompt_logprobs, *out.logprobs]
         usage = None
         if reason is not None:
-            details = PromptTokensDetails(cached_tokens=out.cached_tokens)
-            usage = Usage(
-                prompt_tokens=self.prompt_tokens,
-                completion_tokens=self.completion_tokens,
-                prompt_tokens_details=details,
-            )
+            usage = self._usage(PromptTokensDetails(cached_tokens=out.cached_tokens))
         chunk = TokenChunk(
             seq=self.seq,
             text=text,
@@ -137,12 +175,20 @@ class ChunkPublisher:
                 reason = self._finish_rule(reason, self._parser.called)
         return text, deltas or None, reason
 
+    def _usage(self, details: PromptTokensDetails | None = None) -> Usage:
+        """The job's tokens so far, every attempt's: what its final chunk charges."""
+        return Usage(
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, prompt_tokens_details=details
+        )
+
     async def finish_with_error(self, message: str, error_type: str) -> None:
+        """End the job with an error, charging the tokens published before it."""
         error = ChunkError(message=message, type=error_type)
-        await self._send(TokenChunk(seq=self.seq, finish_reason="error", error=error))
+        await self._send(TokenChunk(seq=self.seq, finish_reason="error", error=error, usage=self._usage()))
 
     async def finish_cancelled(self) -> None:
-        await self._send(TokenChunk(seq=self.seq, finish_reason="cancelled"))
+        """End a job cancelled before it ran here, charging what earlier attempts published."""
+        await self._send(TokenChunk(seq=self.seq, finish_reason="cancelled", usage=self._usage()))
 
     async def _send(self, chunk: TokenChunk, *, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
         """One script call: publish the chunk and record the progress (or, for a final chunk,
@@ -153,6 +199,7 @@ class ChunkPublisher:
         if final or not self._expiry_set:
             expire_s = max(1, int(self._deadline - time.time()) + _PROGRESS_GRACE_S)
             self._expiry_set = True
+        row = self._usage_row() if final and self._owner is not None else b""
         await self._pipe.evalsha(
             _PUBLISH_WITH_PROGRESS,
             list(self._keys),
@@ -165,10 +212,29 @@ class ChunkPublisher:
                 self.prompt_tokens,
                 text,
                 expire_s,
+                row,
                 *token_ids,
             ],
         )
         self.seq += 1
+
+    def _usage_row(self) -> bytes:
+        """The job's usage row as the outbox carries it (`services/sessions/outbox.py:UsageRow`), for
+        a final chunk nobody receives. Its latency is unknown here (the request's, not the job's)."""
+        assert self._owner is not None
+        owner = self._owner
+        return orjson.dumps(
+            {
+                "job_id": self._job_id,
+                "tenant": postgres_text(owner.tenant),
+                "key_id": postgres_text(owner.key_id),
+                "model": postgres_text(owner.model),
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "latency_ms": None,
+                "created_at": dt.datetime.now(dt.UTC).isoformat(),
+            }
+        )
 
 
 class Coalescer:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from services.worker.engines import Engine, EngineError, EngineOutput, GenerationRequest, InvalidPrompt, Resume
 from services.worker.failover import Failover, Progress, remaining_sampling
 from services.worker.metrics import WorkerMetrics
-from services.worker.publisher import ChunkPublisher, Coalescer
+from services.worker.publisher import ChunkPublisher, Coalescer, UsageOwner
 from services.worker.tools import answer_finish_reason, guide_for
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
@@ -117,6 +117,7 @@ class JobRunner:
                 channel=job.channel,
                 deadline=job.deadline,
                 progress=progress,
+                owner=UsageOwner.of(job),
             )
             if progress.done:
                 outcome = "duplicate"  # finished before; only its ack was lost

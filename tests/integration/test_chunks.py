@@ -182,9 +182,19 @@ async def test_error_and_cancel_chunks(pipe, namespace, service_urls) -> None:
                 "error": {"message": "Too long.", "type": "invalid_request_error"},
                 "text": "",
                 "n_tokens": 0,
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0},
             },
         ),
-        (lambda p: p.finish_cancelled(), {"seq": 0, "finish_reason": "cancelled", "text": "", "n_tokens": 0}),
+        (
+            lambda p: p.finish_cancelled(),
+            {
+                "seq": 0,
+                "finish_reason": "cancelled",
+                "text": "",
+                "n_tokens": 0,
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0},
+            },
+        ),
     ):
         job_id = str(uuid.uuid4())
         channel_name = names.tokens_channel(job_id)
@@ -195,3 +205,40 @@ async def test_error_and_cancel_chunks(pipe, namespace, service_urls) -> None:
             await finish(publisher)
             await channel.chunks(1)
         assert orjson.loads(channel.raw[0]) == expected
+
+
+@pytest.mark.parametrize("ending", ["error", "cancelled"])
+async def test_a_job_ended_early_charges_every_attempts_tokens_once(pipe, namespace, service_urls, ending) -> None:
+    """A job that fails or is cancelled after a failover: its final chunk's usage counts the tokens
+    the dead attempt published and those of this one, and its progress keeps those counts."""
+    names = Names(f"{namespace}-chunks")
+    job_id = str(uuid.uuid4())
+    channel_name = names.tokens_channel(job_id)
+
+    def publisher_from(progress: Progress) -> ChunkPublisher:
+        return ChunkPublisher(
+            pipe, names, job_id=job_id, channel=channel_name, deadline=time.time() + 60, progress=progress
+        )
+
+    first = publisher_from(Progress())
+    await first.publish(EngineOutput("one two", 2, 7, 2))
+    await first.publish(EngineOutput(" three", 1, 7, 3))  # then the worker dies
+    progress = await Failover(pipe, names, max_deliveries=3).load_progress(job_id)
+    second = publisher_from(progress)
+    async with Channel(service_urls.redis, channel_name) as channel:
+        await second.publish(EngineOutput(" four", 1, 0, 1))
+        if ending == "error":
+            await second.finish_with_error("The engine failed.", "server_error")
+        else:
+            await second.finish_cancelled()
+        chunks = await channel.chunks(2)
+    assert chunks[1].finish_reason == ending
+    assert chunks[1].usage is not None
+    assert (chunks[1].usage.prompt_tokens, chunks[1].usage.completion_tokens) == (7, 4)
+    recorded = await pipe.execute("HGETALL", names.job_progress(job_id))
+    assert dict(zip(recorded[::2], recorded[1::2], strict=True)) == {
+        b"done": b"1",
+        b"completion_tokens": b"4",
+        b"prompt_tokens": b"7",
+    }
+    assert (await Failover(pipe, names, max_deliveries=3).load_progress(job_id)).done
