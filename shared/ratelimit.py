@@ -4,24 +4,40 @@ Requests per minute and tokens per minute use GCRA (the generic cell rate algori
 smooth sliding window with a burst of one full minute); concurrent requests are a set of
 leases that expire on their own if a gateway dies. One Lua script checks and commits all
 three atomically, with Redis' clock, so replicas never disagree.
+
+A token budget per UTC calendar day or month is checked in the same script: a completion
+reserves what it may use (its `max_tokens` and its prompt estimate) at admission, and the
+reservation is settled to the real usage when the answer ends (`submit_budget_settle`). A
+request is admitted while the period's spent and reserved tokens are below the budget, so
+concurrent requests on any number of gateways overspend by at most one request's reservation.
 """
 
 import asyncio
+import datetime as dt
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from shared.errors import RateLimited
-from shared.keys import KeyLimits
+from shared.keys import BudgetPeriod, KeyLimits
 from shared.names import Names
 from shared.redis_pipe import Arg, PipeScript, RedisPipe
 
 PERIOD_MS = 60_000
 
-# KEYS: rpm state, tpm state, concurrency leases.
-# ARGV: rpm limit, tpm limit, concurrency limit (0 = unlimited), token cost, lease id,
-#       lease ttl ms, period ms.
+# KEYS: rpm state, tpm state, concurrency leases, token budget of the period (a hash: `used`,
+#       the spent and reserved tokens, and `r:<reservation id>`, each reservation not yet settled).
+# ARGV: rpm limit, tpm limit, concurrency limit (0 = unlimited), token cost, lease id (also the
+#       reservation's id), lease ttl ms, period ms, token budget (0 = none), tokens to reserve
+#       (0 = no budget check), Unix time at which the budget's state expires.
 _CHECK = PipeScript("""
+local budget, reserve = tonumber(ARGV[8]), tonumber(ARGV[9])
+local used = 0
+if budget > 0 and reserve > 0 then
+  used = tonumber(redis.call('HGET', KEYS[4], 'used') or '0')
+  if used >= budget then return {'budget', 0, 0, 0, 0, 0, used} end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local period = tonumber(ARGV[7])
@@ -63,9 +79,96 @@ if denied == '' then
     redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[5])
     redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[6]))
   end
+  if budget > 0 and reserve > 0 then
+    used = redis.call('HINCRBY', KEYS[4], 'used', reserve)
+    redis.call('HSET', KEYS[4], 'r:' .. ARGV[5], reserve)
+    redis.call('EXPIREAT', KEYS[4], ARGV[10])
+  end
 end
-return {denied, retry_ms, req[3], req[4], tok[3], tok[4]}
+return {denied, retry_ms, req[3], req[4], tok[3], tok[4], used}
 """)
+
+# KEYS: token budget of the reservation's period. ARGV: reservation id, tokens really used,
+# Unix time at which the budget's state expires. The reservation is replaced by the real usage
+# once: settling again (or the gateway's release, a settlement of 0 tokens, after the session
+# manager's) adds only the tokens given, so the two sides may settle in either order.
+_SETTLE = PipeScript("""
+local field = 'r:' .. ARGV[1]
+local delta = tonumber(ARGV[2])
+local reserved = redis.call('HGET', KEYS[1], field)
+if reserved then
+  redis.call('HDEL', KEYS[1], field)
+  delta = delta - tonumber(reserved)
+end
+if delta ~= 0 then
+  redis.call('HINCRBY', KEYS[1], 'used', delta)
+  redis.call('EXPIREAT', KEYS[1], ARGV[3])
+end
+return delta
+""")
+
+# A period's budget state outlives the period by this much, so that answers that end after it
+# (a request's deadline is minutes) still settle against it.
+_BUDGET_GRACE_S = 2 * 86_400
+_PERIOD_ID = re.compile(r"^(d[0-9]{8}|m[0-9]{6})$")
+
+
+def budget_window(period: BudgetPeriod, now: dt.datetime) -> tuple[str, dt.datetime]:
+    """The UTC calendar period containing `now`: its id (`d20261124`, `m202611`) and when the next
+    one starts."""
+    now = now.astimezone(dt.UTC)
+    if period == "day":
+        start = dt.datetime(now.year, now.month, now.day, tzinfo=dt.UTC)
+        return f"d{now:%Y%m%d}", start + dt.timedelta(days=1)
+    next_start = dt.datetime(now.year + now.month // 12, now.month % 12 + 1, 1, tzinfo=dt.UTC)
+    return f"m{now:%Y%m}", next_start
+
+
+def period_end(period_id: str) -> dt.datetime:
+    """When the period with this id (`budget_window`'s) ends.
+
+    Raises:
+        ValueError: not a period id.
+    """
+    if not _PERIOD_ID.match(period_id):
+        raise ValueError(f"not a budget period: {period_id!r}")
+    if period_id[0] == "d":
+        day = dt.datetime.strptime(period_id[1:], "%Y%m%d").replace(tzinfo=dt.UTC)
+        return budget_window("day", day)[1]
+    month = dt.datetime.strptime(period_id[1:], "%Y%m").replace(tzinfo=dt.UTC)
+    return budget_window("month", month)[1]
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetReservation:
+    """Tokens reserved against a key's budget at admission, settled when the answer ends. The
+    gateway passes it to the session manager as `x-axon-budget-reservation: <period>:<id>:<tokens>`."""
+
+    period_id: str
+    reservation_id: str
+    tokens: int
+
+    def header(self) -> str:
+        return f"{self.period_id}:{self.reservation_id}:{self.tokens}"
+
+    @classmethod
+    def parse(cls, value: str) -> "BudgetReservation":
+        """Read the header.
+
+        Raises:
+            ValueError: not `<period>:<id>:<tokens>`.
+        """
+        period_id, reservation_id, tokens = value.split(":")
+        period_end(period_id)
+        if not (0 < len(reservation_id) <= 64 and reservation_id.isalnum() and tokens.isdigit()):
+            raise ValueError(f"not a budget reservation: {value!r}")
+        return cls(period_id, reservation_id, int(tokens))
+
+    @property
+    def expires_at(self) -> int:
+        """When the budget state of its period may be dropped (Unix time)."""
+        return int(period_end(self.period_id).timestamp()) + _BUDGET_GRACE_S
+
 
 # KEYS: tpm state. ARGV: tpm limit, token cost (may be negative: a refund), period ms.
 _CHARGE = PipeScript("""
@@ -94,13 +197,17 @@ class WindowState:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The limiter's answer: `denied` is None, or which limit refused (`requests`, `tokens`,
-    `concurrent`, or `too_large` for a request bigger than the whole token budget)."""
+    """The limiter's answer: `denied` is None, or which limit refused (`budget`, `requests`,
+    `tokens`, `concurrent`, or `too_large` for a request bigger than the whole token budget)."""
 
     denied: str | None
     retry_after_ms: int
     requests: WindowState
     tokens: WindowState
+    # The budget's spent and reserved tokens in the period (this request's reservation included
+    # when it was admitted), and the reservation to settle; 0 and None without a budget.
+    budget_used: int = 0
+    reservation: BudgetReservation | None = None
 
     @property
     def allowed(self) -> bool:
@@ -130,6 +237,19 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     return headers
 
 
+def budget_refusal(limits: KeyLimits, used: int, now: dt.datetime) -> RateLimited:
+    """The 429 `budget_exceeded` of a key whose budget is used up, with `Retry-After` at the
+    start of the next period."""
+    _, next_start = budget_window(limits.budget_period, now)
+    retry_s = max(1, math.ceil((next_start - now).total_seconds()))
+    return RateLimited(
+        f"This key's token budget of {limits.token_budget} tokens per {limits.budget_period} is used up "
+        f"({used} tokens spent or reserved); it renews at {next_start:%Y-%m-%dT%H:%M:%SZ}.",
+        code="budget_exceeded",
+        headers={"Retry-After": str(retry_s), "retry-after-ms": str(retry_s * 1000)},
+    )
+
+
 _LIMIT_NAMES = {"requests": "requests per minute", "tokens": "tokens per minute", "concurrent": "concurrent requests"}
 
 
@@ -153,6 +273,9 @@ class RateLimiter:
         self._pipe = pipe
         self._names = names
 
+    def _budget_key(self, key_id: str, period_id: str) -> str:
+        return self._names.rate_limit("budget", f"{key_id}:{period_id}")
+
     async def check(
         self,
         key_id: str,
@@ -161,12 +284,20 @@ class RateLimiter:
         token_cost: int,
         lease_id: str,
         lease_ttl_s: float,
+        reserve: int = 0,
+        period_id: str = "",
     ) -> Decision:
         """Admit one request costing `token_cost` tokens, or say which limit refuses it.
 
-        An admitted request holds a concurrency lease until `release` (or `lease_ttl_s`).
+        An admitted request holds a concurrency lease until `release` (or `lease_ttl_s`). With a
+        key's `token_budget` and `reserve` > 0, it is admitted only while the budget of period
+        `period_id` (`budget_window`'s) is not used up, and reserves `reserve` tokens of it
+        under `lease_id` until `submit_budget_settle`.
         """
+        budget = (limits.token_budget or 0) if reserve > 0 else 0
+        reservation = BudgetReservation(period_id, lease_id, reserve) if budget else None
         keys = [self._names.rate_limit(kind, key_id) for kind in ("rpm", "tpm", "conc")]
+        keys.append(self._budget_key(key_id, period_id or "-"))
         args: list[Arg] = [
             limits.rpm or 0,
             limits.tpm or 0,
@@ -175,14 +306,29 @@ class RateLimiter:
             lease_id,
             int(lease_ttl_s * 1000),
             PERIOD_MS,
+            budget,
+            reserve if budget else 0,
+            reservation.expires_at if reservation else 0,
         ]
-        denied, retry_ms, req_left, req_reset, tok_left, tok_reset = await self._pipe.evalsha(_CHECK, keys, args)
+        reply = await self._pipe.evalsha(_CHECK, keys, args)
+        denied, retry_ms, req_left, req_reset, tok_left, tok_reset, used = reply
         denied = denied.decode() if isinstance(denied, bytes) else denied
         return Decision(
             denied=denied or None,
             retry_after_ms=int(retry_ms),
             requests=WindowState(limits.rpm, int(req_left), int(req_reset)),
             tokens=WindowState(limits.tpm, int(tok_left), int(tok_reset)),
+            budget_used=int(used),
+            reservation=reservation if not denied else None,
+        )
+
+    def submit_budget_settle(self, key_id: str, reservation: BudgetReservation, used: int) -> asyncio.Future[Any]:
+        """Replace a budget reservation by the tokens really used (0 gives it all back); the
+        reservation counts once whichever side settles first. Returns the command's future."""
+        return self._pipe.submit_script(
+            _SETTLE,
+            [self._budget_key(key_id, reservation.period_id)],
+            [reservation.reservation_id, max(0, used), reservation.expires_at],
         )
 
     def submit_charge(self, key_id: str, tpm: int, cost: int) -> asyncio.Future[Any]:

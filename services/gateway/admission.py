@@ -1,23 +1,36 @@
-"""May the caller call now: a key's rate and concurrency limits applied to each request, and the
-lease a request holds until its answer ends."""
+"""May the caller call now: a key's rate and concurrency limits and its token budget applied to
+each request, the lease a request holds until its answer ends, and the models a key may use."""
 
+import asyncio
+import datetime as dt
 import secrets
+import time
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
 from services.gateway.metrics import GatewayMetrics
-from shared.errors import InvalidRequest, Unavailable
-from shared.keys import KeyRecord
+from shared.errors import Forbidden, InvalidRequest, Unavailable
+from shared.keys import KeyRecord, model_allowed
 from shared.logging import get_logger
-from shared.ratelimit import Decision, RateLimiter, rate_limit_headers, refusal
+from shared.ratelimit import (
+    BudgetReservation,
+    Decision,
+    RateLimiter,
+    budget_refusal,
+    budget_window,
+    rate_limit_headers,
+    refusal,
+)
+from shared.registry import WorkerRegistry
 
 log = get_logger(__name__)
 
 
 @dataclass
 class Admission:
-    """An admitted request: its limiter state (for headers) and its concurrency lease."""
+    """An admitted request: its limiter state (for headers), its concurrency lease and its
+    reservation of the key's token budget."""
 
     record: KeyRecord
     lease_id: str
@@ -30,6 +43,10 @@ class Admission:
     def holds_lease(self) -> bool:
         return self.decision is not None and self.record.limits.max_concurrent is not None
 
+    @property
+    def reservation(self) -> BudgetReservation | None:
+        return self.decision.reservation if self.decision else None
+
 
 class Admitter:
     """Applies a key's limits to each request."""
@@ -40,18 +57,29 @@ class Admitter:
         self._fail_open = fail_open
         self._lease_s = lease_s
 
-    async def admit(self, record: KeyRecord, *, token_cost: int) -> Admission:
-        """Admit the request or refuse it.
+    async def admit(self, record: KeyRecord, *, token_cost: int, reserve: int = 0) -> Admission:
+        """Admit the request or refuse it. A key with a token budget reserves `reserve` tokens of
+        it (a completion's most: its prompt estimate and `max_tokens`), settled when the answer
+        ends; a call that reserves nothing is not held to the budget.
 
         Raises:
-            RateLimited: a limit is exhausted (429 with accurate Retry-After).
+            RateLimited: a limit or the budget is exhausted (429 with accurate Retry-After).
             InvalidRequest: the request alone is larger than the key's token budget.
             Unavailable: Redis is unreachable and the limiter fails closed.
         """
         lease_id = secrets.token_hex(8)
+        limits = record.limits
+        now = dt.datetime.now(dt.UTC)
+        period_id = budget_window(limits.budget_period, now)[0] if limits.token_budget and reserve else ""
         try:
             decision = await self._limiter.check(
-                record.id, record.limits, token_cost=token_cost, lease_id=lease_id, lease_ttl_s=self._lease_s
+                record.id,
+                limits,
+                token_cost=token_cost,
+                lease_id=lease_id,
+                lease_ttl_s=self._lease_s,
+                reserve=reserve,
+                period_id=period_id,
             )
         except RedisError as exc:
             log.warning("rate_limiter_unavailable", error=repr(exc))
@@ -63,18 +91,77 @@ class Admitter:
         if decision.denied == "too_large":
             raise InvalidRequest(
                 f"The request needs about {token_cost} tokens, more than this key's limit of "
-                f"{record.limits.tpm} tokens per minute.",
+                f"{limits.tpm} tokens per minute.",
                 code="request_too_large_for_limit",
             )
+        if decision.denied == "budget":
+            self._metrics.rate_limited.labels("budget").inc()
+            raise budget_refusal(limits, decision.budget_used, now)
         if decision.denied is not None:
             self._metrics.rate_limited.labels(decision.denied).inc()
             raise refusal(decision)
         return Admission(record, lease_id, decision)
 
     async def release(self, admission: Admission) -> None:
-        if not admission.holds_lease:
+        """Give back the request's concurrency lease and its budget reservation (both idempotent,
+        and harmless after the session manager's settlement), in one write."""
+        writes = []
+        if admission.holds_lease:
+            writes.append(self._limiter.submit_release(admission.record.id, admission.lease_id))
+        if admission.reservation is not None:
+            writes.append(self._limiter.submit_budget_settle(admission.record.id, admission.reservation, 0))
+        if not writes:
             return
         try:
-            await self._limiter.release(admission.record.id, admission.lease_id)
+            await asyncio.gather(*writes)
         except RedisError as exc:
             log.warning("lease_release_failed", error=repr(exc))
+
+
+class ModelAccess:
+    """Which models a key may use: its allowlist, with aliases resolved (`model_allowed`) from
+    Redis' alias hash, cached in-process for `cache_ttl_s` like the session manager's catalog."""
+
+    def __init__(self, registry: WorkerRegistry, *, cache_ttl_s: float) -> None:
+        self._registry = registry
+        self._cache_ttl_s = cache_ttl_s
+        self._aliases: dict[str, str] = {}
+        self._fetched_at = float("-inf")
+        self._fetching: asyncio.Future[dict[str, str]] | None = None
+
+    async def require(self, record: KeyRecord, model: object) -> None:
+        """Refuse a model the key may not use. A key without an allowlist, or a body without a
+        model name (the session manager refuses it), passes at once; a listed name too.
+
+        Raises:
+            Forbidden: 403 `model_not_allowed`.
+            Unavailable: the aliases are needed and Redis cannot give them.
+        """
+        allowed = record.allowed_models
+        if allowed is None or not isinstance(model, str) or model in allowed:
+            return
+        if not model_allowed(model, allowed, await self._aliases_now()):
+            raise Forbidden(f"This API key may not use model '{model}'.", param="model", code="model_not_allowed")
+
+    async def _aliases_now(self) -> dict[str, str]:
+        """The alias map, at most `cache_ttl_s` old; requests that find it stale share one fetch."""
+        if time.monotonic() - self._fetched_at <= self._cache_ttl_s:
+            return self._aliases
+        if self._fetching is None:
+            self._fetching = asyncio.ensure_future(self._fetch())
+            self._fetching.add_done_callback(self._fetched)
+        try:
+            return await asyncio.shield(self._fetching)
+        except RedisError as exc:
+            log.warning("aliases_unavailable", error=repr(exc))
+            raise Unavailable("The model catalog is unavailable; try again shortly.", retry_after_s=2) from exc
+
+    async def _fetch(self) -> dict[str, str]:
+        aliases = await self._registry.aliases()
+        self._aliases, self._fetched_at = aliases, time.monotonic()
+        return aliases
+
+    def _fetched(self, fetch: asyncio.Future[dict[str, str]]) -> None:
+        self._fetching = None
+        if not fetch.cancelled():
+            fetch.exception()  # retrieved here: each waiter also got it

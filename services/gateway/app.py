@@ -8,7 +8,7 @@ import orjson
 from fastapi import FastAPI
 
 from services.gateway import playground
-from services.gateway.admission import Admitter
+from services.gateway.admission import Admitter, ModelAccess
 from services.gateway.api import admin, routes
 from services.gateway.api.openapi import install_request_schemas
 from services.gateway.auth import Authenticator
@@ -26,6 +26,7 @@ from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
 from shared.probes import PROBE_PATHS, install_probes
 from shared.ratelimit import RateLimiter
+from shared.registry import WorkerRegistry
 from shared.settings import InsecureConfiguration
 
 log = get_logger(__name__)
@@ -64,9 +65,12 @@ def _attach_services(
         forwarder=Forwarder(clients.upstream, internal_token=settings.require_internal_token()),
         authenticator=app.state.authenticator,
         admitter=admitter,
+        model_access=ModelAccess(WorkerRegistry(clients.redis, names), cache_ttl_s=settings.models_cache_ttl_s),
         in_flight=InFlightLimit(settings.max_requests_in_flight, metrics.overloaded),
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.request_body_timeout_s,
+        default_max_tokens=settings.default_max_tokens,
+        max_tokens_limit=settings.max_tokens_limit,
     )
 
 

@@ -1,6 +1,7 @@
 """Who is calling: the API key behind `Authorization`, looked up to its tenant and limits."""
 
 import asyncio
+import datetime as dt
 import time
 
 import asyncpg
@@ -62,7 +63,7 @@ class Authenticator:
         """The active key behind the header.
 
         Raises:
-            Unauthorized: missing, unknown or revoked key.
+            Unauthorized: missing, unknown or revoked key; an expired one (`key_expired`).
         """
         try:
             key = bearer_key(authorization)
@@ -78,6 +79,13 @@ class Authenticator:
         if record is None:
             self._metrics.auth_failures.labels("unknown").inc()
             raise Unauthorized("Incorrect API key provided.")
+        if record.expired(time.time()):
+            assert record.expires_at is not None
+            self._metrics.auth_failures.labels("expired").inc()
+            raise Unauthorized(
+                f"This API key expired at {record.expires_at.astimezone(dt.UTC):%Y-%m-%dT%H:%M:%SZ}.",
+                code="key_expired",
+            )
         return record
 
     async def _lookup_once(self, key_hash: bytes) -> KeyRecord | None:

@@ -18,7 +18,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import Counter
 from starlette.types import Message, Receive, Scope, Send
 
-from services.gateway.admission import Admission, Admitter
+from services.gateway.admission import Admission, Admitter, ModelAccess
 from services.gateway.auth import Authenticator
 from shared.disconnects import DisconnectWatch, unless_disconnected
 from shared.errors import DeadlineExceeded, InvalidRequest, Unavailable, error_body
@@ -89,9 +89,22 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
         chars += len(prompt)
     elif isinstance(prompt, list):
         chars += sum(len(p) for p in prompt if isinstance(p, str))
+    return estimate_tokens(chars=chars, messages=messages) * _choices(body)
+
+
+def _choices(body: dict[str, Any]) -> int:
     n = body.get("n")
-    choices = n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
-    return estimate_tokens(chars=chars, messages=messages) * choices
+    return n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
+
+
+def budget_reservation(body: dict[str, Any], prompt_estimate: int, *, default_max_tokens: int, limit: int) -> int:
+    """The most tokens a completion may use, reserved against its key's budget at admission:
+    the prompt estimate and `n` times its `max_completion_tokens` or `max_tokens` (else
+    `AXON_DEFAULT_MAX_TOKENS`, the session manager's default), at most `AXON_MAX_TOKENS_LIMIT`
+    (a larger request is refused by the session manager and its reservation given back)."""
+    requested = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = requested if type(requested) is int and requested >= 1 else default_max_tokens
+    return prompt_estimate + min(max_tokens, limit) * _choices(body)
 
 
 def upstream_target(request: Request) -> str:
@@ -186,13 +199,19 @@ class GatewayService:
         forwarder: Forwarder,
         authenticator: Authenticator,
         admitter: Admitter,
+        model_access: ModelAccess,
         in_flight: InFlightLimit,
         max_body_bytes: int,
         body_timeout_s: float,
+        default_max_tokens: int,
+        max_tokens_limit: int,
     ) -> None:
         self._forwarder = forwarder
         self._authenticator = authenticator
         self._admitter = admitter
+        self._model_access = model_access
+        self._default_max_tokens = default_max_tokens
+        self._max_tokens_limit = max_tokens_limit
         self._in_flight = in_flight
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
@@ -219,11 +238,20 @@ class GatewayService:
         record = await self._authenticator.authenticate(header(scope, b"authorization"))
         bind_contextvars(tenant=record.tenant, key_id=record.id)
         body = await read_body(scope, receive, max_bytes=self._max_body_bytes, timeout_s=self._body_timeout_s)
-        cost = estimate_prompt_tokens(parse_json_object(body))
-        admission = await self._admitter.admit(record, token_cost=cost)
+        parsed = parse_json_object(body)
+        await self._model_access.require(record, parsed.get("model"))
+        cost = estimate_prompt_tokens(parsed)
+        reserve = 0
+        if record.limits.token_budget:
+            reserve = budget_reservation(
+                parsed, cost, default_max_tokens=self._default_max_tokens, limit=self._max_tokens_limit
+            )
+        admission = await self._admitter.admit(record, token_cost=cost, reserve=reserve)
         headers = self._upstream_headers(scope["state"]["request_id"], record, prompt_estimate=cost)
         if admission.holds_lease:
             headers["x-axon-lease-id"] = admission.lease_id
+        if admission.reservation is not None:
+            headers["x-axon-budget-reservation"] = admission.reservation.header()
         handed_over = False
         try:
             watch = DisconnectWatch(scope, receive)
@@ -236,9 +264,10 @@ class GatewayService:
             finally:
                 watch.stop()
         finally:
-            # An answer relayed to its end had its lease released by the session manager, in the
-            # same write as its usage; in every other case (an error, a broken stream, a client
-            # gone) release it here too: releasing twice is harmless.
+            # An answer relayed to its end had its lease released and its budget reservation
+            # settled by the session manager, in the same write as its usage; in every other case
+            # (an error, a broken stream, a client gone) release both here too: releasing twice is
+            # harmless, and a reservation the session manager settles later is charged its usage.
             if not handed_over:
                 await self._admitter.release(admission)
 

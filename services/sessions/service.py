@@ -30,7 +30,7 @@ from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, Unavailab
 from shared.logging import bind_contextvars, get_logger
 from shared.names import Names
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest, Kind
-from shared.ratelimit import RateLimiter
+from shared.ratelimit import BudgetReservation, RateLimiter
 from shared.redis_pipe import PipeScript, RedisPipe
 from shared.registry import LiveModel
 from shared.responses import SSE_END
@@ -57,6 +57,8 @@ class Caller:
     prompt_estimate: int = 0
     # The gateway's concurrency lease for this request, released when the answer ends.
     lease_id: str | None = None
+    # What the gateway reserved of the key's token budget, settled to the usage when the answer ends.
+    budget: BudgetReservation | None = None
 
 
 def chunk_error(chunk: TokenChunk) -> AxonError:
@@ -595,8 +597,9 @@ class CompletionService:
     ) -> None:
         """The request's bookkeeping, in one Redis write: its usage row, the charge of its real
         token use `usage` (every choice's job; correcting the gateway's estimate, once for the
-        whole request) and the release of the caller's concurrency lease; then the outcome of
-        those and of the cancel notices. None of it may fail the answer."""
+        whole request), the settlement of its token budget reservation to that use and the
+        release of the caller's concurrency lease; then the outcome of those and of the cancel
+        notices. None of it may fail the answer."""
         writes = [("cancel_publish", cancel) for cancel in cancels]
         job, caller = active.job, active.caller
         if usage is not None:
@@ -614,6 +617,9 @@ class CompletionService:
             cost = usage.completion_tokens + usage.prompt_tokens - caller.prompt_estimate
             if caller.key_id is not None and caller.tpm_limit and cost:
                 writes.append(("token_charge", self._limiter.submit_charge(caller.key_id, caller.tpm_limit, cost)))
+        if caller.key_id is not None and caller.budget is not None:
+            spent = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
+            writes.append(("budget_settle", self._limiter.submit_budget_settle(caller.key_id, caller.budget, spent)))
         if caller.key_id is not None and caller.lease_id is not None:
             writes.append(("lease_release", self._limiter.submit_release(caller.key_id, caller.lease_id)))
         results = await asyncio.gather(*(future for _, future in writes), return_exceptions=True)

@@ -4,11 +4,11 @@ import datetime as dt
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
-from pydantic import BaseModel, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
 from services.gateway.api.deps import AdminDep, KeysDep
-from shared.errors import NotFound
-from shared.keys import KeyRecord, evict_key, limits_with_defaults
+from shared.errors import InvalidRequest, NotFound
+from shared.keys import BudgetPeriod, KeyRecord, evict_key, limits_with_defaults
 from shared.registry import WorkerRegistry
 
 router = APIRouter(prefix="/admin", dependencies=[AdminDep], include_in_schema=False)
@@ -16,15 +16,72 @@ router = APIRouter(prefix="/admin", dependencies=[AdminDep], include_in_schema=F
 
 # The limit columns of `api_keys` are PostgreSQL integers: a larger limit is a 400, not a failed INSERT.
 _MAX_LIMIT = 2**31 - 1
+# Budgets are counted in Redis' Lua numbers (doubles): exact up to 2**53.
+_MAX_BUDGET = 2**53 - 1
+ModelName = Annotated[str, Field(min_length=1, max_length=256)]
+AllowedModels = Annotated[list[ModelName], Field(min_length=1, max_length=256)]
+
+
+def _future(value: dt.datetime | None) -> dt.datetime | None:
+    if value is not None and value <= dt.datetime.now(dt.UTC):
+        raise ValueError("must be in the future")
+    return value
+
+
+def _distinct(value: list[str] | None) -> list[str] | None:
+    return list(dict.fromkeys(value)) if value is not None else None
 
 
 class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(min_length=1, max_length=200)
     tenant: str | None = Field(None, min_length=1, max_length=128)
     rpm: int | None = Field(None, ge=1, le=_MAX_LIMIT)
     tpm: int | None = Field(None, ge=1, le=_MAX_LIMIT)
     max_concurrent: int | None = Field(None, ge=1, le=_MAX_LIMIT)
     priority: int = Field(0, ge=0, le=9)
+    expires_at: AwareDatetime | None = None
+    allowed_models: AllowedModels | None = None
+    token_budget: int | None = Field(None, ge=1, le=_MAX_BUDGET)
+    budget_period: BudgetPeriod = "month"
+
+    _expires_in_future = field_validator("expires_at")(_future)
+    _allowed_distinct = field_validator("allowed_models")(_distinct)
+
+
+class KeyUpdate(BaseModel):
+    """A key's changes: a field left out stays as it is; null clears a limit (unlimited), the
+    expiry (never) or the allowlist (every model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, min_length=1, max_length=200)
+    rpm: int | None = Field(None, ge=1, le=_MAX_LIMIT)
+    tpm: int | None = Field(None, ge=1, le=_MAX_LIMIT)
+    max_concurrent: int | None = Field(None, ge=1, le=_MAX_LIMIT)
+    priority: int | None = Field(None, ge=0, le=9)
+    expires_at: AwareDatetime | None = None
+    allowed_models: AllowedModels | None = None
+    token_budget: int | None = Field(None, ge=1, le=_MAX_BUDGET)
+    budget_period: BudgetPeriod | None = None
+
+    _expires_in_future = field_validator("expires_at")(_future)
+    _allowed_distinct = field_validator("allowed_models")(_distinct)
+
+    def changes(self) -> dict[str, object]:
+        """The fields the body sets. `name`, `priority` and `budget_period` cannot be null.
+
+        Raises:
+            InvalidRequest: nothing to change, or null where a value is needed.
+        """
+        changes = {field: getattr(self, field) for field in sorted(self.model_fields_set)}
+        for field in ("name", "priority", "budget_period"):
+            if field in changes and changes[field] is None:
+                raise InvalidRequest(f"{field}: may not be null.", param=field, code="invalid_request")
+        if not changes:
+            raise InvalidRequest("Nothing to update: set at least one field.", code="invalid_request")
+        return changes
 
 
 class KeyCreated(KeyRecord):
@@ -40,15 +97,35 @@ async def create_key(body: KeyCreate, keys: KeysDep, request: Request) -> KeyCre
         max_concurrent=body.max_concurrent,
         priority=body.priority,
         defaults=request.app.state.settings,
+        token_budget=body.token_budget,
+        budget_period=body.budget_period,
     )
-    key, record = await keys.create(name=body.name, limits=limits, tenant=body.tenant)
+    key, record = await keys.create(
+        name=body.name,
+        limits=limits,
+        tenant=body.tenant,
+        expires_at=body.expires_at,
+        allowed_models=body.allowed_models,
+    )
     return KeyCreated(**record.model_dump(), key=key)
 
 
 @router.get("/keys")
 async def list_keys(keys: KeysDep) -> dict[str, Any]:
-    """List API keys (display form only)."""
+    """List API keys (display form only) with their limits, budget, expiry and allowed models."""
     return {"object": "list", "data": [r.model_dump(mode="json") for r in await keys.list()]}
+
+
+@router.patch("/keys/{key_id}")
+async def update_key(key_id: str, body: KeyUpdate, keys: KeysDep, request: Request) -> KeyRecord:
+    """Change an active key's limits, budget, expiry or allowed models; every gateway applies the
+    change within a second (its cached lookups are evicted, as on revocation)."""
+    updated = await keys.update(key_id, body.changes())
+    if updated is None:
+        raise NotFound(f"No active key with id '{key_id}'.", param="key_id")
+    record, key_hash = updated
+    await evict_key(request.app.state.redis, request.app.state.names, key_hash)
+    return record
 
 
 @router.delete("/keys/{key_id}")

@@ -14,12 +14,15 @@ from services.sessions.service import Caller
 from shared.errors import InvalidRequest
 from shared.hot_routes import header
 from shared.logging import bind_contextvars
+from shared.ratelimit import BudgetReservation
 
 # Headers the gateway sets after authenticating the caller. The session manager is internal:
 # only the gateway can reach it (NetworkPolicy in the Helm chart).
 TENANT_HEADER = b"x-axon-tenant"
 # The concurrency lease a completion holds: the session manager releases it when the answer ends.
 LEASE_HEADER = b"x-axon-lease-id"
+# The tokens of the key's budget the gateway reserved: settled to the real usage when the answer ends.
+BUDGET_HEADER = b"x-axon-budget-reservation"
 
 
 def caller_from(scope: Scope) -> Caller:
@@ -37,6 +40,15 @@ def caller_from(scope: Scope) -> Caller:
     lease_id = header(scope, LEASE_HEADER)
     if lease_id is not None and len(lease_id) > 64:
         raise InvalidRequest("x-axon-lease-id: at most 64 characters.", param="x-axon-lease-id")
+    budget = None
+    reservation = header(scope, BUDGET_HEADER)
+    if reservation is not None:
+        try:
+            budget = BudgetReservation.parse(reservation)
+        except ValueError:
+            raise InvalidRequest(
+                "x-axon-budget-reservation: must be <period>:<id>:<tokens>.", param="x-axon-budget-reservation"
+            ) from None
     bind_contextvars(tenant=tenant)
     return Caller(
         tenant=tenant,
@@ -45,6 +57,7 @@ def caller_from(scope: Scope) -> Caller:
         tpm_limit=_int_header(scope, b"x-axon-tpm-limit"),
         prompt_estimate=_int_header(scope, b"x-axon-prompt-estimate"),
         lease_id=lease_id,
+        budget=budget,
     )
 
 
