@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 from services.gateway import playground
 from services.gateway.admission import Admitter, ModelAccess
-from services.gateway.api import admin, routes
+from services.gateway.api import admin, docs, routes
 from services.gateway.api.openapi import install_request_schemas
 from services.gateway.auth import Authenticator
 from services.gateway.metrics import GatewayMetrics
@@ -101,6 +101,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         summary="OpenAI-compatible API for large language models.",
         version="0.1.0",
         lifespan=lifespan,
+        # /docs is served by api/docs.py from the gateway's own copy of Swagger UI, not a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     install_error_handlers(app)
@@ -113,6 +116,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(admin.router)
     app.include_router(playground.create_router())
+    app.include_router(docs.router)
     install_request_schemas(app)
 
     install_probes(
