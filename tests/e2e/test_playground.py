@@ -7,6 +7,7 @@ they fail. Every browser test saves a screenshot of its page at the end, pass or
 run's `artifacts/playground` folder under pytest's base temporary directory (see `--basetemp`).
 """
 
+import itertools
 import json
 import os
 import re
@@ -149,6 +150,34 @@ def test_chat_streams_an_answer_with_its_timings_and_the_history_survives_a_relo
     expect(page.locator(".message.user")).to_have_text(["Hello from the playground test"])
     expect(page.locator(".message.assistant .body")).to_have_text([text])
     expect(page.locator(f'.session[data-id="{session_id}"]')).to_have_class(re.compile(r"\bactive\b"))
+
+
+def box(page: Page, selector: str) -> dict[str, float]:
+    """The element's border box in CSS pixels (x, y, width, height)."""
+    found = page.locator(selector).bounding_box()
+    assert found is not None, f"{selector} is not shown"
+    return dict(found)
+
+
+def test_a_phone_gets_one_full_width_column_with_the_controls_stacked(page: Page, api_key: str) -> None:
+    # 390 x 844 CSS pixels: an iPhone 12 to 15. The sessions come above the chat, not beside it.
+    page.set_viewport_size({"width": 390, "height": 844})
+    use_key(page, api_key)
+    pick_model(page, SIM_MODEL)
+    send(page, "A question from a phone, with_a_long_unbroken_word_that_must_wrap_inside_the_column", max_tokens=40)
+    answer = page.locator(".message.assistant").last
+    expect(answer.locator(".meta")).to_contain_text("40 tokens")
+
+    chat, sidebar = box(page, ".chat"), box(page, ".sidebar")
+    assert chat["width"] >= 380, chat  # the whole width, not the ~40 px left beside a fixed sidebar
+    assert sidebar["y"] + sidebar["height"] <= chat["y"] + 1, (sidebar, chat)
+    for selector in (".message.user", ".message.assistant", "#prompt", "#send", "#api-key"):
+        shown = box(page, selector)
+        assert shown["x"] >= 0 and shown["x"] + shown["width"] <= 390 + 0.5, (selector, shown)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390, "the page scrolls sideways"
+    # Each control on a row of its own, in order.
+    rows = [box(page, s) for s in ("#max-tokens", "#temperature", "#response-format", "#send", "#stop")]
+    assert all(above["y"] + above["height"] <= below["y"] for above, below in itertools.pairwise(rows)), rows
 
 
 def test_stop_aborts_the_stream_and_cancels_the_generation_on_the_worker(
