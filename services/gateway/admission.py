@@ -64,13 +64,15 @@ class Admitter:
 
         Raises:
             RateLimited: a limit or the budget is exhausted (429 with accurate Retry-After).
-            InvalidRequest: the request alone is larger than the key's token budget.
+            InvalidRequest: the request alone is larger than the key's tokens per minute.
             Unavailable: Redis is unreachable and the limiter fails closed.
         """
         lease_id = secrets.token_hex(8)
         limits = record.limits
-        now = dt.datetime.now(dt.UTC)
-        period_id = budget_window(limits.budget_period, now)[0] if limits.token_budget and reserve else ""
+        budgeted = bool(limits.token_budget and reserve)
+        # Periods are UTC calendar days or months by this gateway's clock.
+        now = dt.datetime.now(dt.UTC) if budgeted else None
+        period_id = budget_window(limits.budget_period, now)[0] if now is not None else ""
         try:
             decision = await self._limiter.check(
                 record.id,
@@ -94,7 +96,7 @@ class Admitter:
                 f"{limits.tpm} tokens per minute.",
                 code="request_too_large_for_limit",
             )
-        if decision.denied == "budget":
+        if decision.denied == "budget" and now is not None:
             self._metrics.rate_limited.labels("budget").inc()
             raise budget_refusal(limits, decision.budget_used, now)
         if decision.denied is not None:
