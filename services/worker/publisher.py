@@ -14,12 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
+from redis.exceptions import RedisError
 
 from services.sessions.outbox import postgres_text
 from services.worker.engines import EngineOutput
 from services.worker.engines.base import ToolCallParser
 from services.worker.failover import Progress
 from services.worker.tools import merge_deltas
+from shared.logging import get_logger
 from shared.names import Names
 from shared.redis_pipe import PipeScript, RedisPipe
 from shared.schemas import (
@@ -33,18 +35,20 @@ from shared.schemas import (
     Usage,
 )
 
+log = get_logger(__name__)
+
 # Progress outlives the job's deadline by this much, then Redis forgets it.
 _PROGRESS_GRACE_S = 60
 
-# KEYS: progress hash, text, token ids, outbox.
+# KEYS: progress hash, text, token ids.
 # ARGV: channel, chunk JSON, final (0/1), next seq, completion tokens, prompt tokens, new text,
-#       expiry in seconds (0: leave as is), usage row JSON (final chunk; else ''), new token ids...
+#       expiry in seconds (0: leave as is), new token ids...
 # The final chunk replaces the progress with `done` and the job's final token counts: a job
 # redelivered after its answer was complete (its ack was lost with the broker connection) is then
 # acked, not generated again, and a session manager that never saw the final chunk can still
-# charge what was generated. A final chunk nobody receives (the session manager that published the
-# job is gone) puts the job's usage row in the outbox itself, unless a session manager has already
-# charged the job (`billed`, set by `CompletionService._recorded_usage`).
+# charge what was generated. It returns 2 when nobody received it (the session manager that
+# published the job is gone) and no session manager has charged the job (`billed`, set by
+# `CompletionService._recorded_usage`): the worker then records the job's usage row itself.
 _PUBLISH_WITH_PROGRESS = PipeScript("""
 local receivers = redis.call('PUBLISH', ARGV[1], ARGV[2])
 if ARGV[3] == '1' then
@@ -52,14 +56,12 @@ if ARGV[3] == '1' then
   redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
   redis.call('HSET', KEYS[1], 'done', '1', 'completion_tokens', ARGV[5], 'prompt_tokens', ARGV[6])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
-  if receivers == 0 and billed == 0 and ARGV[9] ~= '' then
-    redis.call('XADD', KEYS[4], '*', 'kind', 'usage', 'row', ARGV[9])
-  end
+  if receivers == 0 and billed == 0 then return 2 end
   return 1
 end
 redis.call('HSET', KEYS[1], 'seq', ARGV[4], 'completion_tokens', ARGV[5], 'prompt_tokens', ARGV[6])
 if ARGV[7] ~= '' then redis.call('APPEND', KEYS[2], ARGV[7]) end
-if #ARGV > 9 then redis.call('RPUSH', KEYS[3], unpack(ARGV, 10)) end
+if #ARGV > 8 then redis.call('RPUSH', KEYS[3], unpack(ARGV, 9)) end
 local ttl = tonumber(ARGV[8])
 if ttl > 0 then
   for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ttl) end
@@ -70,6 +72,9 @@ return 1
 
 # The chunk's JSON straight from pydantic's serializer (`model_dump_json` costs a little more).
 _chunk_json = TokenChunk.__pydantic_serializer__.to_json
+
+# What `_PUBLISH_WITH_PROGRESS` returns for a final chunk whose usage nobody recorded.
+_UNHEARD = 2
 
 # Decides an answer's finish reason from the engine's and whether tool calls were made.
 FinishRule = Callable[[FinishReason, bool], FinishReason]
@@ -108,12 +113,8 @@ class ChunkPublisher:
         self._deadline = deadline
         self._job_id = job_id
         self._owner = owner
-        self._keys = (
-            names.job_progress(job_id),
-            names.job_progress_text(job_id),
-            names.job_progress_tokens(job_id),
-            names.outbox,
-        )
+        self._outbox = names.outbox
+        self._keys = (names.job_progress(job_id), names.job_progress_text(job_id), names.job_progress_tokens(job_id))
         self.seq = progress.seq
         self.completion_tokens = progress.resume.completion_tokens if progress.resume is not None else 0
         self.prompt_tokens = progress.prompt_tokens
@@ -199,8 +200,7 @@ class ChunkPublisher:
         if final or not self._expiry_set:
             expire_s = max(1, int(self._deadline - time.time()) + _PROGRESS_GRACE_S)
             self._expiry_set = True
-        row = self._usage_row() if final and self._owner is not None else b""
-        await self._pipe.evalsha(
+        published = await self._pipe.evalsha(
             _PUBLISH_WITH_PROGRESS,
             list(self._keys),
             [
@@ -212,18 +212,17 @@ class ChunkPublisher:
                 self.prompt_tokens,
                 text,
                 expire_s,
-                row,
                 *token_ids,
             ],
         )
         self.seq += 1
+        if published == _UNHEARD and self._owner is not None:
+            await self._record_usage(self._owner)
 
-    def _usage_row(self) -> bytes:
-        """The job's usage row as the outbox carries it (`services/sessions/outbox.py:UsageRow`), for
-        a final chunk nobody receives. Its latency is unknown here (the request's, not the job's)."""
-        assert self._owner is not None
-        owner = self._owner
-        return orjson.dumps(
+    async def _record_usage(self, owner: UsageOwner) -> None:
+        """Put the job's usage row in the outbox (as `services/sessions/outbox.py:UsageRow`): its final
+        chunk reached nobody. Its latency is unknown here (the request's, not the job's)."""
+        row = orjson.dumps(
             {
                 "job_id": self._job_id,
                 "tenant": postgres_text(owner.tenant),
@@ -235,6 +234,11 @@ class ChunkPublisher:
                 "created_at": dt.datetime.now(dt.UTC).isoformat(),
             }
         )
+        try:
+            await self._pipe.execute("XADD", self._outbox, "*", "kind", "usage", "row", row)
+        except (RedisError, ConnectionError, TimeoutError) as exc:
+            # The answer is complete; only its record is lost (Redis is away).
+            log.warning("usage_record_failed", error=repr(exc))
 
 
 class Coalescer:
