@@ -79,13 +79,16 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     Raises:
         InsecureConfiguration: no admin token, or a short or well-known one; no internal token,
-            or a short one.
+            or a short one; only one of the TLS files, or one that cannot be used.
     """
     settings = settings or GatewaySettings()
     settings.require_internal_token()
     problem = settings.admin_token_problem()
     if problem is not None:
         raise InsecureConfiguration(f"Refusing to start the admin API: {problem}.")
+    problem = settings.tls_problem()
+    if problem is not None:
+        raise InsecureConfiguration(f"Refusing to start HTTPS: {problem}.")
     metrics = GatewayMetrics()
 
     @asynccontextmanager

@@ -30,6 +30,8 @@ def main() -> None:
         host=settings.host,
         port=settings.gateway_port,
         http=guarded_protocol(limits),
+        ssl_certfile=settings.tls_certfile or None,
+        ssl_keyfile=settings.tls_keyfile or None,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,

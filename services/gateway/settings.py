@@ -1,5 +1,7 @@
 """Gateway settings (`AXON_*` environment variables)."""
 
+import ssl
+
 from pydantic import Field, SecretStr
 
 from shared.settings import CommonSettings
@@ -46,6 +48,10 @@ class GatewaySettings(CommonSettings):
     rate_limit_fail_open: bool = False
     # A concurrency lease is dropped after this long even if its gateway died holding it.
     concurrency_lease_s: float = Field(360.0, gt=0)
+    # HTTPS without a load balancer: the gateway serves TLS itself with this certificate (PEM, the
+    # chain after it) and its unencrypted private key (PEM). Both or neither; neither: plain HTTP.
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
     # The session manager's settings of the same names: a completion without max_tokens reserves
     # AXON_DEFAULT_MAX_TOKENS of its key's token budget, and none reserves more than
     # AXON_MAX_TOKENS_LIMIT.
@@ -61,4 +67,29 @@ class GatewaySettings(CommonSettings):
             return "AXON_ADMIN_TOKEN is not set"
         if token.lower() in WELL_KNOWN_TOKENS or len(token) < MIN_ADMIN_TOKEN_LEN:
             return f"AXON_ADMIN_TOKEN is well known or shorter than {MIN_ADMIN_TOKEN_LEN} characters"
+        return None
+
+    def tls_problem(self) -> str | None:
+        """Why the gateway cannot serve HTTPS with the TLS files it was given, or None (also when
+        it was given none)."""
+        certfile, keyfile = self.tls_certfile or None, self.tls_keyfile or None
+        if certfile is None and keyfile is None:
+            return None
+        if certfile is None or keyfile is None:
+            unset = "AXON_TLS_CERTFILE" if certfile is None else "AXON_TLS_KEYFILE"
+            return f"{unset} is not set; HTTPS needs both AXON_TLS_CERTFILE and AXON_TLS_KEYFILE"
+        for variable, path in (("AXON_TLS_CERTFILE", certfile), ("AXON_TLS_KEYFILE", keyfile)):
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                return f"{variable} ({path}) cannot be read: {exc.strerror}"
+        try:
+            # An empty password: an encrypted key fails here rather than prompting on the terminal.
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile, password=b"")
+        except ssl.SSLError as exc:
+            return (
+                f"AXON_TLS_CERTFILE ({certfile}) and AXON_TLS_KEYFILE ({keyfile}) are not a PEM certificate "
+                f"and its unencrypted private key: {exc.reason or exc}"
+            )
         return None

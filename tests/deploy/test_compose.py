@@ -361,3 +361,70 @@ def test_dashboards_query_metrics_the_code_exports(path: Path) -> None:
 def test_dockerfiles_referenced_by_compose_exist() -> None:
     assert (DOCKER_DIR / "Dockerfile").is_file() and (DOCKER_DIR / "Dockerfile.worker-gpu").is_file()
     assert os.path.isfile(ROOT / ".dockerignore")
+
+
+# --- docker-compose.tls.yml: HTTPS served by the gateway itself ----------------------------------------
+
+TLS_OVERRIDE = ROOT / "docker-compose.tls.yml"
+TLS_ENV = {"TLS_DIR": "/srv/axon-tls"}
+
+
+def merge_override(base: dict, override: dict) -> dict:
+    """`docker compose -f base -f override` for what the override uses: mappings merge key by key,
+    volumes by their target path, and a healthcheck's test (like any other list) is replaced."""
+    merged = dict(base)
+    for key, value in override.items():
+        if key == "volumes" and isinstance(value, list):
+            targets = {str(v).split(":")[1]: v for v in merged.get(key, [])}
+            targets.update({str(v).split(":")[1]: v for v in value})
+            merged[key] = list(targets.values())
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_override(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+@pytest.fixture(scope="module")
+def tls_services(raw_text: str) -> dict[str, dict]:
+    base = yaml.safe_load(interpolate(raw_text, TLS_ENV))
+    override = yaml.safe_load(interpolate(TLS_OVERRIDE.read_text(), TLS_ENV))
+    merged = merge_override(base, override)
+    assert set(override["services"]) <= set(base["services"]), "the override adds no service"
+    PyOptions(apply_merge=True).from_yaml(yaml.safe_dump(merged)).validate()
+    return merged["services"]
+
+
+def test_tls_override_needs_the_folder_of_the_certificate() -> None:
+    with pytest.raises(KeyError, match="TLS_DIR"):
+        interpolate(TLS_OVERRIDE.read_text(), {})
+
+
+def test_tls_override_gives_the_gateway_its_certificate_and_key_read_only(tls_services: dict) -> None:
+    gateway = tls_services["gateway"]
+    env = env_of(gateway)
+    assert {"AXON_TLS_CERTFILE", "AXON_TLS_KEYFILE"} <= set(settings_env_names())
+    (mount,) = [v for v in gateway["volumes"] if v.startswith(TLS_ENV["TLS_DIR"] + ":")]
+    _, target, mode = mount.split(":")
+    assert mode == "ro"
+    assert env["AXON_TLS_CERTFILE"] == f"{target}/cert.pem" and env["AXON_TLS_KEYFILE"] == f"{target}/key.pem"
+    # Everything else the gateway had is still there.
+    assert env["AXON_SESSIONS_URL"] == "http://sessions:8001" and env["AXON_ADMIN_TOKEN"]
+
+
+def test_tls_override_probes_the_gateway_over_https(tls_services: dict) -> None:
+    url = urlsplit(healthcheck_url(tls_services["gateway"]))
+    assert (url.scheme, url.port, url.path) == ("https", setting_default("GatewaySettings", "gateway_port"), "/ready")
+
+
+def test_tls_prometheus_config_differs_only_in_scraping_the_gateway_over_https(tls_services: dict) -> None:
+    mount = [v for v in tls_services["prometheus"]["volumes"] if v.endswith(":/etc/prometheus/prometheus.yml:ro")]
+    assert len(mount) == 1
+    tls_config = yaml.safe_load((ROOT / mount[0].split(":")[0]).read_text())
+    plain = yaml.safe_load((ROOT / "infra" / "prometheus" / "prometheus.yml").read_text())
+    tls_jobs = {job["job_name"]: job for job in tls_config.pop("scrape_configs")}
+    plain_jobs = {job["job_name"]: job for job in plain.pop("scrape_configs")}
+    assert tls_config == plain and tls_jobs.keys() == plain_jobs.keys()
+    gateway = tls_jobs.pop("gateway")
+    assert gateway.pop("scheme") == "https" and gateway.pop("tls_config") == {"insecure_skip_verify": True}
+    assert gateway == plain_jobs.pop("gateway") and tls_jobs == plain_jobs
