@@ -1,7 +1,9 @@
 """Who records a job's usage row, on the real Redis: its session manager when it receives the final
 chunk; the worker itself when nobody does (the session manager is gone), unless a session manager
-already charged the job from its progress (`billed`)."""
+already charged the job from its progress (`billed`). And what a job that ends early charges: an
+engine failure the tokens published before it, a job cancelled while queued nothing."""
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,11 +12,15 @@ import orjson
 import pytest
 
 from services.sessions.service import _MARK_BILLED
-from services.worker.engines import EngineOutput
+from services.worker.engines import EngineError, EngineOutput, GenerationRequest
+from services.worker.engines.sim import SimEngine
 from services.worker.failover import Failover, Progress
+from services.worker.metrics import WorkerMetrics
 from services.worker.publisher import ChunkPublisher, UsageOwner
+from services.worker.service import JobRunner
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
+from shared.schemas import Job, Message, Sampling, TokenChunk
 from tests.integration.test_chunks import Channel
 
 OWNER = UsageOwner(tenant="acme", key_id="key_usage", model="sim-model")
@@ -100,3 +106,87 @@ async def test_a_queued_job_marked_billed_starts_from_the_beginning(pipe, names)
     assert await pipe.evalsha(_MARK_BILLED, [names.job_progress(job_id)], [60]) == [None, None]
     assert 0 < await pipe.execute("TTL", names.job_progress(job_id)) <= 60
     assert await Failover(pipe, names, max_deliveries=3).load_progress(job_id) == Progress()
+
+
+class FailingSim(SimEngine):
+    """The simulator, failing every answer after `fail_after` tokens."""
+
+    fail_after = 4
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
+        count = 0
+        async for out in super().generate(request):
+            if count == self.fail_after:
+                raise EngineError("The engine failed.")
+            count += out.n_tokens
+            yield out
+
+
+class Delivery:
+    """A RabbitMQ delivery as the job runner sees it."""
+
+    def __init__(self, job: Job) -> None:
+        self.body = job.model_dump_json().encode()
+        self.headers: dict = {}
+        self.redelivered = False
+        self.message_id = job.job_id
+        self.settled: list[str] = []
+
+    async def ack(self) -> None:
+        self.settled.append("ack")
+
+    async def nack(self, requeue: bool = False) -> None:
+        self.settled.append("nack")
+
+
+async def run_job(pipe: RedisPipe, names: Names, service_urls, *, cancel_first: bool) -> list[TokenChunk]:
+    """Run one job on a JobRunner over the failing simulator; its chunks as published."""
+    engine = FailingSim(model_name="sim-model", ttft_ms=0, itl_ms=1, max_seqs=4, context_tokens=4096)
+    await engine.start()
+
+    async def dead_letter(_message: object, _reason: str) -> None:
+        raise AssertionError("nothing is dead-lettered here")
+
+    runner = JobRunner(
+        engine=engine, pipe=pipe, names=names, metrics=WorkerMetrics(), max_deliveries=3, dead_letter=dead_letter
+    )
+    job_id = str(uuid.uuid4())
+    job = Job(
+        job_id=job_id,
+        model="sim-model",
+        messages=[Message(role="user", content="five words of prompt here")],
+        sampling=Sampling(max_tokens=50),
+        channel=names.tokens_channel(job_id),
+        deadline=time.time() + 30,
+        tenant="acme",
+        key_id="key_usage",
+    )
+    if cancel_first:
+        await runner.cancel(job_id)  # the client left while the job was queued
+    delivery = Delivery(job)
+    async with Channel(service_urls.redis, job.channel) as channel:
+        await runner.on_message(delivery)
+        await runner.drain(10)
+        async with asyncio.timeout(5):  # until the final chunk has arrived here too
+            while not channel.raw or TokenChunk.model_validate_json(channel.raw[-1]).finish_reason is None:
+                await asyncio.sleep(0.01)
+        chunks = [TokenChunk.model_validate_json(raw) for raw in channel.raw]
+    assert delivery.settled == ["ack"]
+    return chunks
+
+
+async def test_job_failing_in_the_engine_is_charged_the_tokens_it_published(pipe, names, service_urls) -> None:
+    chunks = await run_job(pipe, names, service_urls, cancel_first=False)
+    final = chunks[-1]
+    assert final.finish_reason == "error"
+    assert final.usage is not None
+    assert final.usage.completion_tokens == sum(c.n_tokens for c in chunks) == FailingSim.fail_after
+    assert final.usage.prompt_tokens > 0
+    assert await usage_entries(pipe, names) == []  # its session manager heard it
+
+
+async def test_job_cancelled_while_queued_is_charged_nothing(pipe, names, service_urls) -> None:
+    [final] = await run_job(pipe, names, service_urls, cancel_first=True)
+    assert final.finish_reason == "cancelled"
+    assert final.usage is not None
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (0, 0)
