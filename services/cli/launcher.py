@@ -6,11 +6,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 import httpx
 
@@ -93,8 +94,54 @@ class Service:
         self.process.wait(timeout=_REAP_TIMEOUT_S)
 
 
-def start_process(name: str, argv: list[str], *, env: dict[str, str], port: int, log_path: Path | None) -> Service:
-    """Run `argv`, its stdout and stderr written to `log_path` (truncated first), or to the console when None."""
+class PrefixedConsole:
+    """This process's stdout shared by its children: each line of theirs written whole (never split
+    or interleaved with another), after its process's name (`gateway  | ...`)."""
+
+    def __init__(self, names: Sequence[str], out: IO[bytes] | None = None) -> None:
+        self._width = max((len(name) for name in names), default=0)
+        self._out = out if out is not None else sys.stdout.buffer
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        """Write `text` (whole lines) at once, between the children's lines."""
+        self._write(text.encode())
+
+    def follow(self, name: str, pipe: IO[bytes]) -> threading.Thread:
+        """Copy `pipe` line by line, prefixed with `name`, until it closes (in a thread of its own)."""
+        prefix = f"{name:<{self._width}} | ".encode()
+
+        def copy() -> None:
+            with pipe:
+                for line in iter(pipe.readline, b""):
+                    self._write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
+
+        thread = threading.Thread(target=copy, name=f"console-{name}", daemon=True)
+        thread.start()
+        return thread
+
+    def _write(self, data: bytes) -> None:
+        with self._lock:
+            self._out.write(data)
+            self._out.flush()
+
+
+def start_process(
+    name: str,
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    port: int,
+    log_path: Path | None,
+    console: PrefixedConsole | None = None,
+) -> Service:
+    """Run `argv`, its stdout and stderr written to `log_path` (truncated first), else to `console`,
+    else straight to this process's own."""
+    if log_path is None and console is not None:
+        process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert process.stdout is not None
+        console.follow(name, process.stdout)
+        return Service(name, port, process, None)
     if log_path is None:
         return Service(name, port, subprocess.Popen(argv, env=env), None)
     with log_path.open("wb") as log_file:
@@ -103,7 +150,13 @@ def start_process(name: str, argv: list[str], *, env: dict[str, str], port: int,
 
 
 def start_service(
-    kind: str, *, env: dict[str, str], port: int, name: str | None = None, log_path: Path | None = None
+    kind: str,
+    *,
+    env: dict[str, str],
+    port: int,
+    name: str | None = None,
+    log_path: Path | None = None,
+    console: PrefixedConsole | None = None,
 ) -> Service:
     """An Axon service (`worker`, `sessions`, `gateway`) as its console script runs it, listening on `port`."""
     return start_process(
@@ -112,6 +165,7 @@ def start_service(
         env={**env, PORT_VARIABLES[kind]: str(port)},
         port=port,
         log_path=log_path,
+        console=console,
     )
 
 
@@ -157,8 +211,9 @@ def wait_ready(
     path: str = "/ready",
     poll_interval_s: float = 0.1,
     progress: ReadyProgress | None = None,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> None:
-    """Until `GET path` answers 200 on every one of `services`.
+    """Until `GET path` answers 200 on every one of `services`, or `stop_requested()` is true.
 
     Raises:
         ServiceExited: one exited first (the message ends with its log's tail).
@@ -168,6 +223,8 @@ def wait_ready(
     pending = list(services)
     with httpx.Client(timeout=2) as client:
         while pending and time.monotonic() < deadline:
+            if stop_requested is not None and stop_requested():
+                return
             for service in list(pending):
                 if _answers_ready(client, service, path, progress):
                     pending.remove(service)

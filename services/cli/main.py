@@ -33,7 +33,7 @@ def _check(_args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    return run_up(ready_timeout_s=args.ready_timeout)
+    return run_up(ready_timeout_s=args.ready_timeout, new_key=args.new_key)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="check dependencies, migrate, and run all services locally")
     up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    up.add_argument(
+        "--new-key",
+        action="store_true",
+        help="revoke the local API key kept from earlier runs and make a new one",
+    )
     up.set_defaults(func=_up)
     commands.add_parser("migrate", help="create the database if missing and apply migrations").set_defaults(
         func=_migrate

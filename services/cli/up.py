@@ -1,57 +1,94 @@
-"""`axon up`: run the whole platform locally as three child processes."""
+"""`axon up`: run the whole platform locally as three child processes.
+
+The children share one console, each of their lines whole and prefixed with its process's name.
+One stop request (Ctrl+C, or SIGTERM to `axon up`) sends each child one SIGTERM and waits for them
+to drain; a second is ignored, a third kills them.
+"""
 
 import asyncio
 import os
 import secrets
 import signal
 import time
-
-import asyncpg
+from collections.abc import Callable
+from types import FrameType
 
 from services.cli.checks import HOW_TO_START, check_dependencies
 from services.cli.launcher import (
     PORT_VARIABLES,
     NotReadyInTime,
+    PrefixedConsole,
     Service,
     ServiceExited,
     start_service,
-    stop_all,
     wait_ready,
 )
-from shared.keys import KeyLimits, KeyRepository
+from services.cli.local_key import LocalKey, local_key_path
 from shared.migrations import migrate
+from shared.serving import StopSignals, grace_s
 from shared.settings import CommonSettings
 
 # The order they start in, and the ports they listen on unless AXON_<KIND>_PORT says otherwise.
 _DEFAULT_PORTS = {"worker": 8002, "sessions": 8001, "gateway": 8000}
+# How much longer than the gateway's own stop `axon up` waits for its children before killing them.
+_STOP_MARGIN_S = 10.0
+# Library chatter the children print unless AXON_LOG_LEVEL=DEBUG asks for it: download and
+# loading progress bars, transformers' advice and notes about hardware this machine has not got.
+_QUIET_LIBRARIES = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TQDM_DISABLE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "PYTHONWARNINGS": "ignore",
+}
+
+Say = Callable[[str], None]
 
 
-def _start_children(env: dict[str, str]) -> list[Service]:
-    return [
-        start_service(kind, env=env, port=int(env.get(PORT_VARIABLES[kind], default)))
-        for kind, default in _DEFAULT_PORTS.items()
-    ]
+class _StopRequests:
+    """The signal handler of `axon up`: the first signal asks the children to stop, the second is
+    only counted, the third kills them (at once, from the handler: the main thread may be waiting)."""
+
+    def __init__(self) -> None:
+        self._signals = StopSignals()
+        self.requested = False
+        self.ignored = 0
+        self.forced = False
+        self.children: list[Service] = []
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, _signum: int, _frame: FrameType | None) -> None:
+        action = self._signals.receive()
+        if action == "stop":
+            self.requested = True
+        elif action == "ignore":
+            self.ignored += 1
+        else:
+            self.forced = True
+            for child in self.children:
+                if child.exit_code is None:
+                    child.process.kill()
 
 
-def _say(message: str) -> None:
-    print(f"axon: {message}", flush=True)
-
-
-def _check_or_explain(settings: CommonSettings) -> bool:
+def _check_or_explain(settings: CommonSettings, say: Say) -> bool:
     results = asyncio.run(check_dependencies(settings))
     for result in results:
         if result.ok:
-            _say(f"{result.name} reachable at {result.url}")
+            say(f"{result.name} reachable at {result.url}")
         else:
-            _say(f"{result.name} is NOT reachable at {result.url} ({result.error})")
-            _say(f"  start it with: {HOW_TO_START[result.name]}")
+            say(f"{result.name} is NOT reachable at {result.url} ({result.error})")
+            say(f"  start it with: {HOW_TO_START[result.name]}")
     return all(r.ok for r in results)
 
 
 class _StartProgress:
     """The console while the services start: each one as it gets ready, and at most every 5 s what one waits for."""
 
-    def __init__(self) -> None:
+    def __init__(self, say: Say) -> None:
+        self._say = say
         self._started = time.monotonic()
         self._last_report = 0.0
 
@@ -59,40 +96,33 @@ class _StartProgress:
         return time.monotonic() - self._started
 
     def ready(self, service: Service) -> None:
-        _say(f"{service.name} ready ({self._elapsed_s():.0f}s)")
+        self._say(f"{service.name} ready ({self._elapsed_s():.0f}s)")
 
     def waiting(self, service: Service, reason: str) -> None:
         if time.monotonic() - self._last_report > 5:
-            _say(f"waiting for {service.name}: {reason} ({self._elapsed_s():.0f}s)")
+            self._say(f"waiting for {service.name}: {reason} ({self._elapsed_s():.0f}s)")
             self._last_report = time.monotonic()
 
 
-def _wait_ready(children: list[Service], timeout_s: float) -> bool:
-    try:
-        wait_ready(children, timeout_s=timeout_s, poll_interval_s=0.5, progress=_StartProgress())
-    except ServiceExited as exc:
-        _say(f"{exc.service.name} exited with code {exc.service.exit_code}; see its log above")
-        return False
-    except NotReadyInTime as exc:
-        _say(f"timed out waiting for: {', '.join(c.name for c in exc.pending)}")
-        return False
-    return True
+def _child_environment() -> tuple[dict[str, str], bool]:
+    """The children's environment, and whether the admin token was made for this run."""
+    env = dict(os.environ)
+    env.setdefault("AXON_LOG_FORMAT", "console")
+    # Their lines reach the console as they are written, not when a pipe's buffer fills.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if env.get("AXON_LOG_LEVEL", "INFO").upper() != "DEBUG":
+        for name, value in _QUIET_LIBRARIES.items():
+            env.setdefault(name, value)
+    admin_token_generated = not env.get("AXON_ADMIN_TOKEN")
+    if admin_token_generated:
+        env["AXON_ADMIN_TOKEN"] = secrets.token_urlsafe(24)
+    if not env.get("AXON_INTERNAL_TOKEN"):
+        # The credential of the hops between this run's processes; nobody else needs it.
+        env["AXON_INTERNAL_TOKEN"] = secrets.token_urlsafe(32)
+    return env, admin_token_generated
 
 
-async def _create_dev_key(settings: CommonSettings) -> str:
-    """A fresh key for this local run (keys are shown once, so each run makes its own)."""
-    pool = await asyncpg.create_pool(settings.database_url, min_size=1, max_size=1, timeout=10)
-    try:
-        limits = KeyLimits(
-            rpm=settings.default_rpm, tpm=settings.default_tpm, max_concurrent=settings.default_max_concurrent
-        )
-        key, _record = await KeyRepository(pool).create(name="axon-up local", limits=limits, tenant="local")
-        return key
-    finally:
-        await pool.close()
-
-
-def _print_examples(env: dict[str, str], key: str, *, admin_token_generated: bool) -> None:
+def _examples(env: dict[str, str], key: LocalKey, *, admin_token_generated: bool) -> str:
     port = env.get("AXON_GATEWAY_PORT", "8000")
     model = env.get("AXON_MODEL", "SmolLM2-135M-Instruct")
     admin_note = (
@@ -100,11 +130,12 @@ def _print_examples(env: dict[str, str], key: str, *, admin_token_generated: boo
         if admin_token_generated
         else ""
     )
-    print(
-        f"""
-Axon is up. An API key was created for this run (tenant "local"):
+    origin = "was created" if key.created else "is reused"
+    return f"""
+Axon is up. Your local API key (tenant "local") {origin}; it is kept in {key.path}
+(readable by you only) for the next `axon up`; `axon up --new-key` revokes it and makes another:
 
-  export AXON_API_KEY={key}
+  export AXON_API_KEY={key.key}
 
 Try it:
 
@@ -118,48 +149,97 @@ Or with the openai client: OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key
 Or in the browser, with the key above: http://127.0.0.1:{port}/playground
 More keys: .venv/bin/axon keys create --name NAME
 {admin_note}Press Ctrl+C to stop.
-""",
-        flush=True,
-    )
+
+"""
 
 
-def run_up(*, ready_timeout_s: float) -> int:
-    """Check dependencies, migrate, start the three services and keep them running until Ctrl+C."""
+def _run(
+    children: list[Service], *, ready_timeout_s: float, stop: _StopRequests, say: Say, write: Say, examples: str
+) -> int:
+    """Wait for the children to be ready, then watch them until a stop request: 0, or 1 if one
+    failed first."""
+    try:
+        wait_ready(
+            children,
+            timeout_s=ready_timeout_s,
+            poll_interval_s=0.5,
+            progress=_StartProgress(say),
+            stop_requested=lambda: stop.requested,
+        )
+    except ServiceExited as exc:
+        say(f"{exc.service.name} exited with code {exc.service.exit_code}; see its lines above")
+        return 1
+    except NotReadyInTime as exc:
+        say(f"timed out waiting for: {', '.join(c.name for c in exc.pending)}")
+        return 1
+    if not stop.requested:
+        write(examples)
+    while not stop.requested:
+        for child in children:
+            if child.exit_code is not None:
+                say(f"{child.name} exited with code {child.exit_code}; stopping the platform")
+                return 1
+        time.sleep(0.2)
+    return 0
+
+
+def _stop_children(children: list[Service], *, stop: _StopRequests, timeout_s: float, say: Say) -> bool:
+    """One SIGTERM to each child still running, then wait for them all (killed after `timeout_s`,
+    or at a third stop signal). Whether every one exited 0."""
+    say(f"stopping: the services finish what they are answering (up to {timeout_s:.0f}s); a third Ctrl+C kills them")
+    for child in reversed(children):
+        child.terminate()
+    deadline = time.monotonic() + timeout_s
+    told = stop.ignored
+    while any(child.exit_code is None for child in children):
+        if stop.ignored > told:
+            told = stop.ignored
+            say("already stopping; a third Ctrl+C kills the services")
+        if stop.forced or time.monotonic() > deadline:
+            say("killing the services" if stop.forced else f"still running after {timeout_s:.0f}s: killing them")
+            for child in children:
+                child.kill()
+            break
+        time.sleep(0.1)
+    for child in children:
+        child.process.wait()
+        say(f"{child.name} exited with code {child.exit_code}")
+    return all(child.exit_code == 0 for child in children)
+
+
+def run_up(*, ready_timeout_s: float, new_key: bool) -> int:
+    """Check dependencies, migrate, start the three services and keep them running until a stop request."""
+    console = PrefixedConsole(list(_DEFAULT_PORTS))
+
+    def say(message: str) -> None:
+        console.write(f"axon: {message}\n")
+
     settings = CommonSettings()
-    if not _check_or_explain(settings):
-        _say("cannot start: a dependency above is not reachable")
+    if not _check_or_explain(settings, say):
+        say("cannot start: a dependency above is not reachable")
         return 1
     applied = asyncio.run(migrate(settings.database_url))
-    _say(f"database ready ({len(applied)} migration(s) applied)")
-    key = asyncio.run(_create_dev_key(settings))
-    env = dict(os.environ)
-    env.setdefault("AXON_LOG_FORMAT", "console")
-    admin_token_generated = not env.get("AXON_ADMIN_TOKEN")
-    if admin_token_generated:
-        env["AXON_ADMIN_TOKEN"] = secrets.token_urlsafe(24)
-    if not env.get("AXON_INTERNAL_TOKEN"):
-        # The credential of the hops between this run's processes; nobody else needs it.
-        env["AXON_INTERNAL_TOKEN"] = secrets.token_urlsafe(32)
-    children = _start_children(env)
-    stopping = False
-
-    def on_signal(_signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    say(f"database ready ({len(applied)} migration(s) applied)")
+    key = asyncio.run(LocalKey.obtain(settings, local_key_path(settings.namespace), replace=new_key))
+    env, admin_token_generated = _child_environment()
+    stop = _StopRequests()
+    stop.install()
+    children = stop.children
     try:
-        if not _wait_ready(children, ready_timeout_s):
-            return 1
-        _print_examples(env, key, admin_token_generated=admin_token_generated)
-        while not stopping:
-            for child in children:
-                if child.exit_code is not None:
-                    _say(f"{child.name} exited with code {child.exit_code}; stopping the platform")
-                    return 1
-            time.sleep(0.5)
-        return 0
+        for kind, default in _DEFAULT_PORTS.items():
+            if not stop.requested:
+                port = int(env.get(PORT_VARIABLES[kind], default))
+                children.append(start_service(kind, env=env, port=port, console=console))
+        status = _run(
+            children,
+            ready_timeout_s=ready_timeout_s,
+            stop=stop,
+            say=say,
+            write=console.write,
+            examples=_examples(env, key, admin_token_generated=admin_token_generated),
+        )
     finally:
-        _say("stopping")
-        stop_all(children, timeout_s=40)
+        clean = _stop_children(
+            children, stop=stop, timeout_s=grace_s(settings.drain_timeout_s, hops_behind=2) + _STOP_MARGIN_S, say=say
+        )
+    return status or (0 if clean else 1)

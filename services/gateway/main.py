@@ -2,12 +2,11 @@
 
 import sys
 
-import uvicorn
-
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 from shared.guarded_http import ConnectionLimits, guarded_protocol
 from shared.logging import configure_logging, get_logger
+from shared.serving import grace_s, serve
 from shared.settings import InsecureConfiguration
 
 
@@ -25,16 +24,15 @@ def main() -> None:
         stall_timeout_s=settings.client_stall_timeout_s,
         send_buffer_bytes=settings.client_send_buffer_bytes,
     )
-    uvicorn.run(
+    serve(
         app,
         host=settings.host,
         port=settings.gateway_port,
         http=guarded_protocol(limits),
         ssl_certfile=settings.tls_certfile or None,
         ssl_keyfile=settings.tls_keyfile or None,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=10,
+        # Longer than the session manager's wait, so its streams end (cleanly) first.
+        grace_s=grace_s(settings.drain_timeout_s, hops_behind=2),
     )
 
 

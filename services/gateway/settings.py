@@ -1,8 +1,9 @@
 """Gateway settings (`AXON_*` environment variables)."""
 
 import ssl
+from typing import Any
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from shared.settings import CommonSettings
 
@@ -16,7 +17,9 @@ MIN_ADMIN_TOKEN_LEN = 16
 class GatewaySettings(CommonSettings):
     host: str = "0.0.0.0"
     gateway_port: int = Field(8000, ge=1, le=65535)
-    sessions_url: str = "http://127.0.0.1:8001"
+    # The session manager: `AXON_SESSIONS_URL`, else http://127.0.0.1:`AXON_SESSIONS_PORT`.
+    sessions_port: int = Field(8001, ge=1, le=65535)
+    sessions_url: str = ""
     # Request bodies larger than this are refused with 413 before being read whole.
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
     # Limits of every client connection (shared/guarded_http.py): the whole request head must
@@ -48,10 +51,6 @@ class GatewaySettings(CommonSettings):
     rate_limit_fail_open: bool = False
     # A concurrency lease is dropped after this long even if its gateway died holding it.
     concurrency_lease_s: float = Field(360.0, gt=0)
-    # HTTPS without a load balancer: the gateway serves TLS itself with this certificate (PEM, the
-    # chain after it) and its unencrypted private key (PEM). Both or neither; neither: plain HTTP.
-    tls_certfile: str | None = None
-    tls_keyfile: str | None = None
     # The session manager's settings of the same names: a completion without max_tokens reserves
     # AXON_DEFAULT_MAX_TOKENS of its key's token budget, and none reserves more than
     # AXON_MAX_TOKENS_LIMIT.
@@ -59,6 +58,17 @@ class GatewaySettings(CommonSettings):
     max_tokens_limit: int = Field(8192, ge=1)
     # How long the aliases a key's model allowlist is checked with are reused in-process.
     models_cache_ttl_s: float = Field(1.0, ge=0)
+    # HTTPS without a load balancer: the gateway serves TLS itself with this certificate (PEM, the
+    # chain after it) and its unencrypted private key (PEM). Both or neither; neither: plain HTTP.
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sessions_url_follows_port(cls, values: Any) -> Any:
+        if isinstance(values, dict) and not values.get("sessions_url"):
+            return {**values, "sessions_url": f"http://127.0.0.1:{values.get('sessions_port', 8001)}"}
+        return values
 
     def admin_token_problem(self) -> str | None:
         """Why the admin token is unacceptable, or None."""

@@ -2,11 +2,11 @@
 
 import sys
 
-import uvicorn
-
 from services.sessions.app import create_app
+from services.sessions.service import CompletionService
 from services.sessions.settings import SessionsSettings
 from shared.logging import configure_logging, get_logger
+from shared.serving import grace_s, serve
 from shared.settings import InsecureConfiguration
 
 
@@ -18,13 +18,19 @@ def main() -> None:
     except InsecureConfiguration as exc:
         get_logger(__name__).error("refusing_to_start", reason=str(exc))
         sys.exit(2)
-    uvicorn.run(
+
+    async def interrupt_streams() -> None:
+        completions: CompletionService = app.state.completions
+        await completions.interrupt_streams()
+
+    serve(
         app,
         host=settings.host,
         port=settings.sessions_port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=10,
+        # Longer than a worker's drain, so the jobs it finishes reach their clients; then what
+        # is still streaming ends with a `stream_interrupted` error event.
+        grace_s=grace_s(settings.drain_timeout_s, hops_behind=1),
+        at_deadline=interrupt_streams,
         # Longer than the gateway's idle-connection expiry (2 s): the gateway closes first.
         timeout_keep_alive=30,
     )

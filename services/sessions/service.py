@@ -374,6 +374,12 @@ class CompletionService:
             await self._turns.abandon(turn)
             raise _history_unavailable() from exc
 
+    async def interrupt_streams(self) -> None:
+        """The stop's deadline passed (shared/serving.py): every answer still relayed ends as a lost
+        stream, so its client gets a `stream_interrupted` error event and `[DONE]` (and its workers a
+        cancel notice) rather than a cut connection."""
+        await self._relay.stop()
+
     def _cancel(self, job_id: str) -> asyncio.Future[Any]:
         """Tell the workers to stop generating (or skip) job `job_id`: submitted, not awaited."""
         return self._pipe.submit("PUBLISH", self._names.cancel_channel, job_id)

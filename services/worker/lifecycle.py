@@ -74,6 +74,8 @@ class Worker:
             kv_cache_usage=self.engine.kv_cache_usage if self.engine.reports_kv_cache else None,
         )
         await self._connect_until_up()
+        if self._drained:
+            return
         heartbeat = Heartbeat(
             self.registry,
             worker_id=self.settings.worker_id,
@@ -117,7 +119,7 @@ class Worker:
         await message.ack()
 
     async def _connect_until_up(self) -> None:
-        while True:
+        while not self._drained:  # a stop requested while booting: take no job at all
             try:
                 await self.redis.ping()
                 self._connection = await connect_amqp(self.settings.amqp_url, timeout_s=self.settings.connect_timeout_s)
@@ -129,7 +131,8 @@ class Worker:
                     self.engine.model_name,
                     max_queued_jobs=self.settings.max_queued_jobs,
                 )
-                self._consumer_tag = await consume(self._queue, self.runner)
+                if not self._drained:
+                    self._consumer_tag = await consume(self._queue, self.runner)
                 return
             except Exception as exc:  # noqa: BLE001 - report and retry, never crash-loop
                 self.not_ready_reason = f"dependencies unreachable: {exc!r}"

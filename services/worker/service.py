@@ -15,7 +15,15 @@ from aio_pika.exceptions import AMQPError
 from aiormq.exceptions import ChannelInvalidStateError
 from pydantic import ValidationError
 
-from services.worker.engines import Engine, EngineError, EngineOutput, GenerationRequest, InvalidPrompt, Resume
+from services.worker.engines import (
+    Engine,
+    EngineError,
+    EngineOutput,
+    EngineStopped,
+    GenerationRequest,
+    InvalidPrompt,
+    Resume,
+)
 from services.worker.failover import Failover, Progress, remaining_sampling
 from services.worker.metrics import WorkerMetrics
 from services.worker.publisher import ChunkPublisher, Coalescer, UsageOwner
@@ -130,6 +138,12 @@ class JobRunner:
             await asyncio.shield(_ack_or_requeue(message, requeue=True))
             self._metrics.jobs.labels(job.model, "handed_back").inc()
             raise
+        except EngineStopped:
+            # Stopped under it (shutdown): no error for its client; the next worker resumes it.
+            log.info("job_handed_back", reason="engine stopped")
+            await _ack_or_requeue(message, requeue=True)
+            self._metrics.jobs.labels(job.model, "handed_back").inc()
+            return
         except Exception as exc:
             log.exception("job_crashed", error=repr(exc))
             self._metrics.jobs.labels(job.model, "failed").inc()

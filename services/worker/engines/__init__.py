@@ -4,9 +4,10 @@ from services.worker.engines.base import (
     Engine,
     EngineError,
     EngineOutput,
+    EngineStopped,
     GenerationRequest,
     InvalidPrompt,
     Resume,
 )
 
-__all__ = ["Engine", "EngineError", "EngineOutput", "GenerationRequest", "InvalidPrompt", "Resume"]
+__all__ = ["Engine", "EngineError", "EngineOutput", "EngineStopped", "GenerationRequest", "InvalidPrompt", "Resume"]

@@ -25,6 +25,11 @@ class InvalidPrompt(EngineError):
     """The request cannot be served as asked (e.g. the prompt does not fit the context)."""
 
 
+class EngineStopped(Exception):
+    """The engine was stopped under the request (the worker is shutting down): neither the
+    request's fault nor an engine failure, so the job goes back to the queue to be resumed."""
+
+
 @dataclass(frozen=True, slots=True)
 class Resume:
     """Where a job stopped on a worker that died: the answer continues from here."""

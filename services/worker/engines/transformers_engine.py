@@ -23,6 +23,7 @@ from services.worker.engines.base import (
     Engine,
     EngineError,
     EngineOutput,
+    EngineStopped,
     GenerationRequest,
     InvalidPrompt,
 )
@@ -37,6 +38,8 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 log = get_logger(__name__)
 
 _CANCELLED = object()
+# Put in the queue of every request still running when the engine stops.
+_STOPPED = object()
 # OpenAI's floor for a logprob too small to report.
 _LOGPROB_FLOOR = -9999.0
 
@@ -152,6 +155,8 @@ class TransformersEngine(Engine):
         self.context_tokens = 0
         # Per request: transformers' outputs (untyped), or `_CANCELLED`.
         self._queues: dict[str, asyncio.Queue[Any]] = {}
+        # Set by `stop()`: requests still running fail with `EngineStopped`, not as engine errors.
+        self._stopping = False
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -206,9 +211,12 @@ class TransformersEngine(Engine):
         log.info("model_loaded", model=self.model_name, context_tokens=self.context_tokens)
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._manager is not None:
             manager, self._manager = self._manager, None
             await asyncio.to_thread(manager.stop, block=True, timeout=10, hard_stop=True)
+        for queue in list(self._queues.values()):  # requests the stopped loop left unanswered
+            queue.put_nowait(_STOPPED)
         if self._grammars is not None:
             grammars, self._grammars = self._grammars, None
             await asyncio.to_thread(grammars.close)
@@ -286,7 +294,11 @@ class TransformersEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
         if self._manager is None:
-            raise EngineError("The engine is not started.")
+            raise (
+                EngineStopped("The engine was stopped.")
+                if self._stopping
+                else EngineError("The engine is not started.")
+            )
         prompt_ids = self._encode(request)
         resumed = self._resumed_ids(request)
         max_tokens = min(request.sampling.max_tokens, self.context_tokens - len(prompt_ids) - len(resumed))
@@ -341,7 +353,11 @@ class TransformersEngine(Engine):
             if result is _CANCELLED:
                 yield EngineOutput("", 0, prompt_tokens, sent, finish_reason="cancelled")
                 return
+            if result is _STOPPED:
+                raise EngineStopped("The engine was stopped.")
             if result.error:
+                if self._stopping:  # the generation loop was stopped under it (shutdown)
+                    raise EngineStopped(f"The engine was stopped: {result.error}")
                 raise EngineError(f"Generation failed: {result.error}")
             tokens = result.generated_tokens
             finished = result.is_finished()

@@ -1,0 +1,188 @@
+"""Ctrl+C on `axon up`, as the README promises it: SIGINT to the process group of `axon up` (what a
+terminal sends) while a stream runs. The stream ends normally, every process exits 0, no job is left
+in the queue, and nothing is logged at error level."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aio_pika
+import openai
+import pytest
+from openai import OpenAI
+
+from services.cli.launcher import environment_with, free_port
+from shared.names import Names
+from tests.services import ServiceUrls
+
+MODEL = "sim-model"
+MAX_TOKENS = 80
+# 80 tokens 30 ms apart: a stream of about 2.4 s, well inside the drain timeout.
+_ITL_MS = 30
+_STARTED_WITHIN_S = 60
+# The stream's remaining ~2 s, the services' shutdown, and `axon up` reporting them.
+_STOPPED_WITHIN_S = 20
+
+
+@dataclass
+class Up:
+    process: subprocess.Popen[bytes]
+    output: Path
+    namespace: str
+    gateway_url: str
+    key_file: Path
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def key(self) -> str:
+        return self.key_file.read_text().strip()
+
+
+def _wait_until_serving(up: Up) -> None:
+    """Until `axon up` has said it is up and the gateway lists the model."""
+    deadline = time.monotonic() + _STARTED_WITHIN_S
+    while time.monotonic() < deadline:
+        assert up.process.poll() is None, f"axon up exited early:\n{up.text()}"
+        if "Press Ctrl+C to stop." in up.text():
+            client = OpenAI(base_url=f"{up.gateway_url}/v1", api_key=up.key(), max_retries=0, timeout=5)
+            if any(model.id == MODEL for model in client.models.list()):
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"axon up not serving {MODEL} within {_STARTED_WITHIN_S}s:\n{up.text()}")
+
+
+@pytest.fixture
+def up(
+    request: pytest.FixtureRequest, tmp_path: Path, namespace: str, database_url: str, service_urls: ServiceUrls
+) -> Iterator[Up]:
+    """`axon up` on the simulator, in a process group of its own, as a terminal runs it; settings
+    from the test's parameter override the defaults."""
+    own_namespace = f"{namespace}_up_{uuid.uuid4().hex[:6]}"
+    ports = {kind: free_port() for kind in ("GATEWAY", "SESSIONS", "WORKER")}
+    env = environment_with(
+        {
+            "AXON_NAMESPACE": own_namespace,
+            "AXON_DATABASE_URL": database_url,
+            "AXON_REDIS_URL": service_urls.redis,
+            "AXON_AMQP_URL": service_urls.amqp,
+            "AXON_ENGINE": "sim",
+            "AXON_MODEL": MODEL,
+            "AXON_SIM_ITL_MS": str(_ITL_MS),
+            **{f"AXON_{kind}_PORT": str(port) for kind, port in ports.items()},
+            **getattr(request, "param", {}),
+        }
+    )
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    output = tmp_path / "axon-up.log"
+    with output.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli.main", "up"],
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+    key_file = tmp_path / "state" / "axon" / f"{own_namespace}.key"
+    up = Up(process, output, own_namespace, f"http://127.0.0.1:{ports['GATEWAY']}", key_file)
+    try:
+        _wait_until_serving(up)
+        yield up
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def _queued_jobs(amqp_url: str, queue: str) -> int:
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(queue, passive=True)
+        count = declared.declaration_result.message_count
+        assert count is not None
+        return count
+    finally:
+        await connection.close()
+
+
+def test_ctrl_c_mid_stream_drains_it_and_every_process_exits_0(up: Up, service_urls: ServiceUrls) -> None:
+    assert up.key_file.stat().st_mode & 0o777 == 0o600
+    client = OpenAI(base_url=f"{up.gateway_url}/v1", api_key=up.key(), max_retries=0, timeout=30)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, finish_reason, usage, interrupted_at = [], None, None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish_reason = choice.finish_reason or finish_reason
+        if interrupted_at is None and len(pieces) >= 5:
+            os.killpg(up.process.pid, signal.SIGINT)  # Ctrl+C in the terminal
+            interrupted_at = time.monotonic()
+    assert interrupted_at is not None
+    assert finish_reason == "length"
+    assert usage is not None and usage.completion_tokens == MAX_TOKENS
+    assert len("".join(pieces).split()) == MAX_TOKENS  # the simulator's answer is one word per token
+
+    assert up.process.wait(timeout=_STOPPED_WITHIN_S) == 0, up.text()
+    assert time.monotonic() - interrupted_at < _STOPPED_WITHIN_S
+    deadline = time.monotonic() + 5
+    while not _group_gone(up.process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _group_gone(up.process.pid), "a child of axon up outlived it"
+    text = up.text()
+    for name in ("worker", "sessions", "gateway"):
+        assert f"axon: {name} exited with code 0" in text, text
+        assert f"{name:<8} | " in text  # every child's lines carry its name
+    assert "stop_already_requested" in text  # axon up's SIGTERM after the group's SIGINT: one request
+    assert "handed_back=0" in text
+    for sign in ("[error", "[critical", "Traceback", "CancelledError"):
+        assert sign not in text, text
+    assert asyncio.run(_queued_jobs(service_urls.amqp, Names(up.namespace).jobs_queue(MODEL))) == 0
+
+
+@pytest.mark.parametrize("up", [{"AXON_DRAIN_TIMEOUT_S": "1", "AXON_SIM_ITL_MS": "100"}], indirect=True)
+def test_a_stream_longer_than_the_drain_ends_with_stream_interrupted(up: Up, service_urls: ServiceUrls) -> None:
+    """Past the drain timeout the worker hands the job back (here no other worker takes it) and the
+    session manager, at its own deadline, ends the stream with a clean error event."""
+    client = OpenAI(base_url=f"{up.gateway_url}/v1", api_key=up.key(), max_retries=0, timeout=30)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=MAX_TOKENS, stream=True
+    )
+    pieces: list[str] = []
+    with pytest.raises(openai.APIError, match="stream was interrupted"):
+        for chunk in stream:
+            pieces.extend(choice.delta.content or "" for choice in chunk.choices)
+            if len(pieces) == 3:
+                os.killpg(up.process.pid, signal.SIGINT)
+    assert 3 <= len("".join(pieces).split()) < MAX_TOKENS
+
+    assert up.process.wait(timeout=_STOPPED_WITHIN_S) == 0, up.text()
+    text = up.text()
+    assert "handed_back=1" in text
+    for sign in ("[error", "[critical", "Traceback", "CancelledError"):
+        assert sign not in text, text
+    # Handed back for another worker to resume: it is in the queue, not lost.
+    assert asyncio.run(_queued_jobs(service_urls.amqp, Names(up.namespace).jobs_queue(MODEL))) == 1

@@ -1,0 +1,130 @@
+"""`axon up`'s console, its children's environment, its stop signals and its local key's file."""
+
+import io
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from services.cli import up
+from services.cli.launcher import PrefixedConsole, Service
+from services.cli.local_key import _write, local_key_path
+
+
+class _Pipe(io.BytesIO):
+    """A child's output pipe: its bytes, then end of file."""
+
+
+def test_every_child_line_is_whole_and_prefixed_even_when_children_write_at_once() -> None:
+    out = io.BytesIO()
+    console = PrefixedConsole(["worker", "sessions", "gateway"], out=out)
+    lines = {
+        name: [f"{name} line {i} ".encode() + b"x" * 5000 + b"\n" for i in range(200)] for name in ("worker", "gateway")
+    }
+    threads = [console.follow(name, _Pipe(b"".join(lines[name]))) for name in lines]
+    console.write("axon: stopping\n")
+    for thread in threads:
+        thread.join(timeout=10)
+    written = out.getvalue().splitlines(keepends=True)
+    assert len(written) == 401
+    for name in lines:
+        mine = [line for line in written if line.startswith(f"{name:<8} | ".encode())]
+        assert mine == [f"{name:<8} | ".encode() + line for line in lines[name]]
+    assert b"axon: stopping\n" in written
+
+
+def test_a_last_line_without_newline_gets_one() -> None:
+    out = io.BytesIO()
+    PrefixedConsole(["gateway"], out=out).follow("gateway", _Pipe(b"one\ntwo")).join(timeout=5)
+    assert out.getvalue() == b"gateway | one\ngateway | two\n"
+
+
+def test_children_are_quiet_unless_debug_and_get_a_fresh_internal_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AXON_INTERNAL_TOKEN", raising=False)
+    monkeypatch.delenv("AXON_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")  # the operator's own choice stands
+    first, _ = up._child_environment()
+    second, _ = up._child_environment()
+    assert first["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and first["TQDM_DISABLE"] == "1"
+    assert first["TRANSFORMERS_VERBOSITY"] == "info"
+    assert len(first["AXON_INTERNAL_TOKEN"]) >= 32
+    assert first["AXON_INTERNAL_TOKEN"] != second["AXON_INTERNAL_TOKEN"]
+
+    monkeypatch.setenv("AXON_LOG_LEVEL", "debug")
+    monkeypatch.setenv("AXON_INTERNAL_TOKEN", "t" * 40)
+    debug, _ = up._child_environment()
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in debug and "TQDM_DISABLE" not in debug
+    assert debug["AXON_INTERNAL_TOKEN"] == "t" * 40
+
+
+def _sleeper() -> Service:
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    return Service("sleeper", 0, process, None)
+
+
+def test_the_first_signal_asks_the_second_is_counted_the_third_kills_the_children() -> None:
+    stop = up._StopRequests()
+    child = _sleeper()
+    stop.children.append(child)
+    try:
+        stop._handle(signal.SIGINT, None)
+        assert stop.requested and not stop.forced
+        stop._handle(signal.SIGTERM, None)
+        assert stop.ignored == 1 and child.exit_code is None
+        stop._handle(signal.SIGINT, None)
+        assert stop.forced
+        assert child.process.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        child.kill()
+
+
+def test_stopping_sends_one_sigterm_and_reports_a_clean_exit() -> None:
+    script = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+        "print('up', flush=True)\n"
+        "time.sleep(60)"
+    )
+    processes = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE) for _ in range(2)]
+    for process in processes:
+        assert process.stdout is not None and process.stdout.readline() == b"up\n"  # its handler is set
+    children = [Service(f"child{i}", 0, process, None) for i, process in enumerate(processes)]
+    said: list[str] = []
+    try:
+        assert up._stop_children(children, stop=up._StopRequests(), timeout_s=20, say=said.append)
+    finally:
+        for child in children:
+            child.kill()
+    assert "child0 exited with code 0" in said and "child1 exited with code 0" in said
+
+
+def test_the_key_file_follows_xdg_state_home_else_home() -> None:
+    assert local_key_path("ns", {"XDG_STATE_HOME": "/state", "HOME": "/home/me"}) == Path("/state/axon/ns.key")
+    assert local_key_path("ns", {"HOME": "/home/me"}) == Path("/home/me/.local/state/axon/ns.key")
+
+
+def test_the_key_file_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "axon" / "ns.key"
+    path.parent.mkdir(parents=True)
+    path.write_text("old")
+    os.chmod(path, 0o644)
+    _write(path, "axk_new")
+    assert path.read_text() == "axk_new\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_writes_from_many_threads_each_land_whole() -> None:
+    """Writes from many threads at once each land whole (the console's lock)."""
+    out = io.BytesIO()
+    console = PrefixedConsole(["a"], out=out)
+    threads = [threading.Thread(target=lambda: [console.write("y" * 1000 + "\n") for _ in range(50)]) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert out.getvalue().splitlines() == [b"y" * 1000] * 200
