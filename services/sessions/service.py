@@ -110,6 +110,8 @@ class ActiveRequest:
         self.unfinished = len(choices)
         self.closed = False
         self.usage: Usage | None = None
+        # The stream ended before its chunks did (STREAM_LOST): nothing more arrives on it.
+        self.lost = False
 
     def headers(self) -> dict[str, str]:
         return {HISTORY_DROPPED_HEADER: str(self.turn.dropped)} if self.turn else {}
@@ -132,6 +134,7 @@ class ActiveRequest:
             except TimeoutError:
                 raise DeadlineExceeded("The request's deadline passed before the answer was complete.") from None
             if raw == STREAM_LOST:
+                self.lost = True
                 raise UpstreamError("The answer's stream was interrupted.", code="stream_interrupted")
             try:
                 chunk = TokenChunk.model_validate_json(raw)
@@ -549,16 +552,18 @@ class CompletionService:
 
     async def _await_finals(self, active: ActiveRequest, unfinished: list[Choice]) -> list[Choice]:
         """Read `active`'s stream until every choice of `unfinished` has its final chunk, for up to
-        `USAGE_SETTLE_WAIT_S`; returns those whose final chunk did not come."""
+        `USAGE_SETTLE_WAIT_S` (not at all once the stream is lost); returns those whose final chunk
+        did not come."""
         stream, choices = active.stream, active.choices
         waiting = {c.index for c in unfinished}
         until = time.monotonic() + USAGE_SETTLE_WAIT_S
-        while waiting:
+        while waiting and not active.lost:
             try:
                 raw = await stream.next(until - time.monotonic())
             except TimeoutError:
                 break
             if raw == STREAM_LOST:
+                active.lost = True
                 break
             try:
                 chunk = TokenChunk.model_validate_json(raw)
