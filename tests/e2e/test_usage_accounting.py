@@ -1,7 +1,7 @@
 """Usage is exact and never lost: a request is charged the tokens its jobs generated, once, whether
 its client left, its worker died and another finished it, its job was given up, or its session
 manager died. Rows are read from PostgreSQL after the persister flushed them; what the worker
-generated is read from the worker's own chunks on Redis."""
+generated is read from the worker's own chunks and progress on Redis."""
 
 import asyncio
 import time
@@ -206,6 +206,35 @@ def test_job_given_up_after_its_worker_died_is_charged_what_was_published(
     row = usage_row(database_url, job_id)
     # Every token published before the worker died reached the client, and nothing after.
     assert (row["prompt_tokens"], row["completion_tokens"]) == (prompt_tokens, words(pieces))
+
+
+def test_client_gone_and_worker_dead_is_charged_what_the_worker_published(
+    client: OpenAI, stack: Stack, namespace: str, database_url: str, prompt_tokens: int
+) -> None:
+    model = "usage-orphan"
+    worker = sim_worker(stack, "usage-orphan-0", model, AXON_SIM_ITL_MS="20")
+    wait_listed(client, model)
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2000, stream=True)
+    pieces: list[str] = []
+    job_id = ""
+    for chunk in stream:
+        job_id = job_of(chunk.id)
+        pieces.append(chunk.choices[0].delta.content or "")
+        if len(pieces) == 10:
+            break
+    worker.kill()  # no final chunk will come: the job waits in the queue for a worker of its model
+    stream.close()
+    started = time.monotonic()
+    row = usage_row(database_url, job_id)
+    waited_s = time.monotonic() - started
+    # The session manager waited for a final chunk, then charged the worker's recorded progress.
+    with redis.Redis.from_url(stack.redis_url) as client_of_redis:
+        progress = client_of_redis.hgetall(Names(namespace).job_progress(job_id))
+    assert progress[b"billed"] == b"1"
+    published = int(progress[b"completion_tokens"])
+    assert words(pieces) <= published < 2000
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (prompt_tokens, published)
+    assert 3 < waited_s < 15
 
 
 def test_answer_whose_session_manager_died_is_still_charged(
