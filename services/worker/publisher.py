@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import orjson
 from redis.exceptions import RedisError
 
-from services.sessions.outbox import postgres_text
 from services.worker.engines import EngineOutput
 from services.worker.engines.base import ToolCallParser
 from services.worker.failover import Progress
@@ -221,13 +220,15 @@ class ChunkPublisher:
 
     async def _record_usage(self, owner: UsageOwner) -> None:
         """Put the job's usage row in the outbox (as `services/sessions/outbox.py:UsageRow`): its final
-        chunk reached nobody. Its latency is unknown here (the request's, not the job's)."""
+        chunk reached nobody. Its latency is unknown here (the request's, not the job's). Its text
+        needs no U+0000 replacement: the tenant and key id come from PostgreSQL, the model from a
+        worker's environment, and neither can hold one."""
         row = orjson.dumps(
             {
                 "job_id": self._job_id,
-                "tenant": postgres_text(owner.tenant),
-                "key_id": postgres_text(owner.key_id),
-                "model": postgres_text(owner.model),
+                "tenant": owner.tenant,
+                "key_id": owner.key_id,
+                "model": owner.model,
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "latency_ms": None,
