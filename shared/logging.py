@@ -82,6 +82,13 @@ def configure_logging(*, service: str, level: str = "INFO", log_format: str = "j
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     for noisy in ("aiormq", "aio_pika", "httpx", "httpcore", "transformers"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    # transformers' continuous batching logs to a handler of its own, in another format, unless
+    # its logger already has a handler and does not propagate: give it ours. Its INFO lines are
+    # notes on GPU features (flash attention, CUDA graphs) and cache sizes: DEBUG shows them.
+    batching = logging.getLogger("ContinuousBatchingLogger")
+    batching.handlers[:] = [handler]
+    batching.propagate = False
+    batching.setLevel(level_no if level_no <= logging.DEBUG else logging.WARNING)
 
 
 class _CurrentStderrBytes:

@@ -32,14 +32,13 @@ from shared.settings import CommonSettings
 _DEFAULT_PORTS = {"worker": 8002, "sessions": 8001, "gateway": 8000}
 # How much longer than the gateway's own stop `axon up` waits for its children before killing them.
 _STOP_MARGIN_S = 10.0
-# Library chatter the children print unless AXON_LOG_LEVEL=DEBUG asks for it: download and
-# loading progress bars, transformers' advice and notes about hardware this machine has not got.
+# Library chatter the children print unless AXON_LOG_LEVEL=DEBUG asks for it: the model's loading
+# progress bars and transformers' advice (its continuous-batching notes: shared/logging.py).
 _QUIET_LIBRARIES = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TQDM_DISABLE": "1",
     "TRANSFORMERS_VERBOSITY": "error",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-    "PYTHONWARNINGS": "ignore",
 }
 
 Say = Callable[[str], None]

@@ -213,6 +213,9 @@ class _Probe:
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            # Not in the worker's process group: a terminal's Ctrl+C is the worker's to handle (it
+            # drains); the probe ends when the worker closes it, or at the end of its stdin.
+            process_group=0,
         )
         self._ready = False
 
