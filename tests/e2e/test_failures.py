@@ -10,7 +10,7 @@ from openai import OpenAI
 
 from services.cli.launcher import Service, free_port
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import INTERNAL_AUTH, Stack
+from tests.e2e.stack import INTERNAL_AUTH, INTERNAL_TOKEN, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -121,7 +121,7 @@ def test_deadline_before_first_token_is_504(short_deadline_sessions: Service, st
 def test_deadline_mid_stream_ends_with_an_error_event(short_deadline_sessions: Service) -> None:
     client = OpenAI(
         base_url=f"{short_deadline_sessions.url}/v1",
-        api_key="unused",
+        api_key=INTERNAL_TOKEN,  # the client's own bearer header carries the internal token
         max_retries=0,
         timeout=10,
         default_headers=INTERNAL_HEADERS,
