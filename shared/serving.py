@@ -24,26 +24,24 @@ requests before its own deadline.
 import asyncio
 import contextvars
 import math
-import os
 import signal
 from collections.abc import Callable, Coroutine
 from types import FrameType
-from typing import Any, Literal
+from typing import Any
 
 import uvicorn
 
 from shared.logging import get_logger
+from shared.stop_signals import StopAction, StopSignals, force_exit
 
 log = get_logger(__name__)
 
 Hook = Callable[[], Coroutine[Any, Any, None]]
-StopAction = Literal["stop", "ignore", "force"]
 
 # How much longer each hop waits than the hop behind it.
 HOP_MARGIN_S = 5.0
 # Time left to write the ends the deadline hook produced, before uvicorn cancels what remains.
 _CUT_MARGIN_S = 2.0
-_FORCED_EXIT_STATUS = 1
 
 
 def grace_s(drain_timeout_s: float, *, hops_behind: int) -> float:
@@ -53,44 +51,40 @@ def grace_s(drain_timeout_s: float, *, hops_behind: int) -> float:
     return drain_timeout_s + hops_behind * HOP_MARGIN_S
 
 
-class StopSignals:
-    """Counts stop signals: the first is the stop request, the second belongs to it, the third forces."""
-
-    def __init__(self) -> None:
-        self.received = 0
-
-    def receive(self) -> StopAction:
-        self.received += 1
-        if self.received == 1:
-            return "stop"
-        return "ignore" if self.received == 2 else "force"
-
-
 class GracefulServer(uvicorn.Server):
     """uvicorn's server with `StopSignals` in place of its own signal handling (which exits at
     the first signal, re-raises it after shutdown, and forces at a second SIGINT)."""
 
-    def __init__(self, config: uvicorn.Config, *, drain: Hook | None, at_deadline: Hook | None, grace_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        *,
+        drain: Hook | None,
+        at_deadline: Hook | None,
+        grace_s: float,
+        signals: StopSignals | None = None,
+    ) -> None:
         super().__init__(config)
         self._drain = drain
         self._at_deadline = at_deadline
         self._grace_s = grace_s
-        self._signals = StopSignals()
+        self._signals = signals or StopSignals()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._cutting: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: list[Any] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        if self._signals.first is not None:  # asked while the service was starting
+            self._loop.call_soon(self._on_signal, self._signals.first, "stop", context=contextvars.Context())
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """The signal handler: it only counts and hands over to the event loop (a handler that
         logged could interrupt a write to stderr in progress)."""
-        action = self._signals.receive()
+        action = self._signals.receive(sig)
         if action == "force":
-            os.write(2, f"{signal.Signals(sig).name}: third stop signal, exiting at once\n".encode())
-            os._exit(_FORCED_EXIT_STATUS)
+            force_exit(sig)
         if self._loop is not None:
             # In a context of its own: not that of whichever request the signal interrupted.
             self._loop.call_soon_threadsafe(self._on_signal, sig, action, context=contextvars.Context())
@@ -138,6 +132,7 @@ def serve(
     grace_s: float,
     drain: Hook | None = None,
     at_deadline: Hook | None = None,
+    signals: StopSignals | None = None,
     **uvicorn_options: Any,
 ) -> None:
     """Run `app` until one stop request has drained it (see the module's docstring).
@@ -149,6 +144,7 @@ def serve(
         grace_s: How long open requests may run once the server stops accepting connections.
         drain: Awaited first, while the server still answers (the worker's drain).
         at_deadline: Awaited when `grace_s` has passed with requests still open; it must end them.
+        signals: The count `StopSignals.hold()` started before the service's imports, if any.
         uvicorn_options: Passed on to `uvicorn.Config` (`http`, `ssl_certfile`, `timeout_keep_alive` ...).
     """
     config = uvicorn.Config(
@@ -160,4 +156,4 @@ def serve(
         timeout_graceful_shutdown=math.ceil(grace_s + _CUT_MARGIN_S),
         **uvicorn_options,
     )
-    GracefulServer(config, drain=drain, at_deadline=at_deadline, grace_s=grace_s).run()
+    GracefulServer(config, drain=drain, at_deadline=at_deadline, grace_s=grace_s, signals=signals).run()

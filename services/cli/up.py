@@ -25,8 +25,9 @@ from services.cli.launcher import (
 )
 from services.cli.local_key import LocalKey, local_key_path
 from shared.migrations import migrate
-from shared.serving import StopSignals, grace_s
+from shared.serving import grace_s
 from shared.settings import CommonSettings
+from shared.stop_signals import StopSignals
 
 # The order they start in, and the ports they listen on unless AXON_<KIND>_PORT says otherwise.
 _DEFAULT_PORTS = {"worker": 8002, "sessions": 8001, "gateway": 8000}

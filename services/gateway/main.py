@@ -2,15 +2,20 @@
 
 import sys
 
-from services.gateway.app import create_app
-from services.gateway.settings import GatewaySettings
-from shared.guarded_http import ConnectionLimits, guarded_protocol
-from shared.logging import configure_logging, get_logger
-from shared.serving import grace_s, serve
-from shared.settings import InsecureConfiguration
+from shared.stop_signals import StopSignals
 
 
 def main() -> None:
+    # Before the imports below (about a second): a stop requested while the gateway starts is
+    # counted like any other, not a KeyboardInterrupt.
+    signals = StopSignals.hold()
+    from services.gateway.app import create_app
+    from services.gateway.settings import GatewaySettings
+    from shared.guarded_http import ConnectionLimits, guarded_protocol
+    from shared.logging import configure_logging, get_logger
+    from shared.serving import grace_s, serve
+    from shared.settings import InsecureConfiguration
+
     settings = GatewaySettings()
     configure_logging(service="gateway", level=settings.log_level, log_format=settings.log_format)
     try:
@@ -33,6 +38,7 @@ def main() -> None:
         ssl_keyfile=settings.tls_keyfile or None,
         # Longer than the session manager's wait, so its streams end (cleanly) first.
         grace_s=grace_s(settings.drain_timeout_s, hops_behind=2),
+        signals=signals,
     )
 
 

@@ -2,15 +2,20 @@
 
 import sys
 
-from services.sessions.app import create_app
-from services.sessions.service import CompletionService
-from services.sessions.settings import SessionsSettings
-from shared.logging import configure_logging, get_logger
-from shared.serving import grace_s, serve
-from shared.settings import InsecureConfiguration
+from shared.stop_signals import StopSignals
 
 
 def main() -> None:
+    # Before the imports below (a second or more): a stop requested while the session manager starts
+    # is counted like any other, not a KeyboardInterrupt.
+    signals = StopSignals.hold()
+    from services.sessions.app import create_app
+    from services.sessions.service import CompletionService
+    from services.sessions.settings import SessionsSettings
+    from shared.logging import configure_logging, get_logger
+    from shared.serving import grace_s, serve
+    from shared.settings import InsecureConfiguration
+
     settings = SessionsSettings()
     configure_logging(service="sessions", level=settings.log_level, log_format=settings.log_format)
     try:
@@ -33,6 +38,7 @@ def main() -> None:
         at_deadline=interrupt_streams,
         # Longer than the gateway's idle-connection expiry (2 s): the gateway closes first.
         timeout_keep_alive=30,
+        signals=signals,
     )
 
 

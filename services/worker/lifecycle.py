@@ -56,12 +56,16 @@ class Worker:
         self._queue: AbstractQueue | None = None
         self._consumer_tag: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._engine_starting: asyncio.Future[None] | None = None
 
     async def boot(self) -> None:
         """Load the engine, then connect and start consuming. A broken engine stops the process."""
         self.not_ready_reason = "loading model"
+        # Shielded: a stop while the model loads must not leave a half-started engine running
+        # (its threads would keep the process alive); `shutdown` waits for the load, then stops it.
+        self._engine_starting = asyncio.ensure_future(self.engine.start())
         try:
-            await self.engine.start()
+            await asyncio.shield(self._engine_starting)
         except Exception as exc:
             log.exception("engine_start_failed", error=str(exc))
             self.fail(f"engine failed to start: {exc}")
@@ -163,6 +167,9 @@ class Worker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._connection is not None:
             await self._connection.close()  # unacked jobs go back to the queue
+        if self._engine_starting is not None and not self._engine_starting.done():
+            log.info("waiting_for_model_load", reason="stopping while the model loads")
+            await asyncio.gather(self._engine_starting, return_exceptions=True)
         await self.engine.stop()
         await self.pipe.aclose()
         await self.redis.aclose()

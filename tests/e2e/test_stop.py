@@ -59,12 +59,9 @@ def _wait_until_serving(up: Up) -> None:
     raise AssertionError(f"axon up not serving {MODEL} within {_STARTED_WITHIN_S}s:\n{up.text()}")
 
 
-@pytest.fixture
-def up(
-    request: pytest.FixtureRequest, tmp_path: Path, namespace: str, database_url: str, service_urls: ServiceUrls
-) -> Iterator[Up]:
-    """`axon up` on the simulator, in a process group of its own, as a terminal runs it; settings
-    from the test's parameter override the defaults."""
+def _start_up(tmp_path: Path, namespace: str, database_url: str, service_urls: ServiceUrls, **settings: str) -> Up:
+    """`axon up` on the simulator, in a process group of its own as a terminal runs it, with its
+    own namespace, ports and key file; `settings` override the defaults."""
     own_namespace = f"{namespace}_up_{uuid.uuid4().hex[:6]}"
     ports = {kind: free_port() for kind in ("GATEWAY", "SESSIONS", "WORKER")}
     env = environment_with(
@@ -77,7 +74,7 @@ def up(
             "AXON_MODEL": MODEL,
             "AXON_SIM_ITL_MS": str(_ITL_MS),
             **{f"AXON_{kind}_PORT": str(port) for kind, port in ports.items()},
-            **getattr(request, "param", {}),
+            **settings,
         }
     )
     env["XDG_STATE_HOME"] = str(tmp_path / "state")
@@ -91,14 +88,26 @@ def up(
             process_group=0,
         )
     key_file = tmp_path / "state" / "axon" / f"{own_namespace}.key"
-    up = Up(process, output, own_namespace, f"http://127.0.0.1:{ports['GATEWAY']}", key_file)
+    return Up(process, output, own_namespace, f"http://127.0.0.1:{ports['GATEWAY']}", key_file)
+
+
+def _kill(up: Up) -> None:
+    if up.process.poll() is None:
+        os.killpg(up.process.pid, signal.SIGKILL)
+        up.process.wait(timeout=10)
+
+
+@pytest.fixture
+def up(
+    request: pytest.FixtureRequest, tmp_path: Path, namespace: str, database_url: str, service_urls: ServiceUrls
+) -> Iterator[Up]:
+    """`axon up` serving the simulator's model; the test's parameter holds settings to override."""
+    up = _start_up(tmp_path, namespace, database_url, service_urls, **getattr(request, "param", {}))
     try:
         _wait_until_serving(up)
         yield up
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        _kill(up)
 
 
 def _group_gone(pgid: int) -> bool:
@@ -186,3 +195,27 @@ def test_a_stream_longer_than_the_drain_ends_with_stream_interrupted(up: Up, ser
         assert sign not in text, text
     # Handed back for another worker to resume: it is in the queue, not lost.
     assert asyncio.run(_queued_jobs(service_urls.amqp, Names(up.namespace).jobs_queue(MODEL))) == 1
+
+
+def test_ctrl_c_while_the_services_start_stops_them_cleanly(
+    tmp_path: Path, namespace: str, database_url: str, service_urls: ServiceUrls
+) -> None:
+    """Ctrl+C while the children are still importing their code: one stop request, no
+    KeyboardInterrupt, every process exits 0."""
+    up = _start_up(tmp_path, namespace, database_url, service_urls)
+    try:
+        deadline = time.monotonic() + _STARTED_WITHIN_S
+        while "database ready" not in up.text():
+            assert time.monotonic() < deadline and up.process.poll() is None, up.text()
+            time.sleep(0.02)
+        time.sleep(0.3)  # the children are started, and busy importing
+        os.killpg(up.process.pid, signal.SIGINT)
+        assert up.process.wait(timeout=_STOPPED_WITHIN_S) == 0, up.text()
+    finally:
+        _kill(up)
+    text = up.text()
+    assert "Axon is up" not in text
+    for name in ("worker", "sessions", "gateway"):
+        assert f"axon: {name} exited with code 0" in text, text
+    for sign in ("[error", "Traceback", "KeyboardInterrupt"):
+        assert sign not in text, text

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from services.cli.launcher import free_port
-from shared.serving import HOP_MARGIN_S, StopSignals, grace_s
+from shared.serving import HOP_MARGIN_S, grace_s
+from shared.stop_signals import StopSignals
 
 ROOT = Path(__file__).resolve().parents[3]
 
