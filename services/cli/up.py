@@ -214,6 +214,8 @@ def run_up(*, ready_timeout_s: float, new_key: bool) -> int:
     def say(message: str) -> None:
         console.write(f"axon: {message}\n")
 
+    stop = _StopRequests()
+    stop.install()  # from here on, Ctrl+C is a stop request: before the children start, it starts none
     settings = CommonSettings()
     if not _check_or_explain(settings, say):
         say("cannot start: a dependency above is not reachable")
@@ -222,8 +224,6 @@ def run_up(*, ready_timeout_s: float, new_key: bool) -> int:
     say(f"database ready ({len(applied)} migration(s) applied)")
     key = asyncio.run(LocalKey.obtain(settings, local_key_path(settings.namespace), replace=new_key))
     env, admin_token_generated = _child_environment()
-    stop = _StopRequests()
-    stop.install()
     children = stop.children
     try:
         for kind, default in _DEFAULT_PORTS.items():
