@@ -16,6 +16,7 @@ Only `http://` is supported (`Http1Client.supports` says whether a URL can use i
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
@@ -270,6 +271,8 @@ class Http1Client:
         self._host_line = f"Host: {parts.netloc}\r\n".encode("latin-1")
         self.base_path = parts.path.rstrip("/")
         self._idle: list[tuple[_Connection, float]] = []
+        # Every connection opened and not yet collected, idle or carrying a response (`abort`).
+        self._opened: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._max_idle = max_idle_connections
         self._idle_timeout_s = idle_timeout_s
         self._connect_timeout_s = connect_timeout_s
@@ -331,6 +334,13 @@ class Http1Client:
             connection.close()
         self._idle.clear()
 
+    def abort(self) -> None:
+        """Close every connection, those in the middle of a response too: their readers get
+        `RemoteProtocolError` at once (a stopping process ends what it still relays)."""
+        for connection in list(self._opened):
+            connection.close()
+        self._idle.clear()
+
     async def _exchange(self, connection: _Connection, request: bytes, sink: BodySink | None) -> Response:
         head = connection.begin(request, sink)
         try:
@@ -368,6 +378,7 @@ class Http1Client:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, connection = await loop.create_connection(lambda: _Connection(loop), self._host, self._port)
+            self._opened.add(connection)
         except TimeoutError:
             raise ConnectError(f"connecting to {self._host}:{self._port} timed out") from None
         except OSError as exc:

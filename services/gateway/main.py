@@ -12,6 +12,7 @@ def main() -> None:
     from services.gateway.app import create_app
     from services.gateway.settings import GatewaySettings
     from shared.guarded_http import ConnectionLimits, guarded_protocol
+    from shared.http1 import Http1Client
     from shared.logging import configure_logging, get_logger
     from shared.serving import grace_s, serve
     from shared.settings import InsecureConfiguration
@@ -23,6 +24,13 @@ def main() -> None:
     except InsecureConfiguration as exc:
         get_logger(__name__).error("refusing_to_start", reason=str(exc))
         sys.exit(2)
+
+    async def end_streams() -> None:
+        # Each stream still relayed ends with a `stream_interrupted` error event: its upstream
+        # connection breaks, as when the session manager goes away.
+        upstream: Http1Client = app.state.upstream
+        upstream.abort()
+
     limits = ConnectionLimits(
         head_timeout_s=settings.request_head_timeout_s,
         max_head_bytes=settings.max_header_bytes,
@@ -38,6 +46,7 @@ def main() -> None:
         ssl_keyfile=settings.tls_keyfile or None,
         # Longer than the session manager's wait, so its streams end (cleanly) first.
         grace_s=grace_s(settings.drain_timeout_s, hops_behind=2),
+        at_deadline=end_streams,
         signals=signals,
     )
 

@@ -20,6 +20,7 @@ from openai import OpenAI
 
 from services.cli.launcher import environment_with, free_port
 from shared.names import Names
+from tests.e2e.stack import Stack
 from tests.services import ServiceUrls
 
 MODEL = "sim-model"
@@ -219,3 +220,41 @@ def test_ctrl_c_while_the_services_start_stops_them_cleanly(
         assert f"axon: {name} exited with code 0" in text, text
     for sign in ("[error", "Traceback", "KeyboardInterrupt"):
         assert sign not in text, text
+
+
+def test_a_gateway_stopped_alone_ends_a_long_stream_with_stream_interrupted(
+    tmp_path: Path, namespace: str, database_url: str, service_urls: ServiceUrls, api_key: str
+) -> None:
+    """A gateway's own stop (a rolling update): past its wait, AXON_DRAIN_TIMEOUT_S + 10 s, a stream
+    it still relays ends with a clean error event, and the gateway exits 0 without an error line."""
+    stack = Stack(
+        namespace=f"{namespace}_gw_{uuid.uuid4().hex[:6]}",
+        database_url=database_url,
+        redis_url=service_urls.redis,
+        amqp_url=service_urls.amqp,
+        log_dir=tmp_path,
+    )
+    try:
+        stack.start("worker:sim", env={"AXON_ENGINE": "sim", "AXON_MODEL": MODEL, "AXON_SIM_ITL_MS": "100"})
+        sessions = stack.start("sessions")
+        gateway = stack.start("gateway", env={"AXON_SESSIONS_URL": sessions.url, "AXON_DRAIN_TIMEOUT_S": "0"})
+        client = OpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=30)
+        deadline = time.monotonic() + 15
+        while not any(model.id == MODEL for model in client.models.list()):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300, stream=True)
+        stopped_at = None
+        with pytest.raises(openai.APIError, match="stream was interrupted"):
+            for _chunk in stream:
+                if stopped_at is None:
+                    gateway.terminate()
+                    stopped_at = time.monotonic()
+        assert stopped_at is not None
+        assert 9 < time.monotonic() - stopped_at < 14  # its wait: 0 + 10 s
+        assert gateway.process.wait(timeout=10) == 0
+        log = gateway.log_text()
+        assert '"event":"stop_deadline_passed"' in log
+        assert '"level":"error"' not in log and "Traceback" not in log, log
+    finally:
+        stack.close()
