@@ -139,3 +139,35 @@ def test_a_stream_still_open_at_the_deadline_is_ended_by_the_hook_and_the_proces
         assert "deadline" in server.text().splitlines()
     finally:
         server.close()
+
+
+_HELD = """
+import sys, time
+from shared.stop_signals import StopSignals
+signals = StopSignals.hold()
+print("held", flush=True)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    time.sleep(0.05)
+    if signals.received == 2:
+        print("counted", signals.received, flush=True)
+        break
+time.sleep(30)
+"""
+
+
+def test_signals_held_before_the_server_runs_are_counted_and_a_third_still_forces() -> None:
+    process = subprocess.Popen([sys.executable, "-c", _HELD], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == b"held\n"
+        process.send_signal(signal.SIGINT)  # no KeyboardInterrupt: a count
+        time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        assert process.stdout.readline() == b"counted 2\n"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=5) == 1
+        assert process.stderr is not None and b"third stop signal" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=5)
