@@ -43,16 +43,17 @@ def environment_with(settings: Mapping[str, str]) -> dict[str, str]:
 
 @dataclass
 class Service:
-    """A child process serving HTTP on 127.0.0.1:`port`, its output in `log_path` (None: the console)."""
+    """A child process serving HTTP (or HTTPS) on 127.0.0.1:`port`, its output in `log_path` (None: the console)."""
 
     name: str
     port: int
     process: subprocess.Popen[bytes]
     log_path: Path | None
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -134,6 +135,7 @@ def start_process(
     port: int,
     log_path: Path | None,
     console: PrefixedConsole | None = None,
+    scheme: str = "http",
 ) -> Service:
     """Run `argv`, its stdout and stderr written to `log_path` (truncated first), else to `console`,
     else straight to this process's own."""
@@ -141,12 +143,12 @@ def start_process(
         process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         assert process.stdout is not None
         console.follow(name, process.stdout)
-        return Service(name, port, process, None)
+        return Service(name, port, process, None, scheme)
     if log_path is None:
-        return Service(name, port, subprocess.Popen(argv, env=env), None)
+        return Service(name, port, subprocess.Popen(argv, env=env), None, scheme)
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-    return Service(name, port, process, log_path)
+    return Service(name, port, process, log_path, scheme)
 
 
 def start_service(
@@ -158,7 +160,8 @@ def start_service(
     log_path: Path | None = None,
     console: PrefixedConsole | None = None,
 ) -> Service:
-    """An Axon service (`worker`, `sessions`, `gateway`) as its console script runs it, listening on `port`."""
+    """An Axon service (`worker`, `sessions`, `gateway`) as its console script runs it, listening on `port`
+    (a gateway given a certificate, `AXON_TLS_CERTFILE`, with HTTPS)."""
     return start_process(
         name or kind,
         [sys.executable, "-m", SERVICE_MODULES[kind]],
@@ -166,6 +169,7 @@ def start_service(
         port=port,
         log_path=log_path,
         console=console,
+        scheme="https" if kind == "gateway" and env.get("AXON_TLS_CERTFILE") else "http",
     )
 
 
@@ -221,7 +225,9 @@ def wait_ready(
     """
     deadline = time.monotonic() + timeout_s
     pending = list(services)
-    with httpx.Client(timeout=2) as client:
+    # Only our own children on the loopback interface are asked, and a certificate made for the
+    # gateway's public name cannot match 127.0.0.1: a readiness probe does not verify it.
+    with httpx.Client(timeout=2, verify=False) as client:
         while pending and time.monotonic() < deadline:
             if stop_requested is not None and stop_requested():
                 return

@@ -124,6 +124,7 @@ def _child_environment() -> tuple[dict[str, str], bool]:
 
 def _examples(env: dict[str, str], key: LocalKey, *, admin_token_generated: bool) -> str:
     port = env.get("AXON_GATEWAY_PORT", "8000")
+    scheme = "https" if env.get("AXON_TLS_CERTFILE") else "http"
     model = env.get("AXON_MODEL", "SmolLM2-135M-Instruct")
     admin_note = (
         f"Admin API token for this run (set AXON_ADMIN_TOKEN to choose your own): {env['AXON_ADMIN_TOKEN']}\n"
@@ -139,14 +140,14 @@ Axon is up. Your local API key (tenant "local") {origin}; it is kept in {key.pat
 
 Try it:
 
-  curl -N http://127.0.0.1:{port}/v1/chat/completions \\
+  curl -N {scheme}://127.0.0.1:{port}/v1/chat/completions \\
     -H "Authorization: Bearer $AXON_API_KEY" \\
     -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "stream": true, "temperature": 0,
          "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
-Or with the openai client: OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key=os.environ["AXON_API_KEY"])
-Or in the browser, with the key above: http://127.0.0.1:{port}/playground
+Or with the openai client: OpenAI(base_url="{scheme}://127.0.0.1:{port}/v1", api_key=os.environ["AXON_API_KEY"])
+Or in the browser, with the key above: {scheme}://127.0.0.1:{port}/playground
 More keys: .venv/bin/axon keys create --name NAME
 {admin_note}Press Ctrl+C to stop.
 

@@ -74,17 +74,9 @@ def tls_gateway(stack: Stack, sessions: Service, tls_files: TlsFiles) -> Iterato
         },
     )
     try:
-        deadline = time.monotonic() + 60
-        with httpx.Client(verify=tls_files.trusting(), timeout=2) as client:
-            while True:
-                assert gateway.exit_code is None, gateway.log_tail()
-                try:
-                    if client.get(f"https://127.0.0.1:{gateway.port}/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, gateway.log_tail()
-                time.sleep(0.2)
+        # As `axon up` starts it: the launcher knows a gateway with a certificate speaks HTTPS.
+        assert gateway.url == f"https://127.0.0.1:{gateway.port}"
+        launcher.wait_ready([gateway], timeout_s=60)
         yield gateway
     finally:
         gateway.stop(timeout_s=15)
