@@ -29,6 +29,12 @@ class WorkerMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.cached_prompt_tokens = Counter(
+            "axon_worker_cached_prompt_tokens_total",
+            "Prompt tokens the engine found in its prefix cache (not computed again).",
+            ["model"],
+            registry=self.registry,
+        )
         self.running = Gauge(
             "axon_worker_running_sequences",
             "Sequences being generated now.",

@@ -267,6 +267,7 @@ class JobRunner:
             if out.finish_reason is not None:
                 reason = out.finish_reason
                 self._metrics.prompt_tokens.labels(model).inc(publisher.prompt_tokens)
+                self._metrics.cached_prompt_tokens.labels(model).inc(out.cached_tokens)
         return reason
 
 

@@ -54,6 +54,10 @@ class WorkerSettings(CommonSettings):
     sim_itl_ms: float = Field(10.0, ge=0)
     sim_max_seqs: int = Field(64, ge=1)
     sim_context_tokens: int = Field(32768, ge=16)
+    # The simulated prefix cache: its capacity in 16-token blocks (0: no cache), and the time to
+    # first token added per prompt token not found in it.
+    sim_kv_blocks: int = Field(4096, ge=0)
+    sim_prefill_us_per_token: float = Field(50.0, ge=0)
     # Fault injection for platform tests: the simulated engine reports itself dead this
     # many seconds after start (0: never).
     sim_fail_after_s: float = Field(0.0, ge=0)

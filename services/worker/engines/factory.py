@@ -19,6 +19,8 @@ def create_engine(settings: WorkerSettings) -> Engine:
             max_seqs=settings.max_seqs or settings.sim_max_seqs,
             context_tokens=settings.sim_context_tokens,
             fail_after_s=settings.sim_fail_after_s,
+            kv_blocks=settings.sim_kv_blocks,
+            prefill_us_per_token=settings.sim_prefill_us_per_token,
         )
     max_seqs = settings.max_seqs or _DEFAULT_MAX_SEQS[settings.engine]
     if settings.engine == "vllm":

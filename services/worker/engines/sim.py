@@ -13,6 +13,16 @@ completion's `echo`).
 Token `i` depends only on the prompt, the seed, the guide and `i`, so a resumed job continues
 exactly where it stopped.
 
+Each worker's simulator models a prefix cache as vLLM's automatic prefix caching works (and as
+llm-d's inference simulator does): a prompt's tokens (its whitespace-separated words, the same
+count as `prompt_tokens`) are cut into `BLOCK_TOKENS`-token blocks, each keyed by the hash of its
+tokens and of the key of the block before it, and an LRU of `kv_blocks` keys stands for the KV
+cache. The prompt's leading blocks found there are `cached_tokens`; time to first token is
+`ttft_ms` plus `prefill_us_per_token` for every prompt token not cached. A finished (or cut off)
+answer's blocks are cached too, after its chat prompt's `assistant:` marker, so the next turn of a
+conversation, whose prompt holds this one and its answer, finds both. The cache changes only
+timing and `cached_tokens`, never the text.
+
 Tokens that are already due (a zero or very short `itl_ms`, or a sequence that fell behind)
 are emitted without waiting, yielding to the event loop once every `_TOKENS_PER_STEP` of them,
 as a batching engine hands out many tokens per step; so at near-zero latency the simulator
@@ -29,7 +39,8 @@ import re
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
 
 from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest, Guide, InvalidPrompt
@@ -38,6 +49,10 @@ from services.worker.tools import TOOL_CALL_END, TOOL_CALL_START, tool_prompt_me
 from shared.schemas import Capability, FinishReason, TokenLogprob, TopLogprob
 
 _TOKENS_PER_STEP = 64
+# Tokens per block of the simulated prefix cache (vLLM's default block size).
+BLOCK_TOKENS = 16
+# The token a chat prompt's answer follows (what a chat template's generation prompt stands for).
+_ANSWER_MARKER = "assistant:"
 
 _WORDS = (
     "the",
@@ -341,6 +356,48 @@ def prompt_logprobs(prompt: str, top: int) -> tuple[TokenLogprob, ...]:
     return tuple(token_logprob(piece, -1 - i, top) for i, piece in enumerate(re.findall(r"\s*\S+|\s+", prompt)))
 
 
+def block_keys(tokens: Sequence[str]) -> list[bytes]:
+    """The keys of the full `BLOCK_TOKENS`-token blocks of `tokens`: each the hash of its tokens and
+    of the previous block's key, so a key stands for the whole prefix up to its block's end."""
+    keys: list[bytes] = []
+    key = b""
+    for end in range(BLOCK_TOKENS, len(tokens) + 1, BLOCK_TOKENS):
+        key = hashlib.blake2b(key + "\0".join(tokens[end - BLOCK_TOKENS : end]).encode(), digest_size=16).digest()
+        keys.append(key)
+    return keys
+
+
+class PrefixCache:
+    """An LRU of `capacity` block keys (0: nothing is ever cached)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, keys: Sequence[bytes]) -> int:
+        """How many of the leading `keys` are cached (those are touched as used)."""
+        hits = 0
+        for key in keys:
+            if key not in self._blocks:
+                break
+            self._blocks.move_to_end(key)
+            hits += 1
+        return hits
+
+    def insert(self, keys: Sequence[bytes]) -> None:
+        """Cache `keys` as the most recently used, evicting the least recently used past capacity."""
+        if self.capacity == 0:
+            return
+        for key in keys:
+            self._blocks[key] = None
+            self._blocks.move_to_end(key)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+
 class SimEngine(Engine):
     """Deterministic word generator with configurable latency and concurrency."""
 
@@ -357,6 +414,8 @@ class SimEngine(Engine):
         max_seqs: int,
         context_tokens: int,
         fail_after_s: float = 0.0,
+        kv_blocks: int = 0,
+        prefill_us_per_token: float = 0.0,
     ) -> None:
         self.model_name = model_name
         self.max_seqs = max_seqs
@@ -368,6 +427,8 @@ class SimEngine(Engine):
         self._running = False
         self._fail_after_s = fail_after_s
         self._started_at = 0.0
+        self.prefix_cache = PrefixCache(kv_blocks)
+        self._prefill_s_per_token = prefill_us_per_token / 1_000_000
 
     async def start(self) -> None:
         self._running = True
@@ -392,7 +453,12 @@ class SimEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
         prompt = prompt_text(request)
-        prompt_tokens = max(1, len(prompt.split()))
+        words = prompt.split()
+        prompt_tokens = max(1, len(words))
+        # At least the prompt's last token is computed, as in vLLM: only blocks before it can hit.
+        cached = self.prefix_cache.match(block_keys(words[: prompt_tokens - 1])) * BLOCK_TOKENS
+        self.prefix_cache.insert(block_keys(words))
+        ttft_s = self._ttft_s + (prompt_tokens - cached) * self._prefill_s_per_token
         sampling = request.sampling
         pieces = answer_pieces(request, prompt)
         stops = StopMatcher(sampling.stop)
@@ -402,19 +468,20 @@ class SimEngine(Engine):
         top = request.logprobs
         echoed = prompt_logprobs(prompt, top) if request.echo and top is not None else ()
         if total <= 0:  # a resumed answer that was complete
-            yield EngineOutput("", 0, prompt_tokens, 0, finish_reason="stop")
+            yield EngineOutput("", 0, prompt_tokens, 0, finish_reason="stop", cached_tokens=cached)
             return
         self._running_ids.add(request.request_id)
+        answer = [request.resume.text] if request.resume else []
         try:
             for count in range(total):
-                due = started + self._ttft_s + count * self._itl_s
+                due = started + ttft_s + count * self._itl_s
                 wait_s = due - time.monotonic()
                 if wait_s > 0:
                     await asyncio.sleep(wait_s)
                 elif count % _TOKENS_PER_STEP == 0:
                     await asyncio.sleep(0)  # tokens already due come in steps, like a batch engine's
                 if request.request_id in self._aborted:
-                    yield EngineOutput("", 0, prompt_tokens, count, finish_reason="cancelled")
+                    yield EngineOutput("", 0, prompt_tokens, count, finish_reason="cancelled", cached_tokens=cached)
                     return
                 index = offset + count
                 if pieces is None:
@@ -426,15 +493,35 @@ class SimEngine(Engine):
                 logprobs = (token_logprob(token, index, top),) if top is not None else ()
                 first = echoed if count == 0 else ()
                 if stops.stopped:
+                    answer.append(text)
                     yield EngineOutput(
-                        text, 1, prompt_tokens, count + 1, "stop", logprobs=logprobs, prompt_logprobs=first
+                        text,
+                        1,
+                        prompt_tokens,
+                        count + 1,
+                        "stop",
+                        logprobs=logprobs,
+                        prompt_logprobs=first,
+                        cached_tokens=cached,
                     )
                     return
                 reason: FinishReason | None = None
                 if count == total - 1:
                     text += stops.flush()
                     reason = "stop" if pieces is not None and index == len(pieces) - 1 else "length"
-                yield EngineOutput(text, 1, prompt_tokens, count + 1, reason, logprobs=logprobs, prompt_logprobs=first)
+                answer.append(text)
+                yield EngineOutput(
+                    text,
+                    1,
+                    prompt_tokens,
+                    count + 1,
+                    reason,
+                    logprobs=logprobs,
+                    prompt_logprobs=first,
+                    cached_tokens=cached,
+                )
         finally:
             self._running_ids.discard(request.request_id)
             self._aborted.discard(request.request_id)
+            marker = [_ANSWER_MARKER] if request.messages is not None else []
+            self.prefix_cache.insert(block_keys([*words, *marker, *"".join(answer).split()]))

@@ -4,6 +4,7 @@ valid against the guide's schema, tool calls, logprobs, echo, exact resumption."
 import asyncio
 import json
 import math
+import time
 from typing import Any
 
 import jsonschema
@@ -364,3 +365,90 @@ async def test_echo_gives_the_prompts_logprobs_first(engine: SimEngine) -> None:
     assert "".join(t.token for t in outputs[0].prompt_logprobs) == prompt
     assert all(len(t.top_logprobs) == 1 for t in outputs[0].prompt_logprobs)
     assert all(o.prompt_logprobs == () for o in outputs[1:])
+
+
+# --- prefix cache ----------------------------------------------------------------------------
+
+
+def turn(request_id: str, messages: list[Message], max_tokens: int = 40) -> GenerationRequest:
+    return GenerationRequest(request_id=request_id, sampling=Sampling(max_tokens=max_tokens, seed=5), messages=messages)
+
+
+def words(count: int, tag: str) -> str:
+    return " ".join(f"{tag}{i}" for i in range(count))
+
+
+async def cached_engine(kv_blocks: int = 4096, prefill_us_per_token: float = 0) -> SimEngine:
+    sim = SimEngine(
+        model_name="sim",
+        ttft_ms=0,
+        itl_ms=0,
+        max_seqs=4,
+        context_tokens=1 << 20,
+        kv_blocks=kv_blocks,
+        prefill_us_per_token=prefill_us_per_token,
+    )
+    await sim.start()
+    return sim
+
+
+async def test_the_next_turn_finds_this_turns_prompt_and_answer_cached() -> None:
+    sim = await cached_engine()
+    first = [Message(role="system", content=words(30, "s")), Message(role="user", content=words(70, "u"))]
+    turn1 = await collect(sim, turn("t1", first))
+    assert {o.cached_tokens for o in turn1} == {0}
+    answer = text_of(turn1)
+    second = [*first, Message(role="assistant", content=answer), Message(role="user", content=words(50, "v"))]
+    turn2 = await collect(sim, turn("t2", second))
+    # Turn 1's prompt ("system:" + 30 + "user:" + 70 words), the marker and its 40-word answer:
+    # 143 tokens, 8 full blocks.
+    assert turn2[-1].cached_tokens == 128
+    assert turn2[-1].prompt_tokens == 143 + 1 + 50
+    assert {o.cached_tokens for o in turn2} == {128}
+
+
+async def test_the_cache_changes_no_text() -> None:
+    sim = await cached_engine()
+    req = turn("same", [Message(role="user", content=words(100, "w"))])
+    cold, warm = await collect(sim, req), await collect(sim, req)
+    assert (cold[-1].cached_tokens, warm[-1].cached_tokens) == (0, 96)  # never the prompt's last token
+    assert text_of(cold) == text_of(warm)
+    plain = await cached_engine(kv_blocks=0)
+    assert text_of(await collect(plain, req)) == text_of(cold)
+
+
+async def test_a_completion_prompt_is_cached_block_by_block() -> None:
+    sim = await cached_engine()
+    await collect(sim, request(prompt=words(40, "p"), max_tokens=1))
+    longer = await collect(sim, request(request_id="b", prompt=words(40, "p") + " " + words(40, "q"), max_tokens=1))
+    assert longer[-1].cached_tokens == 32  # the first prompt's two full blocks; its tail is recomputed
+    other = await collect(sim, request(request_id="c", prompt=words(40, "x"), max_tokens=1))
+    assert other[-1].cached_tokens == 0
+
+
+async def test_no_cache_and_lru_eviction() -> None:
+    off = await cached_engine(kv_blocks=0)
+    req = request(prompt=words(64, "p"), max_tokens=1)
+    await collect(off, req)
+    assert (await collect(off, req))[-1].cached_tokens == 0
+    small = await cached_engine(kv_blocks=4)
+    await collect(small, request(prompt=words(65, "a"), max_tokens=1))  # 4 blocks: the whole cache
+    assert (await collect(small, request(prompt=words(65, "a"), max_tokens=1)))[-1].cached_tokens == 64
+    await collect(small, request(prompt=words(33, "b"), max_tokens=1))  # evicts a's two oldest blocks
+    assert (await collect(small, request(prompt=words(65, "a"), max_tokens=1)))[-1].cached_tokens == 0
+    assert len(small.prefix_cache) == 4
+
+
+async def test_time_to_first_token_pays_only_for_uncached_tokens() -> None:
+    sim = await cached_engine(prefill_us_per_token=1000)  # 1 ms per uncached token
+    req = request(prompt=words(200, "t"), max_tokens=1)
+
+    async def first_token_s() -> float:
+        started = time.perf_counter()
+        await collect(sim, req)
+        return time.perf_counter() - started
+
+    cold = await first_token_s()
+    warm = await first_token_s()  # 192 of 200 tokens cached: 8 ms
+    assert cold >= 0.2
+    assert warm < 0.1
