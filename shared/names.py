@@ -23,6 +23,11 @@ class Names:
         """Durable queue holding one model's jobs."""
         return f"{self.namespace}.jobs.{model}"
 
+    def worker_queue(self, model: str, worker_id: str) -> str:
+        """One worker's own queue of `model` jobs (session affinity), also its routing key on the
+        jobs exchange; what waits there too long is dead-lettered to the model's queue."""
+        return f"{self.namespace}.jobs.{model}.w.{worker_id}"
+
     @property
     def dead_letter_exchange(self) -> str:
         return f"{self.namespace}.jobs.dlx"
@@ -94,6 +99,10 @@ class Names:
     def history(self, session_id: str) -> str:
         """List of a session's most recent messages (JSON), oldest first."""
         return f"{self.namespace}:history:{session_id}"
+
+    def affinity(self, session_id: str) -> str:
+        """Id of the worker that served a session's last turn (whose prefix cache holds it)."""
+        return f"{self.namespace}:affinity:{session_id}"
 
     def session_seq(self, session_id: str) -> str:
         """Counter handing out a session's message sequence numbers."""

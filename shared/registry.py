@@ -24,16 +24,20 @@ _SWEEP_GRACE_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class LiveModel:
-    """A model some live worker serves: how many workers, the smallest context among them, and
-    the request parameters every one of them honours (a job may go to any of them)."""
+    """A model some live worker serves: how many workers, the smallest context among them, the
+    request parameters every one of them honours (a job may go to any of them), and the ids of
+    those that take jobs of their own (live and not draining: a session's home may be one)."""
 
     workers: int
     context_tokens: int
     supports: frozenset[str] = frozenset()
+    homes: frozenset[str] = frozenset()
 
-    def joined(self, *, context_tokens: int, supports: frozenset[str]) -> "LiveModel":
+    def joined(self, *, context_tokens: int, supports: frozenset[str], homes: frozenset[str]) -> "LiveModel":
         """This model with one more live worker."""
-        return LiveModel(self.workers + 1, min(self.context_tokens, context_tokens), self.supports & supports)
+        return LiveModel(
+            self.workers + 1, min(self.context_tokens, context_tokens), self.supports & supports, self.homes | homes
+        )
 
 
 class WorkerRegistry:
@@ -52,15 +56,17 @@ class WorkerRegistry:
         max_seqs: int,
         context_tokens: int,
         supports: Iterable[str] = (),
+        draining: bool = False,
     ) -> None:
         """Announce that `worker_id` serves `model` for the next `ttl_s` seconds, honouring the
-        request parameters `supports`."""
+        request parameters `supports`; a `draining` worker is no session's home any more."""
         entry = {
             "model": model,
             "expires_at": time.time() + ttl_s,
             "max_seqs": max_seqs,
             "context_tokens": context_tokens,
             "supports": sorted(supports),
+            "draining": draining,
         }
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(self._names.workers_key, worker_id, orjson.dumps(entry))
@@ -87,8 +93,11 @@ class WorkerRegistry:
             known = live.get(entry["model"])
             context = entry["context_tokens"]
             supports = frozenset(entry.get("supports", ()))
+            homes = frozenset() if entry.get("draining") else frozenset((worker_id.decode(),))
             live[entry["model"]] = (
-                known.joined(context_tokens=context, supports=supports) if known else LiveModel(1, context, supports)
+                known.joined(context_tokens=context, supports=supports, homes=homes)
+                if known
+                else LiveModel(1, context, supports, homes)
             )
         if expired:
             await self._redis.hdel(self._names.workers_key, *expired)

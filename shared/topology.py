@@ -1,9 +1,11 @@
-"""The job queue topology on RabbitMQ: the jobs exchange, one durable queue per model, and the
-dead-letter queue.
+"""The job queue topology on RabbitMQ: the jobs exchange, one durable queue per model, one queue
+per worker (session affinity), and the dead-letter queue.
 
 Every service declares the topology it touches with the same arguments, so any of them may come
 up first.
 """
+
+from collections.abc import Mapping
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractQueue
@@ -12,6 +14,14 @@ from shared.names import Names
 
 # RabbitMQ priorities 0-9 (a key's tier); higher is served first.
 MAX_JOB_PRIORITY = 9
+
+# The longest a session's job may wait in its home worker's queue (AXON_AFFINITY_WAIT_MS's bound).
+MAX_AFFINITY_WAIT_MS = 60_000
+# A worker's own queue is deleted this long after its last consumer left (the worker died).
+# RabbitMQ drops, never dead-letters, the messages of a deleted queue, so this must outlast the
+# longest per-message TTL in it by far; a job requeued there keeps its original expiry, which has
+# usually passed, and leaves for the model's queue at once.
+WORKER_QUEUE_EXPIRES_MS = 10 * MAX_AFFINITY_WAIT_MS
 
 
 async def declare_job_queue(
@@ -44,3 +54,41 @@ async def declare_job_queue(
     )
     await queue.bind(jobs_exchange, routing_key=model)
     return queue
+
+
+async def declare_worker_queue(channel: AbstractChannel, names: Names, model: str, worker_id: str) -> AbstractQueue:
+    """Declare one worker's own queue of `model` jobs, bound to the jobs exchange under its name.
+
+    A job expired there (its per-message TTL, the affinity wait) is dead-lettered to the jobs
+    exchange with the model's routing key, so it lands in the model's shared queue, where any
+    worker takes it. Durable, not transient, so a broker restart keeps what waits in it (and
+    RabbitMQ deprecates transient non-exclusive queues); not exclusive, since an exclusive queue
+    is deleted with its connection and its messages with it, whereas a killed worker's jobs must
+    reach the shared queue. `x-expires` removes it once its worker is gone for good.
+    """
+    jobs_exchange = await channel.declare_exchange(names.jobs_exchange, aio_pika.ExchangeType.DIRECT, durable=True)
+    name = names.worker_queue(model, worker_id)
+    queue = await channel.declare_queue(
+        name,
+        durable=True,
+        arguments={
+            "x-max-priority": MAX_JOB_PRIORITY,
+            "x-dead-letter-exchange": names.jobs_exchange,
+            "x-dead-letter-routing-key": model,
+            "x-expires": WORKER_QUEUE_EXPIRES_MS,
+        },
+    )
+    await queue.bind(jobs_exchange, routing_key=name)
+    return queue
+
+
+def spilled_from_worker_queue(headers: Mapping[str, object]) -> bool:
+    """Whether a job reached the model's queue by expiring in a worker's own queue: RabbitMQ's
+    `x-death` records an `expired` death (the model's queue dead-letters only to the dead-letter
+    queue, which no worker reads, so that death was in a worker's queue). Such a job may have been
+    delivered there before (its worker died or handed it back), so its progress must be read as
+    for a redelivery."""
+    deaths = headers.get("x-death")
+    if not isinstance(deaths, list):
+        return False
+    return any(isinstance(death, dict) and death.get("reason") == "expired" for death in deaths)

@@ -87,6 +87,7 @@ def _attach_services(
             instance_id=opened.instance_id,
             lock_ttl_s=settings.request_timeout_s + 30,
             gauge=metrics.active_sessions,
+            affinity=opened.publisher.affinity,
         ),
         metrics=metrics,
     )

@@ -8,6 +8,7 @@ tenant gets 404, exactly as for a session that does not exist.
 
 import datetime as dt
 import uuid
+from typing import cast
 
 import asyncpg
 import redis.asyncio as redis
@@ -211,7 +212,7 @@ class SessionStore:
         await self._db.execute("DELETE FROM conversations WHERE id = $1", uuid.UUID(info.id))
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self._names.session(info.id), _TOMBSTONE, ex=self._ttl_s)
-            pipe.delete(self._names.history(info.id), self._names.session_seq(info.id))
+            pipe.delete(self._names.history(info.id), self._names.session_seq(info.id), self._names.affinity(info.id))
             await pipe.execute()
 
     # Turn-taking
@@ -233,7 +234,21 @@ class SessionStore:
     # Messages
     async def history(self, info: SessionInfo) -> list[StoredMessage]:
         """The session's recent messages, oldest first (at most the cached length)."""
-        raw = await self._redis.lrange(self._names.history(info.id), 0, -1)
+        # Bytes: our clients never set decode_responses (redis-py types replies as bytes | str).
+        raw = cast(list[bytes], await self._redis.lrange(self._names.history(info.id), 0, -1))
+        return await self._history(info, raw)
+
+    async def history_and_home(self, info: SessionInfo) -> tuple[list[StoredMessage], str | None]:
+        """The session's recent messages, and the worker that served its last turn (its affinity
+        record, `services/worker/publisher.py`), read in one round trip."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.lrange(self._names.history(info.id), 0, -1)
+            pipe.get(self._names.affinity(info.id))
+            raw, home = await pipe.execute()
+        return await self._history(info, raw), home.decode() if home else None
+
+    async def _history(self, info: SessionInfo, raw: list[bytes]) -> list[StoredMessage]:
+        """The messages of the cached list `raw`; if it is empty, from PostgreSQL (then re-cached)."""
         if raw:
             self._metrics.history_cache.labels("hit").inc()
             return [StoredMessage.model_validate_json(item) for item in raw]

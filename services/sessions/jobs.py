@@ -1,4 +1,7 @@
-"""Publishes jobs to RabbitMQ with publisher confirms."""
+"""Publishes jobs to RabbitMQ with publisher confirms: to the model's shared queue, or a session's
+job to its home worker's own queue, from which RabbitMQ moves it to the shared queue once it has
+waited `AXON_AFFINITY_WAIT_MS` there (per-message TTL and dead-lettering: the broker spills it, not
+a timer of ours)."""
 
 import asyncio
 import time
@@ -19,7 +22,8 @@ log = get_logger(__name__)
 
 
 class JobPublisher:
-    """Sends a job to its model's durable queue; returns only once the broker has it."""
+    """Sends a job to its model's durable queue, or to its session's home worker's queue; returns
+    only once the broker has it."""
 
     def __init__(
         self,
@@ -28,9 +32,12 @@ class JobPublisher:
         *,
         max_queued_jobs: int,
         publish_timeout_s: float,
+        affinity_wait_ms: int = 0,
     ) -> None:
         self._connection = connection
         self._names = names
+        # 0: affinity off, every job goes to the shared queue.
+        self._affinity_wait_ms = affinity_wait_ms
         self._max_queued_jobs = max_queued_jobs
         self._publish_timeout_s = publish_timeout_s
         self._channel: AbstractChannel | None = None
@@ -50,8 +57,19 @@ class JobPublisher:
                 await declare_job_queue(channel, self._names, model, max_queued_jobs=self._max_queued_jobs)
                 self._declared.add(model)
 
-    async def publish(self, job: Job, *, priority: int, request_id: str) -> None:
+    @property
+    def affinity(self) -> bool:
+        """Whether a session's jobs go to the worker that served its last turn first."""
+        return self._affinity_wait_ms > 0
+
+    async def publish(self, job: Job, *, priority: int, request_id: str, home: str | None = None) -> None:
         """Publish `job` persistently; the broker drops it unread once its deadline passes.
+
+        With `home` (a live worker that served the session's last turn, and affinity on), the job
+        goes to that worker's own queue with a per-message TTL of `affinity_wait_ms` (or what is
+        left to its deadline, if less); expired there, RabbitMQ dead-letters it to the model's
+        queue. That queue gone (its worker died a while ago), the broker returns the job and it is
+        published to the model's queue instead.
 
         Published on the underlying aiormq channel: aio-pika's `Exchange.publish` adds a
         `Message` object and checks per call, and its robust channel still recovers the
@@ -65,19 +83,27 @@ class JobPublisher:
             # Refused at once while the robust connection reconnects: its channel would make the
             # request wait for the broker's return, however long that takes.
             raise Unavailable("The job broker is unavailable; try again shortly.", retry_after_s=2)
-        properties = spec.Basic.Properties(
-            content_type="application/json",
-            delivery_mode=2,  # persistent
-            message_id=job.job_id,
-            priority=max(0, min(priority, MAX_JOB_PRIORITY)),
-            headers={"x-request-id": request_id},
-            expiration=str(max(1, int((job.deadline - time.time()) * 1000))),
-        )
+        left_ms = max(1, int((job.deadline - time.time()) * 1000))
+        properties = _properties(job, priority=priority, request_id=request_id, expiration_ms=left_ms)
+        body = job.model_dump_json().encode()
         try:
             await self._ensure_queue(self._channel, job.model)
             channel = await self._channel.get_underlay_channel()
+            if home is not None and self.affinity:
+                wait_ms = min(left_ms, self._affinity_wait_ms)
+                confirmation = await channel.basic_publish(
+                    body,
+                    exchange=self._names.jobs_exchange,
+                    routing_key=self._names.worker_queue(job.model, home),
+                    properties=_properties(job, priority=priority, request_id=request_id, expiration_ms=wait_ms),
+                    mandatory=True,
+                    timeout=self._publish_timeout_s,
+                )
+                if isinstance(confirmation, spec.Basic.Ack):
+                    return
+                log.info("job_home_missing", model=job.model, worker_id=home)
             confirmation = await channel.basic_publish(
-                job.model_dump_json().encode(),
+                body,
                 exchange=self._names.jobs_exchange,
                 routing_key=job.model,
                 properties=properties,
@@ -98,3 +124,16 @@ class JobPublisher:
             self._declared.discard(job.model)
             log.warning("job_returned", model=job.model)
             raise Unavailable(f"The job queue of model '{job.model}' was missing; try again.", retry_after_s=1)
+
+
+def _properties(job: Job, *, priority: int, request_id: str, expiration_ms: int) -> spec.Basic.Properties:
+    """A job message's AMQP properties: persistent, its id, its caller's priority, expiring after
+    `expiration_ms` (RabbitMQ then dead-letters it)."""
+    return spec.Basic.Properties(
+        content_type="application/json",
+        delivery_mode=2,  # persistent
+        message_id=job.job_id,
+        priority=max(0, min(priority, MAX_JOB_PRIORITY)),
+        headers={"x-request-id": request_id},
+        expiration=str(expiration_ms),
+    )

@@ -83,6 +83,7 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
         names,
         max_queued_jobs=settings.max_queued_jobs,
         publish_timeout_s=settings.publish_timeout_s,
+        affinity_wait_ms=settings.affinity_wait_ms,
     )
     # min_size=0: the session manager starts, and chats keep working, while PostgreSQL is down.
     db = await asyncpg.create_pool(

@@ -253,7 +253,10 @@ class CompletionService:
                 caller=caller,
             )
             jobs = [job, *(_for_choice(job, i, s) for i, s in enumerate(streams[1:], 1))]
-            await self._publish(jobs, priority=caller.priority, request_id=request_id)
+            # A session's job goes to the worker that served its last turn while it is live and
+            # not draining (its prefix cache holds the conversation); RabbitMQ spills it over.
+            home = turn.home if turn is not None and turn.home in live.homes else None
+            await self._publish(jobs, priority=caller.priority, request_id=request_id, home=home)
         except BaseException:
             await stream.close()
             if turn is not None:
@@ -335,13 +338,14 @@ class CompletionService:
             **features,
         )
 
-    async def _publish(self, jobs: list[Job], *, priority: int, request_id: str) -> None:
-        """Publish every job, or none: when one fails, the others are called off.
+    async def _publish(self, jobs: list[Job], *, priority: int, request_id: str, home: str | None = None) -> None:
+        """Publish every job, or none: when one fails, the others are called off. `home`: the
+        worker whose own queue a session's (single) job goes to first.
 
         Raises:
             Unavailable: a job could not be queued.
         """
-        publishes = [self._publisher.publish(job, priority=priority, request_id=request_id) for job in jobs]
+        publishes = [self._publisher.publish(job, priority=priority, request_id=request_id, home=home) for job in jobs]
         results: list[BaseException | None]
         if len(publishes) == 1:
             try:

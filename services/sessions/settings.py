@@ -4,6 +4,7 @@ from pydantic import Field
 
 from shared.openai_requests import MAX_CHOICES, RequestLimits
 from shared.settings import CommonSettings
+from shared.topology import MAX_AFFINITY_WAIT_MS
 
 
 class SessionsSettings(CommonSettings):
@@ -14,6 +15,10 @@ class SessionsSettings(CommonSettings):
     default_max_tokens: int = Field(256, ge=1)
     max_tokens_limit: int = Field(8192, ge=1)
     publish_timeout_s: float = Field(5.0, gt=0)
+    # How long a session's job waits in the queue of the worker that served its last turn (whose
+    # prefix cache holds the conversation) before RabbitMQ moves it to the model's shared queue.
+    # 0: no affinity, every job goes to the shared queue.
+    affinity_wait_ms: int = Field(250, ge=0, le=MAX_AFFINITY_WAIT_MS)
     subscribe_timeout_s: float = Field(5.0, gt=0)
     # Token channels of new job ids kept subscribed ahead, so a request need not wait for its own.
     subscribe_ahead: int = Field(32, ge=0)

@@ -82,6 +82,8 @@ class Turn:
     prompt: list[Message]
     dropped: int
     new_messages: list[Message]
+    # The worker that served the session's last turn (None: unknown, or affinity is off).
+    home: str | None = None
     closed: bool = False
 
 
@@ -97,8 +99,12 @@ class Turns:
     the middle of a turn would leave its session answering 409 for the whole lock TTL.
     """
 
-    def __init__(self, store: SessionStore, *, instance_id: str, lock_ttl_s: float, gauge: Gauge) -> None:
+    def __init__(
+        self, store: SessionStore, *, instance_id: str, lock_ttl_s: float, gauge: Gauge, affinity: bool = False
+    ) -> None:
         self._store = store
+        # Whether to read the session's home worker with its history.
+        self._affinity = affinity
         self._instance_id = instance_id
         self._lock_ttl_s = lock_ttl_s
         self._gauge = gauge
@@ -121,15 +127,27 @@ class Turns:
                 param="session_id",
                 code="session_busy",
             )
+        home: str | None = None
         try:
-            history = await self._store.history(info)
+            if self._affinity:
+                history, home = await self._store.history_and_home(info)
+            else:
+                history = await self._store.history(info)
         except BaseException:
             await self._release(info.id, holder)
             raise
         prompt, dropped = build_prompt(
             system_prompt=info.system_prompt, history=history, new_messages=new_messages, budget_tokens=budget_tokens
         )
-        turn = Turn(info=info, holder=holder, job_id=job_id, prompt=prompt, dropped=dropped, new_messages=new_messages)
+        turn = Turn(
+            info=info,
+            holder=holder,
+            job_id=job_id,
+            prompt=prompt,
+            dropped=dropped,
+            new_messages=new_messages,
+            home=home,
+        )
         self._gauge.inc()
         return turn
 

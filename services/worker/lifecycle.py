@@ -20,7 +20,7 @@ from shared.logging import get_logger
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
-from shared.topology import declare_job_queue
+from shared.topology import declare_job_queue, declare_worker_queue
 
 log = get_logger(__name__)
 
@@ -46,6 +46,7 @@ class Worker:
             metrics=self.metrics,
             max_deliveries=settings.max_deliveries,
             dead_letter=self._dead_letter,
+            worker_id=settings.worker_id,
         )
         self.not_ready_reason: str | None = "starting"
         # Why the process must exit non-zero (the engine failed), so an orchestrator restarts it.
@@ -53,8 +54,11 @@ class Worker:
         self._drained = False
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
+        # The model's shared queue and this worker's own (sessions whose last turn it served).
         self._queue: AbstractQueue | None = None
         self._consumer_tag: str | None = None
+        self._own_queue: AbstractQueue | None = None
+        self._own_consumer_tag: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._engine_starting: asyncio.Future[None] | None = None
 
@@ -128,14 +132,20 @@ class Worker:
                 await self.redis.ping()
                 self._connection = await connect_amqp(self.settings.amqp_url, timeout_s=self.settings.connect_timeout_s)
                 self._channel = await self._connection.channel()
-                await self._channel.set_qos(prefetch_count=self.engine.max_seqs)
+                # One limit for both queues' consumers (`global_`: per channel, not per consumer),
+                # so the worker never holds more than `max_seqs` jobs, whichever queue they came from.
+                await self._channel.set_qos(prefetch_count=self.engine.max_seqs, global_=True)
                 self._queue = await declare_job_queue(
                     self._channel,
                     self.names,
                     self.engine.model_name,
                     max_queued_jobs=self.settings.max_queued_jobs,
                 )
+                self._own_queue = await declare_worker_queue(
+                    self._channel, self.names, self.engine.model_name, self.settings.worker_id
+                )
                 if not self._drained:
+                    self._own_consumer_tag = await consume(self._own_queue, self.runner)
                     self._consumer_tag = await consume(self._queue, self.runner)
                 return
             except Exception as exc:  # noqa: BLE001 - report and retry, never crash-loop
@@ -150,9 +160,14 @@ class Worker:
             return
         self._drained = True
         self.not_ready_reason = "shutting down"
-        if self._queue is not None and self._consumer_tag is not None:
-            with contextlib.suppress(Exception):
-                await self._queue.cancel(self._consumer_tag)
+        # Its own queue first: what waits there (and what session managers still send before they
+        # see the draining heartbeat) expires into the shared queue within the affinity wait.
+        for queue, tag in ((self._own_queue, self._own_consumer_tag), (self._queue, self._consumer_tag)):
+            if queue is not None and tag is not None:
+                with contextlib.suppress(Exception):
+                    await queue.cancel(tag)
+        if getattr(self, "_heartbeat", None) is not None:
+            await self._heartbeat.draining()
         left = await self.runner.drain(self.settings.drain_timeout_s)
         log.info("worker_drained", handed_back=left)
 

@@ -39,15 +39,18 @@ log = get_logger(__name__)
 # Progress outlives the job's deadline by this much, then Redis forgets it.
 _PROGRESS_GRACE_S = 60
 
-# KEYS: progress hash, text, token ids.
+# KEYS: progress hash, text, token ids[, a final chunk's session affinity record].
 # ARGV: channel, chunk JSON, final (0/1), next seq, completion tokens, prompt tokens, new text,
-#       expiry in seconds (0: leave as is), new token ids...
+#       expiry in seconds (0: leave as is), then new token ids... or, for a final chunk with the
+#       affinity record, this worker's id and the record's lifetime in seconds.
 # The final chunk replaces the progress with `done` and the job's final token counts: a job
 # redelivered after its answer was complete (its ack was lost with the broker connection) is then
 # acked, not generated again, and a session manager that never saw the final chunk can still
 # charge what was generated. It returns 2 when nobody received it (the session manager that
 # published the job is gone) and no session manager has charged the job (`billed`, set by
 # `CompletionService._recorded_usage`): the worker then records the job's usage row itself.
+# A session's answer also names this worker as the session's home (`<ns>:affinity:<session>`), in
+# the same call: the session manager sends the next turn to its queue, where its prefix is cached.
 _PUBLISH_WITH_PROGRESS = PipeScript("""
 local receivers = redis.call('PUBLISH', ARGV[1], ARGV[2])
 if ARGV[3] == '1' then
@@ -55,6 +58,7 @@ if ARGV[3] == '1' then
   redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
   redis.call('HSET', KEYS[1], 'done', '1', 'completion_tokens', ARGV[5], 'prompt_tokens', ARGV[6])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
+  if #KEYS > 3 then redis.call('SET', KEYS[4], ARGV[9], 'EX', tonumber(ARGV[10])) end
   if receivers == 0 and billed == 0 then return 2 end
   return 1
 end
@@ -74,6 +78,19 @@ _chunk_json = TokenChunk.__pydantic_serializer__.to_json
 
 # What `_PUBLISH_WITH_PROGRESS` returns for a final chunk whose usage nobody recorded.
 _UNHEARD = 2
+
+# How long a session's affinity record names the worker that answered its last turn: past an
+# hour of silence its prefix has most likely left that worker's cache anyway.
+AFFINITY_TTL_S = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Home:
+    """The affinity record a session job's answer writes: its key and this worker's id."""
+
+    key: str
+    worker_id: str
+
 
 # Decides an answer's finish reason from the engine's and whether tool calls were made.
 FinishRule = Callable[[FinishReason, bool], FinishReason]
@@ -106,12 +123,14 @@ class ChunkPublisher:
         deadline: float,
         progress: Progress,
         owner: UsageOwner | None = None,
+        home: Home | None = None,
     ) -> None:
         self._pipe = pipe
         self._channel = channel
         self._deadline = deadline
         self._job_id = job_id
         self._owner = owner
+        self._home = home
         self._outbox = names.outbox
         self._keys = (names.job_progress(job_id), names.job_progress_text(job_id), names.job_progress_tokens(job_id))
         self.seq = progress.seq
@@ -159,7 +178,7 @@ class ChunkPublisher:
             tool_calls=tool_calls,
             logprobs=logprobs,
         )
-        await self._send(chunk, text=out.text, token_ids=out.token_ids)
+        await self._send(chunk, text=out.text, token_ids=out.token_ids, home=self._home)
 
     def _parse(
         self, raw: str, reason: FinishReason | None
@@ -190,18 +209,26 @@ class ChunkPublisher:
         """End a job cancelled before it ran here, charging what earlier attempts published."""
         await self._send(TokenChunk(seq=self.seq, finish_reason="cancelled", usage=self._usage()))
 
-    async def _send(self, chunk: TokenChunk, *, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
+    async def _send(
+        self, chunk: TokenChunk, *, text: str = "", token_ids: tuple[int, ...] = (), home: Home | None = None
+    ) -> None:
         """One script call: publish the chunk and record the progress (or, for a final chunk,
-        forget it), so a worker dying in between never leaves half a record. `text` is the engine's
-        raw text (tool calls included), which a resumed job replays."""
+        forget it, and name this worker the session's `home`), so a worker dying in between never
+        leaves half a record. `text` is the engine's raw text (tool calls included), which a
+        resumed job replays."""
         final = chunk.finish_reason is not None
         expire_s = 0
         if final or not self._expiry_set:
             expire_s = max(1, int(self._deadline - time.time()) + _PROGRESS_GRACE_S)
             self._expiry_set = True
+        keys = list(self._keys)
+        tail: list[str | int] = [*token_ids]
+        if final and home is not None:  # a final chunk records no token ids
+            keys.append(home.key)
+            tail = [home.worker_id, AFFINITY_TTL_S]
         published = await self._pipe.evalsha(
             _PUBLISH_WITH_PROGRESS,
-            list(self._keys),
+            keys,
             [
                 self._channel,
                 _chunk_json(chunk, exclude_none=True),
@@ -211,7 +238,7 @@ class ChunkPublisher:
                 self.prompt_tokens,
                 text,
                 expire_s,
-                *token_ids,
+                *tail,
             ],
         )
         self.seq += 1

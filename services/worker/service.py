@@ -26,13 +26,14 @@ from services.worker.engines import (
 )
 from services.worker.failover import Failover, Progress, remaining_sampling
 from services.worker.metrics import WorkerMetrics
-from services.worker.publisher import ChunkPublisher, Coalescer, UsageOwner
+from services.worker.publisher import ChunkPublisher, Coalescer, Home, UsageOwner
 from services.worker.tools import answer_finish_reason, guide_for
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
 from shared.redis_pipe import RedisPipe, RedisSubscriber
 from shared.registry import WorkerRegistry
 from shared.schemas import FinishReason, Job
+from shared.topology import spilled_from_worker_queue
 
 log = get_logger(__name__)
 
@@ -56,8 +57,11 @@ class JobRunner:
         metrics: WorkerMetrics,
         max_deliveries: int,
         dead_letter: DeadLetter,
+        worker_id: str = "",
     ) -> None:
         self._engine = engine
+        # Named as a session's home by its answers (none: this runner records no affinity).
+        self._worker_id = worker_id
         self._pipe = pipe
         self._names = names
         self._metrics = metrics
@@ -116,8 +120,11 @@ class JobRunner:
             job_id=job.job_id, tenant=job.tenant, session_id=job.session_id, request_id=headers.get("x-request-id")
         )
         started = time.perf_counter()
+        # A job that expired out of a worker's own queue may have been delivered there before (its
+        # worker died or handed it back), but RabbitMQ delivers it here as a new message.
+        retried = message.redelivered or spilled_from_worker_queue(headers)
         try:
-            progress = await self._failover.load_progress(job.job_id) if message.redelivered else Progress()
+            progress = await self._failover.load_progress(job.job_id) if retried else Progress()
             publisher = ChunkPublisher(
                 self._pipe,
                 self._names,
@@ -126,10 +133,11 @@ class JobRunner:
                 deadline=job.deadline,
                 progress=progress,
                 owner=UsageOwner.of(job),
+                home=self._home(job),
             )
             if progress.done:
                 outcome = "duplicate"  # finished before; only its ack was lost
-            elif message.redelivered and await self._poisoned(job, publisher, message):
+            elif (message.redelivered or progress.resume is not None) and await self._poisoned(job, publisher, message):
                 return
             else:
                 outcome = await self._run(job, publisher, progress.resume)
@@ -160,6 +168,12 @@ class JobRunner:
             resumed=publisher.resumed,
             duration_ms=round((time.perf_counter() - started) * 1000, 1),
         )
+
+    def _home(self, job: Job) -> Home | None:
+        """The affinity record a session job's answer writes: this worker holds its prefix now."""
+        if job.session_id is None or not self._worker_id:
+            return None
+        return Home(self._names.affinity(job.session_id), self._worker_id)
 
     async def _poisoned(self, job: Job, publisher: ChunkPublisher, message: AbstractIncomingMessage) -> bool:
         """Count a redelivery; past `max_deliveries`, dead-letter the job and tell its client."""
@@ -302,6 +316,8 @@ class Heartbeat:
         self._interval_s = interval_s
         self._ttl_s = ttl_s
         self._on_engine_failure = on_engine_failure
+        # Announced with every beat: a draining worker is no session's home any more.
+        self._draining = False
 
     async def run(self) -> None:
         while True:
@@ -312,18 +328,28 @@ class Heartbeat:
                 await self.withdraw()
                 self._on_engine_failure(str(exc))
                 return
-            try:
-                await self._registry.heartbeat(
-                    worker_id=self._worker_id,
-                    model=self._engine.model_name,
-                    ttl_s=self._ttl_s,
-                    max_seqs=self._engine.max_seqs,
-                    context_tokens=self._engine.context_tokens,
-                    supports=self._engine.supports,
-                )
-            except Exception as exc:  # noqa: BLE001 - a failed beat must not end the loop
-                log.warning("heartbeat_failed", error=repr(exc))
+            await self._beat()
             await asyncio.sleep(self._interval_s)
+
+    async def draining(self) -> None:
+        """Announce at once that this worker drains: session managers stop sending it sessions' jobs
+        (within their registry cache's lifetime) while it stays listed for its model."""
+        self._draining = True
+        await self._beat()
+
+    async def _beat(self) -> None:
+        try:
+            await self._registry.heartbeat(
+                worker_id=self._worker_id,
+                model=self._engine.model_name,
+                ttl_s=self._ttl_s,
+                max_seqs=self._engine.max_seqs,
+                context_tokens=self._engine.context_tokens,
+                supports=self._engine.supports,
+                draining=self._draining,
+            )
+        except Exception as exc:  # noqa: BLE001 - a failed beat must not end the loop
+            log.warning("heartbeat_failed", error=repr(exc))
 
     async def withdraw(self) -> None:
         try:

@@ -17,8 +17,13 @@ async def test_heartbeat_makes_a_model_live_until_it_expires(redis_client, names
     assert not await registry.is_known("m")
     await registry.heartbeat(worker_id="w1", model="m", ttl_s=0.5, max_seqs=4, context_tokens=4096)
     await registry.heartbeat(worker_id="w2", model="m", ttl_s=5, max_seqs=4, context_tokens=8192)
-    assert await registry.live_models() == {"m": LiveModel(workers=2, context_tokens=4096)}
+    assert await registry.live_models() == {
+        "m": LiveModel(workers=2, context_tokens=4096, homes=frozenset({"w1", "w2"}))
+    }
     await asyncio.sleep(0.7)
+    assert await registry.live_models() == {"m": LiveModel(workers=1, context_tokens=8192, homes=frozenset({"w2"}))}
+    # A draining worker still serves its model, but is no session's home any more.
+    await registry.heartbeat(worker_id="w2", model="m", ttl_s=5, max_seqs=4, context_tokens=8192, draining=True)
     assert await registry.live_models() == {"m": LiveModel(workers=1, context_tokens=8192)}
     await registry.remove("w2")
     assert await registry.live_models() == {}
