@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from services.sessions.api import conversations as conversations_api
 from services.sessions.api import sessions as sessions_api
 from services.sessions.api.routes import HOT_ROUTES, router
 from services.sessions.metrics import SessionsMetrics
@@ -129,6 +130,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     )
     app.include_router(router)
     app.include_router(sessions_api.router)
+    app.include_router(conversations_api.router)
 
     install_probes(
         app,

@@ -11,8 +11,9 @@ import uuid
 from typing import cast
 
 import asyncpg
+import orjson
 import redis.asyncio as redis
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import MessageRow, Outbox
@@ -34,8 +35,25 @@ if instance and redis.call('EXISTS', ARGV[3] .. instance) == 0 then
 end
 return 0
 """
-_COLUMNS = "id, tenant, title, system_prompt, model, created_at, updated_at"
-_MESSAGE_COLUMNS = "id, seq, role, content, status, job_id, created_at, tool_calls, tool_call_id, name"
+# Compare-and-set one entry of a history list (found by its exact text): marks an item deleted
+# without re-encoding the JSON in Lua; 0 when the entry is gone or changed meanwhile.
+_REPLACE = """
+local entries = redis.call('LRANGE', KEYS[1], 0, -1)
+for i, entry in ipairs(entries) do
+  if entry == ARGV[1] then
+    redis.call('LSET', KEYS[1], i - 1, ARGV[2])
+    return 1
+  end
+end
+return 0
+"""
+_COLUMNS = "id, tenant, title, system_prompt, model, created_at, updated_at, metadata"
+# A message's columns, and the parts of it deleted as conversation items (`deleted_items`).
+_MESSAGE_SELECT = (
+    "SELECT m.id, m.seq, m.role, m.content, m.status, m.job_id, m.created_at, m.tool_calls, m.tool_call_id,"
+    " m.name, (SELECT array_agg(d.part ORDER BY d.part) FROM deleted_items d"
+    " WHERE d.conversation_id = m.conversation_id AND d.seq = m.seq) AS deleted"
+)
 
 
 class SessionInfo(BaseModel):
@@ -46,6 +64,8 @@ class SessionInfo(BaseModel):
     model: str | None = None
     created_at: dt.datetime
     updated_at: dt.datetime
+    # The Conversations API's metadata (at most 16 string pairs); sessions created before it have none.
+    metadata: dict[str, str] = Field(default_factory=dict)
 
     def public(self) -> dict[str, object]:
         return {
@@ -61,7 +81,12 @@ class SessionInfo(BaseModel):
 
 class StoredMessage(BaseModel):
     """A message of a session's history. An assistant answer that called tools keeps its
-    `tool_calls`; a tool's result keeps the `tool_call_id` it answers and the tool's `name`."""
+    `tool_calls`; a tool's result keeps the `tool_call_id` it answers and the tool's `name`.
+
+    Through the Conversations API a message is one or more items: part 0 its text, part i + 1
+    its tool call i. `deleted` lists the parts deleted as items; `visible()` is the message
+    without them, as prompts and the sessions API see it.
+    """
 
     id: str
     seq: int
@@ -73,6 +98,18 @@ class StoredMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    deleted: list[int] | None = None
+
+    def visible(self) -> "StoredMessage | None":
+        """The message without its deleted items (None when nothing of it is left)."""
+        if not self.deleted:
+            return self
+        gone = set(self.deleted)
+        calls = [call for i, call in enumerate(self.tool_calls or ()) if i + 1 not in gone]
+        if not calls and (0 in gone or (self.tool_calls and not self.content)):
+            return None  # an answer that was only tool calls has no text item
+        content = "" if 0 in gone else self.content
+        return self.model_copy(update={"content": content, "tool_calls": calls or None, "deleted": None})
 
     def public(self) -> dict[str, object]:
         """The message as the API lists it: OpenAI's message object (`tool_calls`, `tool_call_id`
@@ -96,9 +133,10 @@ class StoredMessage(BaseModel):
 
 
 def _session_id(raw: str) -> str:
-    """Normalise a session id; anything that is not a UUID cannot exist (404, not 400)."""
+    """Normalise a session id (or its conversation id, `conv_<hex>`: the Conversations API's);
+    anything that is not a UUID cannot exist (404, not 400)."""
     try:
-        return str(uuid.UUID(raw))
+        return str(uuid.UUID(raw.removeprefix("conv_")))
     except ValueError:
         raise NotFound("No such session.", param="session_id", code="session_not_found") from None
 
@@ -112,6 +150,8 @@ def _info(row: asyncpg.Record) -> SessionInfo:
         model=row["model"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        # jsonb arrives as its JSON text (no codec is set on the pool).
+        metadata=orjson.loads(row["metadata"]),
     )
 
 
@@ -136,19 +176,27 @@ class SessionStore:
         self._ttl_s = cache_ttl_s
         self._unlock = client.register_script(_UNLOCK)
         self._steal = client.register_script(_STEAL)
+        self._replace = client.register_script(_REPLACE)
 
     # Sessions
     async def create(
-        self, tenant: str, *, title: str | None, system_prompt: str | None, model: str | None
+        self,
+        tenant: str,
+        *,
+        title: str | None,
+        system_prompt: str | None,
+        model: str | None,
+        metadata: dict[str, str] | None = None,
     ) -> SessionInfo:
         row = await self._db.fetchrow(
-            f"INSERT INTO conversations (id, tenant, title, system_prompt, model) VALUES ($1, $2, $3, $4, $5)"
-            f" RETURNING {_COLUMNS}",
+            "INSERT INTO conversations (id, tenant, title, system_prompt, model, metadata)"
+            f" VALUES ($1, $2, $3, $4, $5, $6::jsonb) RETURNING {_COLUMNS}",
             uuid.uuid4(),
             tenant,
             title,
             system_prompt,
             model,
+            orjson.dumps(metadata or {}).decode(),
         )
         assert row is not None  # INSERT ... RETURNING always returns the row it inserted
         info = _info(row)
@@ -194,11 +242,18 @@ class SessionStore:
         return [_info(r) for r in rows[:limit]], len(rows) > limit
 
     async def rename(self, tenant: str, session_id: str, *, title: str | None) -> SessionInfo:
+        return await self._update(tenant, session_id, "title = $2", title)
+
+    async def set_metadata(self, tenant: str, session_id: str, metadata: dict[str, str]) -> SessionInfo:
+        """Replace the session's metadata (the Conversations API's update)."""
+        return await self._update(tenant, session_id, "metadata = $2::jsonb", orjson.dumps(metadata).decode())
+
+    async def _update(self, tenant: str, session_id: str, assignment: str, value: str | None) -> SessionInfo:
         info = await self.get(tenant, session_id)
         row = await self._db.fetchrow(
-            f"UPDATE conversations SET title = $2, updated_at = now() WHERE id = $1 RETURNING {_COLUMNS}",
+            f"UPDATE conversations SET {assignment}, updated_at = now() WHERE id = $1 RETURNING {_COLUMNS}",
             uuid.UUID(info.id),
-            title,
+            value,
         )
         if row is None:  # deleted since `get` found it
             raise NotFound("No such session.", param="session_id", code="session_not_found")
@@ -233,7 +288,8 @@ class SessionStore:
 
     # Messages
     async def history(self, info: SessionInfo) -> list[StoredMessage]:
-        """The session's recent messages, oldest first (at most the cached length)."""
+        """The session's recent messages, oldest first (at most the cached length), without the
+        items deleted from them."""
         # Bytes: our clients never set decode_responses (redis-py types replies as bytes | str).
         raw = cast(list[bytes], await self._redis.lrange(self._names.history(info.id), 0, -1))
         return await self._history(info, raw)
@@ -248,14 +304,19 @@ class SessionStore:
         return await self._history(info, raw), home.decode() if home else None
 
     async def _history(self, info: SessionInfo, raw: list[bytes]) -> list[StoredMessage]:
-        """The messages of the cached list `raw`; if it is empty, from PostgreSQL (then re-cached)."""
+        """The visible messages of the cached list `raw` (see `_stored`)."""
+        return _visible(await self._stored(info, raw))
+
+    async def _stored(self, info: SessionInfo, raw: list[bytes]) -> list[StoredMessage]:
+        """The messages of the cached list `raw` as stored, deleted items marked; if it is empty,
+        from PostgreSQL (then re-cached)."""
         if raw:
             self._metrics.history_cache.labels("hit").inc()
             return [StoredMessage.model_validate_json(item) for item in raw]
         self._metrics.history_cache.labels("miss").inc()
         rows = await self._db.fetch(
-            f"SELECT {_MESSAGE_COLUMNS} FROM"
-            " (SELECT * FROM messages WHERE conversation_id = $1 ORDER BY seq DESC LIMIT $2) recent ORDER BY seq",
+            f"SELECT * FROM ({_MESSAGE_SELECT} FROM messages m WHERE m.conversation_id = $1"
+            " ORDER BY m.seq DESC LIMIT $2) recent ORDER BY seq",
             uuid.UUID(info.id),
             self._history_max,
         )
@@ -269,19 +330,57 @@ class SessionStore:
         return messages
 
     async def page(self, info: SessionInfo, *, after_seq: int, limit: int) -> tuple[list[StoredMessage], bool]:
-        """Messages with `seq` > `after_seq`, oldest first; recent ones not yet persisted come from Redis."""
+        """Messages with `seq` > `after_seq`, oldest first; recent ones not yet persisted come from Redis.
+        A message whose items were all deleted is left out (the page then holds fewer)."""
+        ordered = await self.messages(info, start_seq=after_seq + 1, descending=False, limit=limit + 1)
+        return _visible(ordered[:limit]), len(ordered) > limit
+
+    async def messages(self, info: SessionInfo, *, start_seq: int, descending: bool, limit: int) -> list[StoredMessage]:
+        """At most `limit` messages as stored (deleted items marked), from `seq` = `start_seq` up,
+        or (`descending`) down; PostgreSQL's rows merged with the recent ones in Redis, which may
+        not be persisted yet."""
         rows = await self._db.fetch(
-            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+            f"{_MESSAGE_SELECT} FROM messages m WHERE m.conversation_id = $1"
+            + (" AND m.seq <= $2 ORDER BY m.seq DESC" if descending else " AND m.seq >= $2 ORDER BY m.seq")
+            + " LIMIT $3",
             uuid.UUID(info.id),
-            after_seq,
-            limit + 1,
+            start_seq,
+            limit,
         )
         by_seq = {r["seq"]: _message(r) for r in rows}
-        for message in await self.history(info):
-            if message.seq > after_seq:
-                by_seq.setdefault(message.seq, message)
-        ordered = [by_seq[s] for s in sorted(by_seq)]
-        return ordered[:limit], len(ordered) > limit
+        raw = cast(list[bytes], await self._redis.lrange(self._names.history(info.id), 0, -1))
+        for message in await self._stored(info, raw):
+            if not ((message.seq <= start_seq) if descending else (message.seq >= start_seq)):
+                continue
+            persisted = by_seq.setdefault(message.seq, message)
+            if persisted is not message and message.deleted:  # marked in Redis too: the union
+                deleted = sorted({*(persisted.deleted or ()), *message.deleted})
+                by_seq[message.seq] = persisted.model_copy(update={"deleted": deleted})
+        return [by_seq[s] for s in sorted(by_seq, reverse=descending)][:limit]
+
+    async def delete_item(self, info: SessionInfo, *, seq: int, part: int) -> None:
+        """Delete part `part` of message `seq` (an item of the Conversations API): a row of
+        `deleted_items` at once (so it holds for a message still in the outbox too), then the
+        mark on the message's entry in the Redis history, which prompts are built from."""
+        await self._db.execute(
+            "INSERT INTO deleted_items (conversation_id, seq, part)"
+            " SELECT $1, $2, $3 WHERE EXISTS (SELECT 1 FROM conversations WHERE id = $1) ON CONFLICT DO NOTHING",
+            uuid.UUID(info.id),
+            seq,
+            part,
+        )
+        key = self._names.history(info.id)
+        while True:
+            entries = cast(list[bytes], await self._redis.lrange(key, 0, -1))
+            found = [(raw, m) for raw in entries if (m := StoredMessage.model_validate_json(raw)).seq == seq]
+            if not found:
+                return  # not in the cached history: its rebuild reads `deleted_items`
+            entry, message = found[0]
+            if part in (message.deleted or ()):
+                return
+            marked = message.model_copy(update={"deleted": sorted({*(message.deleted or ()), part})})
+            if await self._replace(keys=[key], args=[entry, marked.model_dump_json(exclude_none=True)]):
+                return
 
     async def _next_seq(self, session_id: str) -> int:
         key = self._names.session_seq(session_id)
@@ -332,7 +431,12 @@ def _message(row: asyncpg.Record) -> StoredMessage:
         tool_calls=_tool_calls.validate_json(row["tool_calls"]) if row["tool_calls"] else None,
         tool_call_id=row["tool_call_id"],
         name=row["name"],
+        deleted=list(row["deleted"]) if row["deleted"] else None,
     )
+
+
+def _visible(messages: list[StoredMessage]) -> list[StoredMessage]:
+    return [shown for m in messages if (shown := m.visible()) is not None]
 
 
 _tool_calls: TypeAdapter[list[ToolCall]] = TypeAdapter(list[ToolCall])

@@ -9,6 +9,10 @@ converted once at import: `nullable` becomes a `null` type or an `anyOf` with `n
 
 Clients generated from that document (Go, Java, TypeScript) are stricter than the Python SDK,
 which accepts a missing field as `None`: `assert_openai_shape` catches what only they would.
+
+The Conversations API came after that version, so its shapes (`SDK_SHAPES`) are the JSON Schemas
+of the installed `openai` SDK's models, which Stainless generates from OpenAI's current document:
+every field the SDK declares without a default is required, `Optional` ones may be null.
 """
 
 import json
@@ -18,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from jsonschema import Draft202012Validator
+from openai.types.conversations import Conversation, ConversationDeletedResource, ConversationItem, ConversationItemList
+from pydantic import TypeAdapter
 
 SUBSET_PATH = Path(__file__).with_name("openai_subset.json")
 
@@ -30,6 +36,13 @@ SHAPES = (
     "Model",
     "ErrorResponse",
 )
+# The shapes taken from the SDK's models (the Conversations API), by name.
+SDK_SHAPES: dict[str, Any] = {
+    "Conversation": Conversation,
+    "ConversationDeletedResource": ConversationDeletedResource,
+    "ConversationItem": ConversationItem,
+    "ConversationItemList": ConversationItemList,
+}
 
 
 def to_json_schema(node: Any) -> Any:
@@ -59,6 +72,11 @@ def _definitions() -> dict[str, Any]:
 
 @cache
 def _validator(name: str) -> Draft202012Validator:
+    if name in SDK_SHAPES:
+        schema = TypeAdapter(SDK_SHAPES[name]).json_schema()
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        Draft202012Validator.check_schema(schema)
+        return Draft202012Validator(schema)
     if name not in _definitions():
         raise KeyError(f"{name} is not in {SUBSET_PATH.name}")
     schema = {

@@ -17,14 +17,22 @@ import httpx
 from tests.contract.openai_shapes import openai_shape_errors
 
 _MODEL_PATH = re.compile(r"/v1/models/[^/]+$")
+_CONVERSATION_PATH = re.compile(r"/v1/conversations(?:/(?P<id>[^/]+)(?P<items>/items)?(?P<item>/[^/]+)?)?$")
 
 
-def shape_for(path: str, status: int, *, streamed: bool) -> str | None:
-    """The OpenAI schema an answer to `path` with `status` must follow (None: not an OpenAI route)."""
+def shape_for(path: str, status: int, *, streamed: bool, method: str = "GET") -> str | None:
+    """The OpenAI schema an answer to `method` `path` with `status` must follow (None: not an
+    OpenAI route)."""
     if not path.startswith("/v1/"):
         return None
     if status >= 400:
         return "ErrorResponse"
+    if conversation := _CONVERSATION_PATH.search(path):
+        if conversation["item"]:  # one item; deleting it answers the conversation
+            return "Conversation" if method == "DELETE" else "ConversationItem"
+        if conversation["items"]:
+            return "ConversationItemList"
+        return "ConversationDeletedResource" if method == "DELETE" else "Conversation"
     if path.endswith("/chat/completions"):
         return "CreateChatCompletionStreamResponse" if streamed else "CreateChatCompletionResponse"
     if path.endswith("/completions"):
@@ -58,7 +66,7 @@ class ContractTransport(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         response = self._inner.handle_request(request)
         streamed = response.headers.get("content-type", "").startswith("text/event-stream")
-        shape = shape_for(request.url.path, response.status_code, streamed=streamed)
+        shape = shape_for(request.url.path, response.status_code, streamed=streamed, method=request.method)
         if shape is None:
             return response
         where = f"{request.method} {request.url.path} {response.status_code}"

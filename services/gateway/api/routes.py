@@ -19,6 +19,7 @@ from services.gateway.api.openapi import (
     json_body,
     query,
 )
+from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
 from shared.hot_routes import HotRoute
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.session_requests import SessionCreate, SessionUpdate
@@ -34,6 +35,11 @@ _PAGE_SESSIONS = [
 _PAGE_MESSAGES = [
     query("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 100}, "Messages per page."),
     query("after", {"type": "integer", "minimum": 0, "default": 0}, "`seq` of the last message of the previous page."),
+]
+_PAGE_ITEMS = [
+    query("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}, "Items per page."),
+    query("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}, "Oldest (`asc`) or newest first."),
+    query("after", {"type": "string", "maxLength": 64}, "Id of the last item of the previous page."),
 ]
 
 
@@ -121,4 +127,76 @@ async def delete_session(session_id: str, request: Request, caller: CallerDep, s
 )
 async def list_session_messages(session_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """List a session's messages, oldest first (`limit`, `after`)."""
+    return await service.call(request, caller)
+
+
+@router.post("/v1/conversations", responses=error_responses(400, 413), openapi_extra=json_body(ConversationCreate))
+async def create_conversation(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Create a conversation (OpenAI's Conversations API; a session), with up to 20 initial `items` and `metadata`."""
+    return await service.call(request, caller)
+
+
+@router.get("/v1/conversations/{conversation_id}", responses=error_responses(404))
+async def get_conversation(conversation_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Get one of your conversations (`conv_<hex>`, or its session's id)."""
+    return await service.call(request, caller)
+
+
+@router.post(
+    "/v1/conversations/{conversation_id}",
+    responses=error_responses(400, 404, 413),
+    openapi_extra=json_body(ConversationUpdate),
+)
+async def update_conversation(
+    conversation_id: str, request: Request, caller: CallerDep, service: ServiceDep
+) -> Response:
+    """Replace one of your conversations' `metadata`."""
+    return await service.call(request, caller)
+
+
+@router.delete("/v1/conversations/{conversation_id}", responses=error_responses(404))
+async def delete_conversation(
+    conversation_id: str, request: Request, caller: CallerDep, service: ServiceDep
+) -> Response:
+    """Delete one of your conversations (its session) and all its items."""
+    return await service.call(request, caller)
+
+
+@router.get(
+    "/v1/conversations/{conversation_id}/items",
+    responses=error_responses(400, 404),
+    openapi_extra={"parameters": _PAGE_ITEMS},
+)
+async def list_conversation_items(
+    conversation_id: str, request: Request, caller: CallerDep, service: ServiceDep
+) -> Response:
+    """List a conversation's items, newest first unless `order=asc` (`limit`, `after`)."""
+    return await service.call(request, caller)
+
+
+@router.post(
+    "/v1/conversations/{conversation_id}/items",
+    responses=error_responses(400, 404, 413),
+    openapi_extra=json_body(ConversationItemsCreate),
+)
+async def create_conversation_items(
+    conversation_id: str, request: Request, caller: CallerDep, service: ServiceDep
+) -> Response:
+    """Add up to 20 items to a conversation (`message`, `function_call`, `function_call_output`)."""
+    return await service.call(request, caller)
+
+
+@router.get("/v1/conversations/{conversation_id}/items/{item_id}", responses=error_responses(404))
+async def get_conversation_item(
+    conversation_id: str, item_id: str, request: Request, caller: CallerDep, service: ServiceDep
+) -> Response:
+    """Get one item of a conversation."""
+    return await service.call(request, caller)
+
+
+@router.delete("/v1/conversations/{conversation_id}/items/{item_id}", responses=error_responses(404))
+async def delete_conversation_item(
+    conversation_id: str, item_id: str, request: Request, caller: CallerDep, service: ServiceDep
+) -> Response:
+    """Delete one item of a conversation; answers the conversation."""
     return await service.call(request, caller)

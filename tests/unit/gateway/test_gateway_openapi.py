@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from services.gateway.api import openapi
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
+from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.session_requests import SessionCreate, SessionUpdate
 
@@ -36,6 +37,9 @@ def _validator(schema: dict[str, Any], path: str, method: str) -> jsonschema.Dra
         ("/v1/completions", "post", CompletionRequest),
         ("/v1/sessions", "post", SessionCreate),
         ("/v1/sessions/{session_id}", "patch", SessionUpdate),
+        ("/v1/conversations", "post", ConversationCreate),
+        ("/v1/conversations/{conversation_id}", "post", ConversationUpdate),
+        ("/v1/conversations/{conversation_id}/items", "post", ConversationItemsCreate),
     ],
 )
 def test_bodies_are_documented_by_the_models_that_validate_them(
