@@ -4,7 +4,9 @@ waited `AXON_AFFINITY_WAIT_MS` there (per-message TTL and dead-lettering: the br
 a timer of ours)."""
 
 import asyncio
+import hashlib
 import time
+from collections.abc import Collection, Sequence
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
@@ -15,7 +17,7 @@ from aiormq.exceptions import ChannelInvalidStateError
 from shared.errors import Unavailable
 from shared.logging import get_logger
 from shared.names import Names
-from shared.schemas import Job
+from shared.schemas import Job, Message
 from shared.topology import MAX_JOB_PRIORITY, declare_job_queue
 
 log = get_logger(__name__)
@@ -137,3 +139,43 @@ def _properties(job: Job, *, priority: int, request_id: str, expiration_ms: int)
         headers={"x-request-id": request_id},
         expiration=str(expiration_ms),
     )
+
+
+def conversation_home(messages: Sequence[Message], homes: Collection[str]) -> str | None:
+    """The worker a sessionless chat that resends its own history goes to first, so its turns meet
+    their prefix in one worker's cache as a session's do (None: not such a request, or no worker).
+
+    The key is what stays the same across the conversation's turns: its system messages, first
+    user message and first answer. A request without an answer yet (most API traffic: one-shot
+    questions) shares nothing but its system prompt with others, which every worker caches
+    anyway, so it keeps going to the shared queue. Rendezvous hashing picks the worker: when one
+    joins or leaves, only the conversations it gains or had move.
+    """
+    if not homes:
+        return None
+    answer = _first_answer(messages)
+    if answer is None:
+        return None
+    head = hashlib.blake2b(digest_size=16)
+    for message in messages[:answer]:
+        head.update(f"{message.role}\x00{message.content}\x00".encode())
+    first = messages[answer]
+    head.update(first.content.encode())
+    for call in first.tool_calls or ():
+        head.update(f"\x00{call.function.name}\x00{call.function.arguments}".encode())
+    key = head.digest()
+    return max(homes, key=lambda worker: hashlib.blake2b(key + worker.encode(), digest_size=8).digest())
+
+
+def _first_answer(messages: Sequence[Message]) -> int | None:
+    """The index of the first assistant message if it answers the first user message (and only
+    that one), else None; by roles alone, before any text is hashed."""
+    seen_user = False
+    for index, message in enumerate(messages):
+        if message.role == "user":
+            if seen_user:
+                return None  # several questions before any answer: not a resent conversation
+            seen_user = True
+        elif message.role == "assistant" and seen_user:
+            return index
+    return None

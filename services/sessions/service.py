@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from services.sessions.catalog import ModelCatalog, require_supported
-from services.sessions.jobs import JobPublisher
+from services.sessions.jobs import JobPublisher, conversation_home
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox, UsageRow
 from services.sessions.relay import STREAM_LOST, MergedStream, TokenRelay, TokenStream
@@ -254,8 +254,13 @@ class CompletionService:
             )
             jobs = [job, *(_for_choice(job, i, s) for i, s in enumerate(streams[1:], 1))]
             # A session's job goes to the worker that served its last turn while it is live and
-            # not draining (its prefix cache holds the conversation); RabbitMQ spills it over.
-            home = turn.home if turn is not None and turn.home in live.homes else None
+            # not draining (its prefix cache holds the conversation), a sessionless conversation's
+            # to the worker its first exchange hashes to; RabbitMQ spills it over.
+            home: str | None = None
+            if turn is not None:
+                home = turn.home if turn.home in live.homes else None
+            elif n == 1 and messages is not None and self._settings.prefix_affinity and self._publisher.affinity:
+                home = conversation_home(messages, live.homes)
             await self._publish(jobs, priority=caller.priority, request_id=request_id, home=home)
         except BaseException:
             await stream.close()

@@ -19,6 +19,10 @@ class SessionsSettings(CommonSettings):
     # prefix cache holds the conversation) before RabbitMQ moves it to the model's shared queue.
     # 0: no affinity, every job goes to the shared queue.
     affinity_wait_ms: int = Field(250, ge=0, le=MAX_AFFINITY_WAIT_MS)
+    # Sessionless chats that resend their history (an answer follows the first question) go first
+    # to the worker their first exchange hashes to. Off by default: it pays for clients that keep
+    # the conversation themselves, and piles requests sharing a few-shot example onto one worker.
+    prefix_affinity: bool = False
     subscribe_timeout_s: float = Field(5.0, gt=0)
     # Token channels of new job ids kept subscribed ahead, so a request need not wait for its own.
     subscribe_ahead: int = Field(32, ge=0)

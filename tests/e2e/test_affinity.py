@@ -11,10 +11,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import redis
+from openai import OpenAI
 
 from services.cli.launcher import Service
 from shared.names import Names
-from tests.e2e.stack import Stack
+from tests.e2e.stack import INTERNAL_TOKEN, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -118,6 +119,29 @@ def test_a_sessions_turns_stay_on_one_worker_and_reuse_its_prefix_cache(sessions
             assert sessions.home(session_id) == home
             # The whole previous prompt and answer are cached; only the new question is not.
             assert cached(answer) >= answer["usage"]["prompt_tokens"] - 220 > 0
+
+
+def test_prefix_affinity_keeps_a_client_kept_conversation_on_one_worker(stack: Stack, sessions: Sessions) -> None:
+    """Opt-in (AXON_PREFIX_AFFINITY): a sessionless chat that resends its history goes to the worker
+    its first exchange hashes to, so from its third turn on the whole history is cached."""
+    manager = stack.start("sessions:prefix", env={"AXON_PREFIX_AFFINITY": "true"})
+    client = OpenAI(
+        base_url=f"{manager.url}/v1",
+        api_key=INTERNAL_TOKEN,  # straight to the session manager: the internal token is the bearer
+        default_headers={"x-axon-tenant": "tests"},
+        max_retries=0,
+        timeout=30,
+    )
+    for conversation in range(3):
+        history: list = []
+        for turn in range(1, 5):
+            history.append({"role": "user", "content": f"client-kept {conversation} {turn} {WORDS}"})
+            answer = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8)
+            history.append({"role": "assistant", "content": answer.choices[0].message.content})
+            assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+            if turn >= 3:
+                assert answer.usage.prompt_tokens_details.cached_tokens >= answer.usage.prompt_tokens - 220 > 0
+    manager.stop()
 
 
 def test_a_turn_whose_home_is_busy_spills_to_another_worker(sessions: Sessions) -> None:
