@@ -13,6 +13,7 @@ from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from aio_pika.exceptions import AMQPError, DeliveryError
 from aiormq import spec
 from aiormq.exceptions import ChannelInvalidStateError
+from prometheus_client import Counter
 
 from shared.errors import Unavailable
 from shared.logging import get_logger
@@ -35,11 +36,14 @@ class JobPublisher:
         max_queued_jobs: int,
         publish_timeout_s: float,
         affinity_wait_ms: int = 0,
+        routed: Counter | None = None,
     ) -> None:
         self._connection = connection
         self._names = names
         # 0: affinity off, every job goes to the shared queue.
         self._affinity_wait_ms = affinity_wait_ms
+        # Confirmed jobs by model and route (`axon_sessions_jobs_routed_total`).
+        self._routed = routed
         self._max_queued_jobs = max_queued_jobs
         self._publish_timeout_s = publish_timeout_s
         self._channel: AbstractChannel | None = None
@@ -102,8 +106,12 @@ class JobPublisher:
                     timeout=self._publish_timeout_s,
                 )
                 if isinstance(confirmation, spec.Basic.Ack):
+                    self._count(job.model, "home")
                     return
                 log.info("job_home_missing", model=job.model, worker_id=home)
+                route = "home_missing"
+            else:
+                route = "shared"
             confirmation = await channel.basic_publish(
                 body,
                 exchange=self._names.jobs_exchange,
@@ -126,6 +134,11 @@ class JobPublisher:
             self._declared.discard(job.model)
             log.warning("job_returned", model=job.model)
             raise Unavailable(f"The job queue of model '{job.model}' was missing; try again.", retry_after_s=1)
+        self._count(job.model, route)
+
+    def _count(self, model: str, route: str) -> None:
+        if self._routed is not None:
+            self._routed.labels(model, route).inc()
 
 
 def _properties(job: Job, *, priority: int, request_id: str, expiration_ms: int) -> spec.Basic.Properties:

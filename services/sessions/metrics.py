@@ -18,6 +18,14 @@ class SessionsMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.jobs_routed = Counter(
+            "axon_sessions_jobs_routed_total",
+            "Jobs confirmed by the broker, by the queue they went to: `home` (a session's or a"
+            " conversation's worker, spilling to the shared queue after AXON_AFFINITY_WAIT_MS),"
+            " `shared`, or `home_missing` (the home's queue was gone: returned, then shared).",
+            ["model", "route"],
+            registry=self.registry,
+        )
         self.outcomes = Counter(
             "axon_sessions_requests_total",
             "Completions by outcome.",

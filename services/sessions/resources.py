@@ -84,6 +84,7 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
         max_queued_jobs=settings.max_queued_jobs,
         publish_timeout_s=settings.publish_timeout_s,
         affinity_wait_ms=settings.affinity_wait_ms,
+        routed=metrics.jobs_routed,
     )
     # min_size=0: the session manager starts, and chats keep working, while PostgreSQL is down.
     db = await asyncpg.create_pool(

@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from services.cli.launcher import Service
 from shared.names import Names
-from tests.e2e.stack import INTERNAL_TOKEN, Stack
+from tests.e2e.stack import INTERNAL_AUTH, INTERNAL_TOKEN, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -68,6 +68,14 @@ class Sessions:
         return bytes(raw).decode()
 
 
+def routed(stack: Stack, route: str) -> float:
+    """The shared session manager's `axon_sessions_jobs_routed_total` for this module's model."""
+    manager = next(s for s in stack.services if s.name == "sessions")
+    text = httpx.get(f"{manager.url}/metrics", headers=INTERNAL_AUTH, timeout=10).text
+    wanted = f'axon_sessions_jobs_routed_total{{model="{MODEL}",route="{route}"}} '
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(wanted)), 0.0)
+
+
 def cached(answer: dict) -> int:
     return int(answer["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
 
@@ -108,7 +116,8 @@ def homed_pair(sessions: Sessions, live: set[str]) -> tuple[str, str, str]:
     raise AssertionError("no two sessions share a home")
 
 
-def test_a_sessions_turns_stay_on_one_worker_and_reuse_its_prefix_cache(sessions: Sessions) -> None:
+def test_a_sessions_turns_stay_on_one_worker_and_reuse_its_prefix_cache(stack: Stack, sessions: Sessions) -> None:
+    home_before = routed(stack, "home")
     for _ in range(3):
         session_id = sessions.new()
         first = sessions.turn(session_id)
@@ -119,6 +128,7 @@ def test_a_sessions_turns_stay_on_one_worker_and_reuse_its_prefix_cache(sessions
             assert sessions.home(session_id) == home
             # The whole previous prompt and answer are cached; only the new question is not.
             assert cached(answer) >= answer["usage"]["prompt_tokens"] - 220 > 0
+    assert routed(stack, "home") - home_before == 9  # every turn after the first went to its home
 
 
 def test_prefix_affinity_keeps_a_client_kept_conversation_on_one_worker(stack: Stack, sessions: Sessions) -> None:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
+from prometheus_client import CollectorRegistry, Counter
 
 from services.sessions.jobs import JobPublisher
 from shared.clients import connect_amqp
@@ -51,8 +52,10 @@ def _job(names: Names, *, deadline_in_s: float = 60) -> Job:
     )
 
 
-async def _publisher(connection: AbstractRobustConnection, names: Names) -> JobPublisher:
-    publisher = JobPublisher(connection, names, max_queued_jobs=10, publish_timeout_s=5, affinity_wait_ms=WAIT_MS)
+async def _publisher(connection: AbstractRobustConnection, names: Names, routed: Counter | None = None) -> JobPublisher:
+    publisher = JobPublisher(
+        connection, names, max_queued_jobs=10, publish_timeout_s=5, affinity_wait_ms=WAIT_MS, routed=routed
+    )
     await publisher.start()
     return publisher
 
@@ -157,11 +160,17 @@ async def test_a_job_whose_home_queue_is_gone_is_returned_and_goes_to_the_shared
     connection, names = broker
     channel = await connection.channel()
     shared = await declare_job_queue(channel, names, MODEL, max_queued_jobs=10)
-    publisher = await _publisher(connection, names)
+    routed = Counter("routed", "jobs by route", ["model", "route"], registry=CollectorRegistry())
+    publisher = await _publisher(connection, names, routed)
     job = _job(names, deadline_in_s=60)
     await publisher.publish(job, priority=0, request_id="r", home="never-declared")  # mandatory: returned
+    await publisher.publish(_job(names), priority=0, request_id="r")
+    assert routed.labels(MODEL, "home_missing")._value.get() == 1
+    assert routed.labels(MODEL, "shared")._value.get() == 1
+    assert routed.labels(MODEL, "home")._value.get() == 0
     message, _ = await _arrival(shared, within_s=1)
     assert message.message_id == job.job_id
+    await (await _arrival(shared, within_s=1))[0].ack()
     assert "x-death" not in (message.headers or {})
     # Published anew to the shared queue: it expires at the job's deadline, not after the wait.
     assert message.expiration is not None and float(message.expiration) > 50
