@@ -27,6 +27,12 @@ deep-copied and pickled; grammar matchers are neither). PRE sees the scheduled r
 order as the rows of the logits, which is how a row finds its request. A row without an entry
 (none, in the engine: every request registers) gets transformers' argmax.
 
+Prefix sharing: transformers' paged cache keeps the pages (256 tokens by default) a request
+completed, keyed by a hash chain of their tokens, and a new request's leading full pages found
+there are shared instead of computed (`allow_block_sharing`, on by default; full-attention models
+such as SmolLM2). `record_prefix_hits` has its search (`PagedAttentionCache.search_prefix_match`)
+note each request's match in `prefix_hits`, which the engine reports as `cached_tokens`.
+
 This needs synchronous batching (`use_async_batching=False`): in async mode batch N+1 is prepared
 before batch N's tokens are known, so the grammar state would lag one token. It also relies on a few
 transformers internals (`check_internals` lists them; a unit test runs it, so an upgrade that moves
@@ -173,6 +179,31 @@ def generated_of(state: RequestState) -> list[int]:
     return state.generated_tokens
 
 
+# Prompt tokens each request found in transformers' prefix cache, by request id: written by the
+# generation thread when it schedules a new request, read and forgotten by the engine.
+prefix_hits: dict[str, int] = {}
+_recording_prefix_hits = False
+
+
+def record_prefix_hits() -> None:
+    """Have transformers' prefix search record every match in `prefix_hits` (once per process)."""
+    global _recording_prefix_hits
+    if _recording_prefix_hits:
+        return
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    search = PagedAttentionCache.search_prefix_match
+
+    def recording(cache: PagedAttentionCache, request_id: str, prompt_ids: list[int]) -> int:
+        matched: int = search(cache, request_id, prompt_ids)
+        if matched:
+            prefix_hits[request_id] = matched
+        return matched
+
+    PagedAttentionCache.search_prefix_match = recording  # type: ignore[method-assign,assignment]
+    _recording_prefix_hits = True
+
+
 class SamplingExtension:
     """The registry of per-request controls, and the two processors that apply them."""
 
@@ -217,6 +248,7 @@ class SamplingExtension:
         processors.tensors_required += 2  # one int32 argument row each in the batch's bulk tensor
         processors._retrieve_processors_kwargs()
         processors.do_processing = True
+        record_prefix_hits()
 
     # -- the generation thread's side -------------------------------------------------------------
 
@@ -394,8 +426,13 @@ def check_internals() -> None:
     for name in ("state", "has_new_token"):
         if name not in FutureRequestState.__slots__:
             missing.append(f"FutureRequestState.{name}")
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    search = getattr(PagedAttentionCache, "search_prefix_match", None)
+    if search is None or list(inspect.signature(search).parameters)[1:] != ["request_id", "prompt_ids"]:
+        missing.append("PagedAttentionCache.search_prefix_match(self, request_id, prompt_ids)")
     config_fields = {f.name for f in fields(ContinuousBatchingConfig)}
-    for name in ("use_async_batching", "per_request_processors"):
+    for name in ("use_async_batching", "per_request_processors", "allow_block_sharing"):
         if name not in config_fields:
             missing.append(f"ContinuousBatchingConfig.{name}")
     manager = inspect.getsource(ContinuousBatchingManager)

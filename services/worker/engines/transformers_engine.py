@@ -155,6 +155,8 @@ class TransformersEngine(Engine):
         self.context_tokens = 0
         # Per request: transformers' outputs (untyped), or `_CANCELLED`.
         self._queues: dict[str, asyncio.Queue[Any]] = {}
+        # Prompt tokens each request found in transformers' prefix cache (`cb_extension.prefix_hits`).
+        self._prefix_hits: dict[str, int] = {}
         # Set by `stop()`: requests still running fail with `EngineStopped`, not as engine errors.
         self._stopping = False
 
@@ -165,7 +167,7 @@ class TransformersEngine(Engine):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig
 
-        from services.worker.engines.cb_extension import SamplingExtension, manager_generation_config
+        from services.worker.engines.cb_extension import SamplingExtension, manager_generation_config, prefix_hits
         from services.worker.engines.grammar import Grammars
 
         if not self._gguf_path.is_file():
@@ -199,12 +201,16 @@ class TransformersEngine(Engine):
             max_requests_per_batch=self.max_seqs,
             # The extension's grammar state must see each batch's tokens before the next is prepared.
             use_async_batching=False,
+            # Prefix sharing: a prompt's leading full pages already in the cache are not computed again
+            # (transformers' default, named because `cached_tokens` reports it).
+            allow_block_sharing=True,
         )
         self._scorer = PromptScorer(model)  # before the manager changes anything of the model
         manager = model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=cb_config
         )
         self._extension.install(manager)  # between init_continuous_batching and start
+        self._prefix_hits = prefix_hits
         manager.start()
         self._grammars.wait_ready()  # started with the grammars: the first new schema need not wait for it
         self._manager = manager
@@ -332,6 +338,7 @@ class TransformersEngine(Engine):
                 yield output
         finally:
             self._queues.pop(rid, None)
+            self._prefix_hits.pop(rid, None)
             self._extension.release(rid)
             self._forget_handler(rid)
 
@@ -377,7 +384,10 @@ class TransformersEngine(Engine):
             if wants_logprobs:  # one per token of the text: not the final EOS
                 shown = len(tokens) - 1 if ended_by_eos else len(tokens)
                 logprobs = self._logprobs(slot, len(resumed) + sent, len(resumed) + shown)
-            yield EngineOutput(text, len(new_ids), prompt_tokens, len(tokens), reason, new_ids, logprobs)
+            cached = min(self._prefix_hits.get(rid, 0), prompt_tokens)
+            yield EngineOutput(
+                text, len(new_ids), prompt_tokens, len(tokens), reason, new_ids, logprobs, cached_tokens=cached
+            )
             if reason is not None:
                 return
             sent = len(tokens)
