@@ -13,6 +13,7 @@ def all_names(names: Names) -> dict[str, str]:
     return {
         "jobs_exchange": names.jobs_exchange,
         "jobs_queue": names.jobs_queue(MODEL),
+        "worker_queue": names.worker_queue(MODEL, "worker-1"),
         "dead_letter_exchange": names.dead_letter_exchange,
         "dead_letter_queue": names.dead_letter_queue,
         "tokens_channel": names.tokens_channel(JOB_ID),
@@ -26,6 +27,7 @@ def all_names(names: Names) -> dict[str, str]:
         "history": names.history("s1"),
         "session_seq": names.session_seq("s1"),
         "session_lock": names.session_lock("s1"),
+        "affinity": names.affinity("s1"),
         "sessions_instance": names.sessions_instance("i1"),
         "outbox": names.outbox,
         "job_progress": names.job_progress("j1"),
