@@ -65,8 +65,9 @@ def command_arguments(command: str, namespace: str, lanes: int) -> tuple[PipeScr
     if command == "admit":
         calls: list[tuple[list[str], list[Arg]]] = [
             (
-                [f"{namespace}ratelimit:{kind}:key{lane}" for kind in ("rpm", "tpm", "conc")],
-                [RPM, TPM, MAX_CONCURRENT, 42, f"lease{lane}", 600_000, PERIOD_MS],
+                # A key without a token budget: its budget key is named but never touched.
+                [f"{namespace}ratelimit:{kind}:key{lane}" for kind in ("rpm", "tpm", "conc", "budget")],
+                [RPM, TPM, MAX_CONCURRENT, 42, f"lease{lane}", 600_000, PERIOD_MS, 0, 0, 0],
             )
             for lane in range(lanes)
         ]
