@@ -84,6 +84,19 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
             elif isinstance(content, list):
                 # Any shape may arrive here: the session manager, not the gateway, validates bodies.
                 chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    # A Responses API body: `instructions` and `input` (a string, or items with text or output).
+    for text in (body.get("instructions"), body.get("input")):
+        if isinstance(text, str):
+            chars += len(text)
+            messages += 1
+    if isinstance(body.get("input"), list):
+        for item in body["input"]:
+            messages += 1
+            content = item.get("content", item.get("output")) if isinstance(item, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         chars += len(prompt)
@@ -99,10 +112,10 @@ def _choices(body: dict[str, Any]) -> int:
 
 def budget_reservation(body: dict[str, Any], prompt_estimate: int, *, default_max_tokens: int, limit: int) -> int:
     """The most tokens a completion may use, reserved against its key's budget at admission:
-    the prompt estimate and `n` times its `max_completion_tokens` or `max_tokens` (else
+    the prompt estimate and `n` times its `max_completion_tokens`, `max_tokens` or `max_output_tokens` (else
     `AXON_DEFAULT_MAX_TOKENS`, the session manager's default), at most `AXON_MAX_TOKENS_LIMIT`
     (a larger request is refused by the session manager and its reservation given back)."""
-    requested = body.get("max_completion_tokens") or body.get("max_tokens")
+    requested = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     max_tokens = requested if type(requested) is int and requested >= 1 else default_max_tokens
     return prompt_estimate + min(max_tokens, limit) * _choices(body)
 
@@ -282,7 +295,8 @@ class GatewayService:
             body = await read_body(
                 request.scope, request.receive, max_bytes=self._max_body_bytes, timeout_s=self._body_timeout_s
             )
-            parse_json_object(body)
+            if body:  # a POST without a body (`/v1/responses/{id}/cancel`) is the session manager's to judge
+                parse_json_object(body)
         admission: Admission = await self._admitter.admit(record, token_cost=0)
         try:
             headers = self._upstream_headers(request.scope["state"]["request_id"], record, prompt_estimate=0)

@@ -9,10 +9,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from services.sessions.api import conversations as conversations_api
+from services.sessions.api import responses as responses_api
 from services.sessions.api import sessions as sessions_api
 from services.sessions.api.routes import HOT_ROUTES, router
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.resources import SessionsResources, open_resources
+from services.sessions.responses_api import ResponsesService, ResponseStore
 from services.sessions.service import CompletionService
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import Turns
@@ -92,6 +94,13 @@ def _attach_services(
         ),
         metrics=metrics,
     )
+    app.state.responses = ResponsesService(
+        settings=settings,
+        completions=app.state.completions,
+        catalog=opened.catalog,
+        sessions=opened.store,
+        store=ResponseStore(opened.redis, namespace=settings.namespace, ttl_s=settings.response_ttl_s),
+    )
 
 
 def create_app(settings: SessionsSettings | None = None) -> FastAPI:
@@ -121,7 +130,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.request_limits = settings.request_limits
     install_error_handlers(app)
-    app.add_middleware(HotRoutes, routes=HOT_ROUTES)  # inside the two below
+    app.add_middleware(HotRoutes, routes=HOT_ROUTES + responses_api.HOT_ROUTES)  # inside the two below
     app.add_middleware(InternalAuth, settings=settings)
     app.add_middleware(
         RequestContextMiddleware,
@@ -131,6 +140,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     app.include_router(router)
     app.include_router(sessions_api.router)
     app.include_router(conversations_api.router)
+    app.include_router(responses_api.router)
 
     install_probes(
         app,

@@ -41,6 +41,8 @@ class SessionsSettings(CommonSettings):
     # Sessions and history
     history_max_messages: int = Field(200, ge=2, description="recent messages kept in Redis per session")
     session_cache_ttl_s: int = Field(86_400, ge=60)
+    # Stored responses (`POST /v1/responses` with `store`) expire this long after they were created.
+    response_ttl_s: int = Field(30 * 86_400, ge=60)
     # Outbox persister (write-behind to PostgreSQL)
     persist_batch_size: int = Field(2000, ge=1)
     persist_flush_interval_ms: int = Field(100, ge=1)

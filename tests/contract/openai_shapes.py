@@ -10,7 +10,7 @@ converted once at import: `nullable` becomes a `null` type or an `anyOf` with `n
 Clients generated from that document (Go, Java, TypeScript) are stricter than the Python SDK,
 which accepts a missing field as `None`: `assert_openai_shape` catches what only they would.
 
-The Conversations API came after that version, so its shapes (`SDK_SHAPES`) are the JSON Schemas
+The Conversations and Responses APIs came after that version, so their shapes (`SDK_SHAPES`) are the JSON Schemas
 of the installed `openai` SDK's models, which Stainless generates from OpenAI's current document:
 every field the SDK declares without a default is required, `Optional` ones may be null.
 """
@@ -23,6 +23,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 from openai.types.conversations import Conversation, ConversationDeletedResource, ConversationItem, ConversationItemList
+from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 SUBSET_PATH = Path(__file__).with_name("openai_subset.json")
@@ -36,12 +37,15 @@ SHAPES = (
     "Model",
     "ErrorResponse",
 )
-# The shapes taken from the SDK's models (the Conversations API), by name.
+# The shapes taken from the SDK's models (the Conversations and Responses APIs), by name.
 SDK_SHAPES: dict[str, Any] = {
     "Conversation": Conversation,
     "ConversationDeletedResource": ConversationDeletedResource,
     "ConversationItem": ConversationItem,
     "ConversationItemList": ConversationItemList,
+    "Response": Response,
+    "ResponseItemList": ResponseItemList,
+    "ResponseStreamEvent": ResponseStreamEvent,
 }
 
 

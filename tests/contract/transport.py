@@ -17,6 +17,7 @@ import httpx
 from tests.contract.openai_shapes import openai_shape_errors
 
 _MODEL_PATH = re.compile(r"/v1/models/[^/]+$")
+_RESPONSE_PATH = re.compile(r"/v1/responses(?:/(?P<id>[^/]+)(?P<items>/input_items)?)?$")
 _CONVERSATION_PATH = re.compile(r"/v1/conversations(?:/(?P<id>[^/]+)(?P<items>/items)?(?P<item>/[^/]+)?)?$")
 
 
@@ -33,6 +34,10 @@ def shape_for(path: str, status: int, *, streamed: bool, method: str = "GET") ->
         if conversation["items"]:
             return "ConversationItemList"
         return "ConversationDeletedResource" if method == "DELETE" else "Conversation"
+    if response := _RESPONSE_PATH.search(path):
+        if response["items"]:
+            return "ResponseItemList"
+        return None if method == "DELETE" else "Response"  # deleting answers no OpenAI object
     if path.endswith("/chat/completions"):
         return "CreateChatCompletionStreamResponse" if streamed else "CreateChatCompletionResponse"
     if path.endswith("/completions"):

@@ -3,7 +3,8 @@ parameters, the bearer key and the OpenAI error shape.
 
 The public routes take the raw body and forward it unchanged; the session manager validates it.
 The bodies are documented from the very models it validates them with (`shared/openai_requests.py`,
-`shared/session_requests.py`, `shared/conversation_requests.py`): their JSON Schemas, each model a
+`shared/session_requests.py`, `shared/conversation_requests.py`,
+`shared/responses_requests.py`): their JSON Schemas, each model a
 named schema under `components.schemas` (`install_request_schemas`). Nothing in the gateway
 validates against them.
 """
@@ -16,6 +17,7 @@ from pydantic import BaseModel
 
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
+from shared.responses_requests import ResponseCreate
 from shared.session_requests import SessionCreate, SessionUpdate
 
 # Documents `Authorization: Bearer <key>` as the routes' security scheme (`components.securitySchemes`).
@@ -36,6 +38,7 @@ _BODY_MODELS: tuple[type[BaseModel], ...] = (
     ConversationCreate,
     ConversationUpdate,
     ConversationItemsCreate,
+    ResponseCreate,
 )
 
 
@@ -96,7 +99,7 @@ def query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]
 _ERROR_STATUSES: dict[int | str, str] = {
     400: "Invalid request: the body or a parameter is wrong (`param` names it).",
     401: "Missing, unknown or revoked API key.",
-    404: "Unknown model, or no such session, conversation or item for this key's tenant.",
+    404: "Unknown model, or no such session, conversation, item or response for this key's tenant.",
     409: "The session is answering another request.",
     413: "The request body is too large.",
     429: "A rate limit of the key is exhausted; see `Retry-After` and `x-ratelimit-*`.",

@@ -22,6 +22,7 @@ from services.gateway.api.openapi import (
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
 from shared.hot_routes import HotRoute
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
+from shared.responses_requests import ResponseCreate
 from shared.session_requests import SessionCreate, SessionUpdate
 from shared.url_params import ANY
 
@@ -47,7 +48,11 @@ async def _completion(scope: Scope, receive: Receive, send: Send) -> None:
     await scope["app"].state.gateway.completion(scope, receive, send)
 
 
-HOT_ROUTES = [HotRoute("POST", "/v1/chat/completions", _completion), HotRoute("POST", "/v1/completions", _completion)]
+HOT_ROUTES = [
+    HotRoute("POST", "/v1/chat/completions", _completion),
+    HotRoute("POST", "/v1/completions", _completion),
+    HotRoute("POST", "/v1/responses", _completion),
+]
 """The completion routes: plain ASGI handlers ahead of FastAPI (`shared.hot_routes.HotRoutes`)."""
 
 
@@ -60,6 +65,7 @@ async def _answered_by_hot_route() -> None:
 _COMPLETION_ROUTES: list[tuple[str, str, str, type[BaseModel]]] = [
     ("/v1/chat/completions", "chat_completions", "chat completion", ChatCompletionRequest),
     ("/v1/completions", "completions", "text completion", CompletionRequest),
+    ("/v1/responses", "responses", "response (OpenAI's Responses API)", ResponseCreate),
 ]
 for _path, _name, _what, _body in _COMPLETION_ROUTES:
     router.add_api_route(
@@ -199,4 +205,41 @@ async def delete_conversation_item(
     conversation_id: str, item_id: str, request: Request, caller: CallerDep, service: ServiceDep
 ) -> Response:
     """Delete one item of a conversation; answers the conversation."""
+    return await service.call(request, caller)
+
+
+_PAGE_INPUT_ITEMS = [
+    query("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}, "Items per page."),
+    query("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}, "Oldest (`asc`) or newest first."),
+    query("after", {"type": "string", "maxLength": 64}, "Id of the last item of the previous page."),
+]
+
+
+@router.get("/v1/responses/{response_id}", responses=error_responses(404))
+async def get_response(response_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Get one of your stored responses (`resp_<hex>`)."""
+    return await service.call(request, caller)
+
+
+@router.delete("/v1/responses/{response_id}", responses=error_responses(404))
+async def delete_response(response_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Delete one of your stored responses."""
+    return await service.call(request, caller)
+
+
+@router.post("/v1/responses/{response_id}/cancel", responses=error_responses(400, 404))
+async def cancel_response(response_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Cancel a background response; a finished one answers 400 (background responses are not supported yet)."""
+    return await service.call(request, caller)
+
+
+@router.get(
+    "/v1/responses/{response_id}/input_items",
+    responses=error_responses(400, 404),
+    openapi_extra={"parameters": _PAGE_INPUT_ITEMS},
+)
+async def list_response_input_items(
+    response_id: str, request: Request, caller: CallerDep, service: ServiceDep
+) -> Response:
+    """List a stored response's input items, newest first unless `order=asc` (`limit`, `after`)."""
     return await service.call(request, caller)

@@ -1,0 +1,235 @@
+"""OpenAI's Responses API through the official `openai` client, on the shared stack (sim engine):
+create (string and items input, instructions), retrieve, delete, input items, a
+`previous_response_id` chain, a `conversation` it appends to, a function tool round trip, bad
+input. Every answer is checked against the SDK's models on the way (`tests/contract/transport.py`)."""
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from services.cli.launcher import Service
+from shared.keys import KeyLimits
+from tests.conftest import create_key
+from tests.contract.transport import ContractTransport
+from tests.e2e.conftest import SIM_MODEL
+
+pytestmark = pytest.mark.e2e
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+@pytest.fixture
+def checked(gateway: Service, api_key: str) -> Iterator[tuple[OpenAI, ContractTransport]]:
+    """The SDK client whose every answer is checked against the SDK's Response models."""
+    transport = ContractTransport()
+    http = httpx.Client(transport=transport, timeout=30)
+    yield OpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, http_client=http), transport
+    http.close()
+    assert not transport.violations
+
+
+@pytest.fixture(scope="module")
+def other_client(gateway: Service, database_url: str) -> OpenAI:
+    key = asyncio.run(create_key(database_url, name="responses-other", limits=KeyLimits(), tenant="resp-other"))
+    return OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def _error(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as caught:
+        call()
+    return caught.value
+
+
+def test_create_retrieve_input_items_delete(checked: tuple[OpenAI, ContractTransport]) -> None:
+    client, transport = checked
+    response = client.responses.create(
+        model=SIM_MODEL, input="Tell me a story.", instructions="Be brief.", max_output_tokens=5, metadata={"k": "v"}
+    )
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text and response.output[0].type == "message"
+    assert response.usage is not None and response.usage.output_tokens == 5
+    assert response.usage.total_tokens == response.usage.input_tokens + 5
+    assert response.instructions == "Be brief." and response.metadata == {"k": "v"} and response.store is True
+
+    again = client.responses.retrieve(response.id)
+    assert again.model_dump() == response.model_dump()
+    items = client.responses.input_items.list(response.id)
+    assert [(i.type, i.role) for i in items.data] == [("message", "user")]  # instructions are no input item
+    assert items.data[0].content[0].text == "Tell me a story."
+
+    client.responses.delete(response.id)
+    assert _error(lambda: client.responses.retrieve(response.id)).status_code == 404
+    assert _error(lambda: client.responses.delete(response.id)).status_code == 404
+    assert {"Response", "ResponseItemList"} <= set(transport.checked)
+
+
+def test_items_input_and_a_previous_response_id_chain(checked: tuple[OpenAI, ContractTransport]) -> None:
+    client, _ = checked
+    first = client.responses.create(
+        model=SIM_MODEL,
+        input=[
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Answer shortly."}]},
+            {"role": "user", "content": "Name a colour."},
+        ],
+        max_output_tokens=4,
+        temperature=0.5,
+        top_p=0.9,
+    )
+    assert first.usage is not None and (first.temperature, first.top_p) == (0.5, 0.9)
+    items = client.responses.input_items.list(first.id, order="asc")
+    assert [i.role for i in items.data] == ["developer", "user"]
+    page = client.responses.input_items.list(first.id, order="asc", limit=1)
+    assert page.has_more and [i.role for i in client.responses.input_items.list(first.id, after=page.last_id)] == []
+
+    second = client.responses.create(
+        model=SIM_MODEL, input="And another?", previous_response_id=first.id, max_output_tokens=4
+    )
+    assert second.previous_response_id == first.id and second.usage is not None
+    # The sim counts the prompt's words: the second prompt holds the first's input and its answer.
+    grown = second.usage.input_tokens - first.usage.input_tokens
+    assert grown >= len(first.output_text.split()) + 2, (first.usage, second.usage)
+    # Input items are this response's own input.
+    assert [i.content[0].text for i in client.responses.input_items.list(second.id).data] == ["And another?"]
+
+    unstored = client.responses.create(model=SIM_MODEL, input="x", store=False, max_output_tokens=2)
+    assert unstored.store is False
+    for call in (
+        lambda: client.responses.retrieve(unstored.id),
+        lambda: client.responses.create(model=SIM_MODEL, input="y", previous_response_id=unstored.id),
+    ):
+        assert _error(call).status_code == 404
+
+
+def test_conversation_gets_the_input_and_output_items(checked: tuple[OpenAI, ContractTransport]) -> None:
+    client, _ = checked
+    conversation = client.conversations.create(items=[{"role": "user", "content": "My name is Ada."}])
+    first = client.responses.create(
+        model=SIM_MODEL, input="What is my name?", conversation=conversation.id, max_output_tokens=3
+    )
+    assert first.conversation is not None and first.conversation.id == conversation.id
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "user"), ("message", "assistant")]
+    assert items[2].content[0].text == first.output_text
+    second = client.responses.create(
+        model=SIM_MODEL,
+        input="Again?",
+        conversation={"id": conversation.id},
+        instructions="Be kind.",
+        max_output_tokens=3,
+    )
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert len(items) == 5 and all(i.role != "system" for i in items)  # instructions stay out of the conversation
+
+
+def test_function_tool_round_trip(checked: tuple[OpenAI, ContractTransport]) -> None:
+    client, _ = checked
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.responses.create(model=SIM_MODEL, input=ask, tools=[WEATHER], tool_choice="required")
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and called.status == "completed"
+    assert set(json.loads(calls[0].arguments)) == {"city"}
+    assert called.tool_choice == "required" and called.tools[0].name == "get_weather"
+
+    answered = client.responses.create(
+        model=SIM_MODEL,
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "22 C and sunny"}],
+        tools=[WEATHER],
+        max_output_tokens=8,
+    )
+    assert answered.output_text and not [item for item in answered.output if item.type == "function_call"]
+    # The same round trip with the call sent back as input items.
+    explicit = client.responses.create(
+        model=SIM_MODEL,
+        input=[
+            *ask,
+            {
+                "type": "function_call",
+                "call_id": calls[0].call_id,
+                "name": "get_weather",
+                "arguments": calls[0].arguments,
+            },
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "22 C and sunny"},
+        ],
+        tools=[WEATHER],
+        max_output_tokens=8,
+    )
+    assert explicit.output_text
+
+
+def test_json_schema_text_format(checked: tuple[OpenAI, ContractTransport]) -> None:
+    client, _ = checked
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
+    response = client.responses.create(
+        model=SIM_MODEL,
+        input="A colour as JSON.",
+        text={"format": {"type": "json_schema", "name": "colour", "schema": schema, "strict": True}},
+    )
+    assert set(json.loads(response.output_text)) == {"colour"}
+    assert response.text is not None and response.text.format is not None and response.text.format.type == "json_schema"
+
+
+def test_bad_input(checked: tuple[OpenAI, ContractTransport], other_client: OpenAI) -> None:
+    client, _ = checked
+    conversation = client.conversations.create()
+    stored = client.responses.create(model=SIM_MODEL, input="mine", max_output_tokens=2)
+    cases = [
+        (
+            lambda: client.responses.create(model=SIM_MODEL, input=[{"type": "web_search_call", "id": "x"}]),
+            400,
+            "input[0].type",
+        ),
+        (
+            lambda: client.responses.create(
+                model=SIM_MODEL, input="x", previous_response_id=stored.id, conversation=conversation.id
+            ),
+            400,
+            "previous_response_id",
+        ),
+        (lambda: client.responses.create(model=SIM_MODEL, input="x", background=True), 400, "background"),
+        (
+            lambda: client.responses.create(model=SIM_MODEL, input="x", previous_response_id="resp_nope"),
+            404,
+            "previous_response_id",
+        ),
+        (lambda: client.responses.cancel(stored.id), 400, "response_id"),
+        (lambda: other_client.responses.retrieve(stored.id), 404, "response_id"),
+        (lambda: other_client.responses.delete(stored.id), 404, "response_id"),
+        (lambda: other_client.responses.input_items.list(stored.id), 404, "response_id"),
+        (lambda: other_client.responses.cancel(stored.id), 404, "response_id"),
+        (
+            lambda: other_client.responses.create(model=SIM_MODEL, input="x", previous_response_id=stored.id),
+            404,
+            "previous_response_id",
+        ),
+        (
+            lambda: other_client.responses.create(model=SIM_MODEL, input="x", conversation=conversation.id),
+            404,
+            "conversation_id",
+        ),
+    ]
+    for call, status, param in cases:
+        error = _error(call)
+        assert (error.status_code, error.body["param"]) == (status, param), (param, error.body)  # type: ignore[index]
+    assert client.responses.retrieve(stored.id).id == stored.id
+    assert client.conversations.items.list(conversation.id).data == []  # nothing was appended by the refusals

@@ -1,0 +1,172 @@
+"""The Responses API's mapping onto the chat machinery: a request body -> the chat request (and so
+the job) it runs as; an answer -> OpenAI's Response object, checked with the SDK's models."""
+
+import pytest
+from openai.types.responses import Response, ResponseItemList
+
+from services.gateway.service import budget_reservation, estimate_prompt_tokens
+from services.sessions.api.responses import parse_response_create
+from services.sessions.responses import Answer
+from services.sessions.responses_api import (
+    answer_message,
+    input_messages,
+    message_items,
+    response_object,
+    usage_object,
+)
+from shared.errors import InvalidRequest
+from shared.openai_requests import RequestLimits
+from shared.responses_requests import ResponseCreate
+from shared.schemas import (
+    FunctionCall,
+    JsonSchemaFormat,
+    Message,
+    NamedToolChoice,
+    PromptTokensDetails,
+    ToolCall,
+    Usage,
+)
+
+LIMITS = RequestLimits()
+TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}, "strict": True}
+
+
+def _body(**fields: object) -> ResponseCreate:
+    return ResponseCreate.model_validate({"model": "m", "input": "hi", **fields})
+
+
+def test_a_string_input_is_one_user_message_and_instructions_lead() -> None:
+    body = _body(instructions="Be brief.", max_output_tokens=7, temperature=0.3, top_p=0.5, user="u")
+    messages = [Message(role="system", content="Be brief."), *input_messages(body)]
+    chat = body.chat_request(messages, LIMITS)
+    assert [(m.role, m.content) for m in chat.messages] == [("system", "Be brief."), ("user", "hi")]
+    assert chat.requested_max_tokens == 7 and chat.user == "u"
+    sampling = chat.sampling(7)
+    assert (sampling.temperature, sampling.top_p, sampling.max_tokens) == (0.3, 0.5, 7)
+    assert chat.tool_specs() is None and chat.job_response_format() is None
+
+
+def test_items_become_messages_with_tool_calls() -> None:
+    body = _body(
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "22 C"},
+        ]
+    )
+    messages = input_messages(body)
+    assert [m.role for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1].tool_calls is not None and messages[1].tool_calls[0].id == "c1"
+    assert messages[2].tool_call_id == "c1"
+    items = message_items(messages)
+    assert [i["type"] for i in items] == ["message", "function_call", "function_call_output"]
+    assert len({i["id"] for i in items}) == 3
+
+
+def test_unknown_item_type_names_the_param() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        input_messages(_body(input=[{"role": "user", "content": "a"}, {"type": "reasoning"}]))
+    assert caught.value.param == "input[1].type"
+
+
+def test_tools_tool_choice_and_text_format_map_onto_the_chat_request() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    body = _body(
+        tools=[TOOL],
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+        text={"format": {"type": "json_schema", "name": "out", "schema": schema, "strict": True}},
+    )
+    chat = body.chat_request(input_messages(body), LIMITS)
+    specs = chat.tool_specs()
+    assert specs is not None and specs[0].name == "get_weather"
+    assert chat.job_tool_choice() == NamedToolChoice(name="get_weather") and chat.parallel_calls is False
+    fmt = chat.job_response_format()
+    assert fmt is not None and fmt.type == "json_schema"
+    assert fmt.json_schema == JsonSchemaFormat(name="out", schema_=schema, strict=True)
+    json_object = _body(text={"format": {"type": "json_object"}})
+    fmt = json_object.chat_request(input_messages(json_object), LIMITS).job_response_format()
+    assert fmt is not None and fmt.type == "json_object"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ],
+)
+def test_chat_rules_still_hold(fields: dict, param: str) -> None:
+    body = _body(**fields)
+    with pytest.raises(InvalidRequest) as caught:
+        body.chat_request(input_messages(body), LIMITS)
+    assert caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"model": "m", "input": "x", "background": true}', "background"),
+        (
+            b'{"model": "m", "input": "x", "previous_response_id": "resp_1", "conversation": "conv_1"}',
+            "previous_response_id",
+        ),
+        (b'{"model": "m", "input": "x", "reasoning": {}}', None),  # unknown: named in the message only, as OpenAI does
+        (b'{"model": "m"}', "input"),
+    ],
+)
+def test_bad_bodies(raw: bytes, param: str | None) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_response_create(raw).check()
+    assert caught.value.param == param
+
+
+def test_response_object_follows_the_sdk_model() -> None:
+    body = _body(tools=[TOOL], instructions="x", max_output_tokens=3, metadata={"a": "b"}, store=False)
+    answer = Answer(0)
+    answer.text.append("Hello there")
+    answer.add_tool_calls([])
+    reply = answer_message(answer)
+    usage = Usage(prompt_tokens=10, completion_tokens=3, prompt_tokens_details=PromptTokensDetails(cached_tokens=4))
+    payload = response_object(
+        body,
+        response_id="resp_1",
+        created_at=1.0,
+        status="incomplete",
+        output=message_items([reply], status="incomplete"),
+        usage=usage,
+        conversation="conv_1",
+    )
+    response = Response.model_validate(payload)
+    assert response.output_text == "Hello there" and response.store is False
+    assert response.incomplete_details is not None and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage is not None and response.usage.input_tokens_details.cached_tokens == 4
+    assert response.usage.total_tokens == 13 and response.usage.output_tokens_details.reasoning_tokens == 0
+    assert usage_object(None)["total_tokens"] == 0
+
+
+def test_a_tool_calling_answer_is_function_call_items() -> None:
+    call = ToolCall(id="call_1", function=FunctionCall(name="get_weather", arguments='{"city": "Paris"}'))
+    items = message_items([Message(role="assistant", content="", tool_calls=[call])])
+    assert [i["type"] for i in items] == ["function_call"]
+    listed = ResponseItemList.model_validate(
+        {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[0]["id"], "has_more": False}
+    )
+    assert listed.data[0].type == "function_call"
+
+
+def test_gateway_estimates_and_reserves_a_responses_body() -> None:
+    body = {
+        "instructions": "x" * 40,
+        "input": [
+            {"role": "user", "content": "y" * 40},
+            {"type": "function_call_output", "call_id": "c", "output": "z" * 40},
+            None,
+            {"content": {"not": "text"}},
+        ],
+        "max_output_tokens": 9,
+    }
+    assert estimate_prompt_tokens(body) > estimate_prompt_tokens({"input": []})
+    assert estimate_prompt_tokens({"input": "x" * 400}) > estimate_prompt_tokens({"input": "x"})
+    assert budget_reservation(body, 0, default_max_tokens=100, limit=1000) == 9
