@@ -99,7 +99,9 @@ def _attach_services(
         completions=app.state.completions,
         catalog=opened.catalog,
         sessions=opened.store,
-        store=ResponseStore(opened.redis, namespace=settings.namespace, ttl_s=settings.response_ttl_s),
+        store=ResponseStore(
+            opened.redis, opened.db, opened.outbox, namespace=settings.namespace, ttl_s=settings.response_ttl_s
+        ),
     )
 
 

@@ -21,7 +21,7 @@ from shared.schemas import ToolCall
 if TYPE_CHECKING:
     from services.sessions.history import StoredMessage
 
-RowKind = Literal["message", "usage"]
+RowKind = Literal["message", "usage", "response"]
 
 
 @overload
@@ -153,6 +153,27 @@ class UsageRow(BaseModel):
     @field_validator("tenant", "key_id", "model")
     @classmethod
     def _storable(cls, value: str | None) -> str | None:
+        return postgres_text(value)
+
+
+class ResponseRow(BaseModel):
+    """A stored response (`services/sessions/responses_api.py`): `body` is its Redis value's JSON."""
+
+    id: str
+    tenant: str
+    body: dict[str, Any]
+    created_at: dt.datetime
+    expires_at: dt.datetime
+
+    @field_validator("body")
+    @classmethod
+    def _storable_body(cls, value: dict[str, Any]) -> dict[str, Any]:
+        storable: dict[str, Any] = _storable_json(value)
+        return storable
+
+    @field_validator("tenant")
+    @classmethod
+    def _storable(cls, value: str) -> str:
         return postgres_text(value)
 
 

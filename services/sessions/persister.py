@@ -15,7 +15,7 @@ import asyncio
 import datetime as dt
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
@@ -45,10 +45,19 @@ INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_toke
 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::int[], $8::timestamptz[])
 ON CONFLICT DO NOTHING
 """
+# A response committed again (a redelivered batch) or deleted meanwhile (its row a tombstone) is kept as it is.
+_INSERT_RESPONSES = """
+INSERT INTO responses (id, tenant, body, created_at, expires_at)
+SELECT t.id, t.tenant, t.body::jsonb, t.created_at, t.expires_at
+FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::timestamptz[])
+    AS t(id, tenant, body, created_at, expires_at)
+ON CONFLICT (id) DO NOTHING
+"""
+_DELETE_EXPIRED_RESPONSES = "DELETE FROM responses WHERE expires_at < now()"
 _RETRY_DELAY_S = 1.0
 
 # KEYS: outbox. ARGV: group, consumer, count, mode ('new' | 'claim'), min idle ms (claim).
-# Returns {space-separated ids, joined COPY lines of the messages, usage rows as JSON}.
+# Returns {space-separated ids, joined COPY lines of the messages, usage rows as JSON, response rows as JSON}.
 # No BLOCK (scripts cannot block): an empty outbox is polled every flush interval.
 # A message line without `format` (written before messages had tool calls) gets NULL for the
 # three columns it lacks, so entries of both formats share one COPY during a rolling upgrade.
@@ -58,17 +67,19 @@ if ARGV[4] == 'claim' then
     entries = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[5], '0-0', 'COUNT', ARGV[3])[2]
 else
     local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
-    if not reply then return {'', '', {}} end
+    if not reply then return {'', '', {}, {}} end
     entries = reply[1][2]
 end
-local ids, lines, usage = {}, {}, {}
+local ids, lines, usage, responses = {}, {}, {}, {}
 for _, entry in ipairs(entries) do
     local fields = entry[2]
     if fields then
         ids[#ids + 1] = entry[1]
         local row = {}
         for j = 1, #fields, 2 do row[fields[j]] = fields[j + 1] end
-        if row['kind'] ~= 'message' then
+        if row['kind'] == 'response' then
+            responses[#responses + 1] = row['row']
+        elseif row['kind'] ~= 'message' then
             usage[#usage + 1] = row['row']
         elseif row['format'] then
             lines[#lines + 1] = row['copy']
@@ -77,7 +88,7 @@ for _, entry in ipairs(entries) do
         end
     end
 end
-return {table.concat(ids, ' '), table.concat(lines), usage}
+return {table.concat(ids, ' '), table.concat(lines), usage, responses}
 """
 
 # KEYS: outbox. ARGV: group, space-separated ids.
@@ -108,11 +119,13 @@ return redis.call('XTRIM', KEYS[1], 'MINID', floor)
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """Outbox entries read together: their ids, the messages as COPY text, the usage rows."""
+    """Outbox entries read together: their ids, the messages as COPY text, the usage rows, the
+    stored responses."""
 
     ids: bytes
     copy_text: bytes
     usage: list[bytes]
+    responses: list[bytes] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -225,11 +238,11 @@ class Persister:
 
     async def _read(self, mode: str) -> Batch | None:
         """The next batch: new entries, or (`claim`) entries another persister left pending."""
-        ids, copy_text, usage = await self._read_script(
+        ids, copy_text, usage, responses = await self._read_script(
             keys=[self._names.outbox],
             args=[self._names.outbox_group, self.consumer, self._batch_size, mode, self._reclaim_after_ms],
         )
-        return Batch(ids, copy_text, usage) if ids else None
+        return Batch(ids, copy_text, usage, responses) if ids else None
 
     async def _commit(self, batch: Batch) -> None:
         """One transaction per batch. If any message is already there (a redelivered batch) or
@@ -276,6 +289,9 @@ async def _write(conn: PoolConnectionProxy, batch: Batch, *, skip_existing: bool
             )
     if batch.usage:
         await conn.execute(_INSERT_USAGE, *_usage_columns([orjson.loads(row) for row in batch.usage]))
+    if batch.responses:
+        await conn.execute(_INSERT_RESPONSES, *_response_columns([orjson.loads(row) for row in batch.responses]))
+        await conn.execute(_DELETE_EXPIRED_RESPONSES)
 
 
 def _usage_columns(rows: list[dict[str, Any]]) -> list[list[object]]:
@@ -288,4 +304,14 @@ def _usage_columns(rows: list[dict[str, Any]]) -> list[list[object]]:
         [r["completion_tokens"] for r in rows],
         [r["latency_ms"] for r in rows],
         [dt.datetime.fromisoformat(r["created_at"]) for r in rows],
+    ]
+
+
+def _response_columns(rows: list[dict[str, Any]]) -> list[list[object]]:
+    return [
+        [r["id"] for r in rows],
+        [r["tenant"] for r in rows],
+        [orjson.dumps(r["body"]).decode() for r in rows],
+        [dt.datetime.fromisoformat(r["created_at"]) for r in rows],
+        [dt.datetime.fromisoformat(r["expires_at"]) for r in rows],
     ]

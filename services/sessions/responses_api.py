@@ -9,13 +9,16 @@ and output items are appended once it is answered).
 
 A stored response (`store`, the default) is one Redis key, `<ns>:response:<id>`, holding its
 tenant, its Response object, its input items and its context, expiring `AXON_RESPONSE_TTL_S` after
-it was created. Another tenant's response, or one not stored, is 404.
+it was created, and a row of `responses` written behind through the outbox (read when Redis
+misses). Another tenant's response, or one not stored, is 404.
 """
 
+import datetime as dt
 import time
 import uuid
 from typing import Any
 
+import asyncpg
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
@@ -27,6 +30,7 @@ from services.sessions.conversations import (
     session_id_of,
 )
 from services.sessions.history import SessionStore
+from services.sessions.outbox import Outbox, ResponseRow, postgres_text
 from services.sessions.responses import Answer
 from services.sessions.service import ActiveRequest, Caller, CompletionService
 from services.sessions.settings import SessionsSettings
@@ -157,10 +161,13 @@ class StoredResponse(BaseModel):
 
 
 class ResponseStore:
-    """Stored responses in Redis, by tenant, expiring `ttl_s` after they were stored."""
+    """Stored responses: in Redis for `ttl_s`, written behind to PostgreSQL's `responses` through
+    the outbox, by tenant. A read that misses Redis (evicted, or Redis lost it) reads PostgreSQL."""
 
-    def __init__(self, redis: Redis, *, namespace: str, ttl_s: int) -> None:
+    def __init__(self, redis: Redis, db: asyncpg.Pool, outbox: Outbox, *, namespace: str, ttl_s: int) -> None:
         self._redis = redis
+        self._db = db
+        self._outbox = outbox
         self._namespace = namespace
         self._ttl_s = ttl_s
 
@@ -168,22 +175,50 @@ class ResponseStore:
         return f"{self._namespace}:response:{response_id}"
 
     async def save(self, response_id: str, stored: StoredResponse) -> None:
-        await self._redis.set(self.key(response_id), stored.model_dump_json(exclude_none=True), ex=self._ttl_s)
+        """Keep `stored` in Redis and queue its row for PostgreSQL, both in one transaction."""
+        created = dt.datetime.now(dt.UTC)
+        row = ResponseRow(
+            id=response_id,
+            tenant=stored.tenant,
+            body=stored.model_dump(mode="json", exclude_none=True),
+            created_at=created,
+            expires_at=created + dt.timedelta(seconds=self._ttl_s),
+        )
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.key(response_id), stored.model_dump_json(exclude_none=True), ex=self._ttl_s)
+            await self._outbox.append("response", row, pipe=pipe)
+            await pipe.execute()
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        """The tenant's stored response, None if there is none (or it is another tenant's)."""
+        """The tenant's stored response, None if there is none (unknown, expired, deleted, or
+        another tenant's)."""
         if not response_id.startswith(RESPONSE_PREFIX) or len(response_id) > 64:
             return None
         raw = await self._redis.get(self.key(response_id))
         if raw is None:
-            return None
+            raw = await self._db.fetchval(_READ_RESPONSE, response_id)
+            if raw is None:
+                return None
         stored = StoredResponse.model_validate_json(raw)
         return stored if stored.tenant == tenant else None
 
     async def delete(self, tenant: str, response_id: str) -> bool:
-        if await self.get(tenant, response_id) is None:
+        """Delete the tenant's stored response: its row becomes a tombstone at once (so that its
+        outbox entry, if not yet committed, cannot bring it back), then its Redis key goes."""
+        stored = await self.get(tenant, response_id)
+        if stored is None:
             return False
-        return bool(await self._redis.delete(self.key(response_id)))
+        expires = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self._ttl_s)
+        await self._db.execute(_TOMBSTONE, response_id, postgres_text(tenant), expires)
+        await self._redis.delete(self.key(response_id))
+        return True
+
+
+_READ_RESPONSE = "SELECT body::text FROM responses WHERE id = $1 AND expires_at > now() AND body IS NOT NULL"
+_TOMBSTONE = """
+INSERT INTO responses (id, tenant, body, created_at, expires_at) VALUES ($1, $2, NULL, now(), $3)
+ON CONFLICT (id) DO UPDATE SET body = NULL
+"""
 
 
 class ResponsesService:

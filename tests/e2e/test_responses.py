@@ -1,15 +1,19 @@
 """OpenAI's Responses API through the official `openai` client, on the shared stack (sim engine):
 create (string and items input, instructions), retrieve, delete, input items, a
 `previous_response_id` chain, a `conversation` it appends to, a function tool round trip, bad
-input. Every answer is checked against the SDK's models on the way (`tests/contract/transport.py`)."""
+input, and a stored response read back from PostgreSQL once Redis lost it. Every answer is checked
+against the SDK's models on the way (`tests/contract/transport.py`)."""
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 
+import asyncpg
 import httpx
 import openai
 import pytest
+import redis.asyncio as redis
 from openai import OpenAI
 
 from services.cli.launcher import Service
@@ -17,6 +21,7 @@ from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.contract.transport import ContractTransport
 from tests.e2e.conftest import SIM_MODEL
+from tests.services import ServiceUrls
 
 pytestmark = pytest.mark.e2e
 
@@ -233,3 +238,40 @@ def test_bad_input(checked: tuple[OpenAI, ContractTransport], other_client: Open
         assert (error.status_code, error.body["param"]) == (status, param), (param, error.body)  # type: ignore[index]
     assert client.responses.retrieve(stored.id).id == stored.id
     assert client.conversations.items.list(conversation.id).data == []  # nothing was appended by the refusals
+
+
+def _persisted(database_url: str, response_id: str, timeout_s: float = 10) -> bool:
+    async def row() -> bool:
+        conn = await asyncpg.connect(database_url)
+        try:
+            return bool(await conn.fetchval("SELECT body IS NOT NULL FROM responses WHERE id = $1", response_id))
+        finally:
+            await conn.close()
+
+    deadline = time.monotonic() + timeout_s
+    while not asyncio.run(row()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_stored_response_outlives_its_redis_copy(
+    checked: tuple[OpenAI, ContractTransport], database_url: str, namespace: str, service_urls: ServiceUrls
+) -> None:
+    client, _ = checked
+    first = client.responses.create(model=SIM_MODEL, input="Remember this.", max_output_tokens=4)
+    assert _persisted(database_url, first.id)
+
+    async def drop() -> None:
+        r = redis.Redis.from_url(service_urls.redis)
+        assert await r.delete(f"{namespace}:response:{first.id}") == 1
+        await r.aclose()
+
+    asyncio.run(drop())
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(model=SIM_MODEL, input="And?", previous_response_id=first.id, max_output_tokens=2)
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
+    client.responses.delete(first.id)
+    assert _error(lambda: client.responses.retrieve(first.id)).status_code == 404
