@@ -315,12 +315,27 @@ class GatewayService:
             await self._admitter.release(admission)
 
 
+# The last event of a Responses API stream (`POST /v1/responses` with `stream`), which has no `[DONE]`.
+_RESPONSES_ENDS = (b"event: response.completed\n", b"event: response.incomplete\n", b"event: response.failed\n")
+
+
+def _stream_end(piece: bytes) -> bool:
+    """Whether `piece` ends its stream: chat's `data: [DONE]`, or a whole terminal event of a
+    Responses stream (events end with a blank line, which their JSON data cannot hold)."""
+    if piece.endswith(SSE_END):
+        return True
+    if not piece.endswith(b"\n\n"):
+        return False
+    last = piece.rfind(b"\n\nevent: ", 0, len(piece) - 2)
+    return piece.startswith(_RESPONSES_ENDS, last + 2 if last >= 0 else 0)
+
+
 async def _relay(
     upstream: UpstreamResponse, send: Send, watch: DisconnectWatch, *, extra_headers: dict[str, str]
 ) -> bool:
     """Pass the session manager's answer through: an event stream piece by piece (the piece with
-    `[DONE]` ends the body in the same write), anything else whole. A stream the session manager
-    breaks off ends with a `stream_interrupted` error event.
+    `[DONE]`, or a Responses stream's last event, ends the body in the same write), anything else
+    whole. A stream the session manager breaks off ends with a `stream_interrupted` error event.
 
     Returns:
         Whether a 200 answer was relayed to its end (the session manager then ended the request's
@@ -347,7 +362,7 @@ async def _relay(
             if start is not None:  # the head goes out right before the first piece: one read for the client
                 await send(start)
                 start = None
-            ended = piece.endswith(SSE_END)
+            ended = _stream_end(piece)
             if ended:
                 watch.stop()
             await send({"type": "http.response.body", "body": piece, "more_body": not ended})

@@ -13,12 +13,16 @@ it was created, and a row of `responses` written behind through the outbox (read
 misses). Another tenant's response, or one not stored, is 404.
 """
 
+import asyncio
 import datetime as dt
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
+import orjson
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
@@ -29,15 +33,19 @@ from services.sessions.conversations import (
     items_to_messages,
     session_id_of,
 )
-from services.sessions.history import SessionStore
+from services.sessions.history import SessionInfo, SessionStore
 from services.sessions.outbox import Outbox, ResponseRow, postgres_text
 from services.sessions.responses import Answer
-from services.sessions.service import ActiveRequest, Caller, CompletionService
+from services.sessions.service import ActiveRequest, Caller, Choice, CompletionService, chunk_error
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import build_prompt
-from shared.errors import NotFound
+from shared.errors import AxonError, NotFound
+from shared.logging import get_logger
+from shared.openai_requests import ChatCompletionRequest
 from shared.responses_requests import ResponseCreate
-from shared.schemas import Message, Usage
+from shared.schemas import Message, TokenChunk, Usage
+
+log = get_logger(__name__)
 
 RESPONSE_PREFIX = "resp_"
 
@@ -221,6 +229,181 @@ ON CONFLICT (id) DO UPDATE SET body = NULL
 """
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A checked request, ready to run: its chat request, history, input and ids."""
+
+    body: ResponseCreate
+    tenant: str
+    chat: ChatCompletionRequest
+    history: list[Message]
+    new: list[Message]
+    session: SessionInfo | None
+    response_id: str
+    created_at: float
+
+    def response(self, *, status: str, output: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+        return response_object(
+            self.body,
+            response_id=self.response_id,
+            created_at=self.created_at,
+            status=status,
+            output=output,
+            usage=usage,
+            conversation=conversation_id(self.session.id) if self.session is not None else None,
+        )
+
+
+def _status(answer: Answer) -> str:
+    return "incomplete" if answer.finish_reason == "length" else "completed"
+
+
+class ResponseEvents:
+    """OpenAI's Responses streaming events of one answer, numbered from 0 (`sequence_number`):
+    `response.created` and `response.in_progress`; per output item, as the chunks bring it,
+    `response.output_item.added` (then for a message `response.content_part.added` and
+    `response.output_text.delta`s, for a call `response.function_call_arguments.delta`s); at the
+    end, per item in order, `response.output_text.done` + `response.content_part.done` or
+    `response.function_call_arguments.done`, then `response.output_item.done`; last
+    `response.completed`, `response.incomplete` or `response.failed`."""
+
+    def __init__(self, skeleton: dict[str, Any]) -> None:
+        self._skeleton = skeleton
+        self._seq = 0
+        self._items: list[dict[str, Any]] = []
+        self._message: dict[str, Any] | None = None
+        self._text: list[str] = []
+        # Tool call index -> its function_call item (arguments accumulated in it).
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        seq = self._seq
+        self._seq += 1
+        payload = orjson.dumps({"type": kind, "sequence_number": seq, **fields})
+        return b"event: " + kind.encode() + b"\nid: " + str(seq).encode() + b"\ndata: " + payload + b"\n\n"
+
+    def opening(self) -> list[bytes]:
+        return [
+            self._event("response.created", response=self._skeleton),
+            self._event("response.in_progress", response=self._skeleton),
+        ]
+
+    def chunk(self, chunk: TokenChunk) -> list[bytes]:
+        """The events of one chunk: its text's delta, its tool calls' pieces."""
+        events: list[bytes] = []
+        if chunk.text:
+            if self._message is None:
+                self._message = {"id": _id("msg_"), "type": "message", "role": "assistant", "status": "in_progress"}
+                self._items.append(self._message)
+                index = len(self._items) - 1
+                events.append(
+                    self._event("response.output_item.added", output_index=index, item={**self._message, "content": []})
+                )
+                events.append(
+                    self._event(
+                        "response.content_part.added",
+                        item_id=self._message["id"],
+                        output_index=index,
+                        content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                    )
+                )
+            self._text.append(chunk.text)
+            events.append(
+                self._event(
+                    "response.output_text.delta",
+                    item_id=self._message["id"],
+                    output_index=self._items.index(self._message),
+                    content_index=0,
+                    delta=chunk.text,
+                    logprobs=[],
+                )
+            )
+        for delta in chunk.tool_calls or ():
+            call = self._calls.get(delta.index)
+            if call is None:
+                name = delta.function.name if delta.function is not None and delta.function.name else ""
+                call = {
+                    "id": _id("fc_"),
+                    "type": "function_call",
+                    "call_id": delta.id or _id("call_"),
+                    "name": name,
+                    "arguments": "",
+                    "status": "in_progress",
+                }
+                self._calls[delta.index] = call
+                self._items.append(call)
+                events.append(
+                    self._event("response.output_item.added", output_index=len(self._items) - 1, item=dict(call))
+                )
+            elif delta.function is not None and delta.function.name:
+                call["name"] += delta.function.name
+            if delta.function is not None and delta.function.arguments:
+                call["arguments"] += delta.function.arguments
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=call["id"],
+                        output_index=self._items.index(call),
+                        delta=delta.function.arguments,
+                    )
+                )
+        return events
+
+    def output(self, status: str) -> list[dict[str, Any]]:
+        """The output items so far, each with `status`."""
+        items = []
+        for item in self._items:
+            if item is self._message:
+                part = {"type": "output_text", "text": "".join(self._text), "annotations": [], "logprobs": []}
+                items.append({**item, "status": status, "content": [part]})
+            else:
+                items.append({**item, "status": status})
+        return items
+
+    def _items_done(self, output: list[dict[str, Any]]) -> list[bytes]:
+        events: list[bytes] = []
+        for index, item in enumerate(output):
+            if item["type"] == "message":
+                part = item["content"][0]
+                events.append(
+                    self._event(
+                        "response.output_text.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        text=part["text"],
+                        logprobs=[],
+                    )
+                )
+                events.append(
+                    self._event(
+                        "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+                    )
+                )
+            else:
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        name=item["name"],
+                        arguments=item["arguments"],
+                    )
+                )
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def closing(self, response: dict[str, Any]) -> list[bytes]:
+        """Every open item's end, then `response.completed` (or `response.incomplete`) with `response`."""
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return [*self._items_done(response["output"]), self._event(kind, response=response)]
+
+    def failed(self, response: dict[str, Any]) -> list[bytes]:
+        """`response.failed` with `response` (its `error` set)."""
+        return [self._event("response.failed", response=response)]
+
+
 class ResponsesService:
     """Creates responses on `CompletionService` and keeps the stored ones."""
 
@@ -234,18 +417,18 @@ class ResponsesService:
         store: ResponseStore,
     ) -> None:
         self._settings = settings
-        self._completions = completions
+        self.completions = completions
         self._catalog = catalog
         self._sessions = sessions
         self.store = store
 
-    async def create(self, body: ResponseCreate, *, caller: Caller, request_id: str) -> dict[str, Any]:
-        """Answer `body` (not streamed): run it, store it, append it to its conversation.
+    async def prepare(self, body: ResponseCreate, *, caller: Caller) -> Prepared:
+        """Check `body` and build the chat request it runs as, on its history.
 
         Raises:
             InvalidRequest: a bad parameter or input item.
             NotFound: an unknown previous_response_id or conversation (or another tenant's).
-            ModelNotFound, Unavailable, UpstreamError, DeadlineExceeded: as a chat completion.
+            ModelNotFound, Unavailable: as a chat completion.
         """
         body.check()
         new = input_messages(body)
@@ -272,36 +455,89 @@ class ResponsesService:
             )
             history, new = prompt[: len(prompt) - len(new)], prompt[len(prompt) - len(new) :]
         head = [Message(role="system", content=body.instructions)] if body.instructions else []
-        chat = body.chat_request(head + history + new, self._settings.request_limits)
-        created_at = time.time()
-        active = await self._completions.start(chat, kind="chat", caller=caller, request_id=request_id)
-        answer = await self._answer(active)
-        status = "incomplete" if answer.finish_reason == "length" else "completed"
-        reply = answer_message(answer)
-        output = message_items([reply], status=status)
-        response_id = _id(RESPONSE_PREFIX)
-        conv_id = conversation_id(session.id) if session is not None else None
-        response = response_object(
-            body,
-            response_id=response_id,
-            created_at=created_at,
-            status=status,
-            output=output,
-            usage=active.usage,
-            conversation=conv_id,
+        return Prepared(
+            body=body,
+            tenant=caller.tenant,
+            chat=body.chat_request(head + history + new, self._settings.request_limits),
+            history=history,
+            new=new,
+            session=session,
+            response_id=_id(RESPONSE_PREFIX),
+            created_at=time.time(),
         )
-        if session is not None:
-            for message in [*new, reply]:
-                await self._sessions.append(session, message, status="complete", job_id=None)
-        if body.stored:
+
+    def skeleton(self, prepared: Prepared) -> dict[str, Any]:
+        """The Response object while it is generated (`in_progress`, no output yet)."""
+        return prepared.response(status="in_progress", output=[], usage=None)
+
+    async def create(self, body: ResponseCreate, *, caller: Caller, request_id: str) -> dict[str, Any]:
+        """Answer `body` (not streamed): run it, store it, append it to its conversation.
+
+        Raises:
+            InvalidRequest, NotFound: see `prepare`.
+            ModelNotFound, Unavailable, UpstreamError, DeadlineExceeded: as a chat completion.
+        """
+        prepared = await self.prepare(body, caller=caller)
+        active = await self.completions.start(prepared.chat, kind="chat", caller=caller, request_id=request_id)
+        first, rest = await self.completions.first_chunk(active)
+        await self.completions.collect(active, first, rest)
+        answer = active.choices[0].answer
+        status = _status(answer)
+        output = message_items([answer_message(answer)], status=status)
+        return await self.keep(prepared, answer, prepared.response(status=status, output=output, usage=active.usage))
+
+    async def keep(self, prepared: Prepared, answer: Answer, response: dict[str, Any]) -> dict[str, Any]:
+        """Append the finished response's input and answer to its conversation, store it (unless
+        `store: false`); returns `response`."""
+        reply = answer_message(answer)
+        if prepared.session is not None:
+            for message in [*prepared.new, reply]:
+                await self._sessions.append(prepared.session, message, status="complete", job_id=None)
+        if prepared.body.stored:
             stored = StoredResponse(
-                tenant=caller.tenant, response=response, input_items=message_items(new), context=[*history, *new, reply]
+                tenant=prepared.tenant,
+                response=response,
+                input_items=message_items(prepared.new),
+                context=[*prepared.history, *prepared.new, reply],
             )
-            await self.store.save(response_id, stored)
+            await self.store.save(prepared.response_id, stored)
         return response
 
-    async def _answer(self, active: ActiveRequest) -> Answer:
-        """The whole answer of the request's one choice."""
-        first, rest = await self._completions.first_chunk(active)
-        await self._completions.collect(active, first, rest)
-        return active.choices[0].answer
+    async def stream(
+        self, prepared: Prepared, active: ActiveRequest, first: tuple[Choice, TokenChunk], rest: AsyncIterator[Any]
+    ) -> AsyncIterator[bytes]:
+        """Relay the answer as OpenAI's Responses events (`ResponseEvents`), each its own SSE
+        event with `id:` = its `sequence_number`; the response is stored before its last event.
+        A client that leaves stops the job, as a chat stream does."""
+        events = ResponseEvents(self.skeleton(prepared))
+        pieces = events.opening()
+        outcome = "disconnected"
+        try:
+            choice, chunk = first
+            while True:
+                if chunk.finish_reason == "error":
+                    raise chunk_error(chunk)
+                pieces += events.chunk(chunk)
+                if not active.unfinished:
+                    break
+                if not active.stream.ready:
+                    yield b"".join(pieces)
+                    pieces = []
+                choice, chunk = await anext(rest)
+            outcome = chunk.finish_reason or "stop"
+            await self.completions.finish(active, outcome=outcome)
+            answer = choice.answer
+            status = _status(answer)
+            response = prepared.response(status=status, output=events.output(status), usage=active.usage)
+            await self.keep(prepared, answer, response)
+            yield b"".join([*pieces, *events.closing(response)])
+        except AxonError as exc:
+            outcome = "error"
+            log.warning("stream_failed", error=exc.message)
+            await self.completions.finish(active, outcome=outcome)
+            failed = prepared.response(status="failed", output=events.output("incomplete"), usage=active.usage)
+            failed["error"] = {"code": "server_error", "message": exc.message}
+            yield b"".join([*pieces, *events.failed(failed)])
+        finally:
+            if outcome == "disconnected":
+                await asyncio.shield(self.completions.finish(active, outcome=outcome))

@@ -16,6 +16,7 @@ import httpx
 
 from tests.contract.openai_shapes import openai_shape_errors
 
+_RESPONSES_ENDS = ("response.completed", "response.incomplete", "response.failed")
 _MODEL_PATH = re.compile(r"/v1/models/[^/]+$")
 _RESPONSE_PATH = re.compile(r"/v1/responses(?:/(?P<id>[^/]+)(?P<items>/input_items)?)?$")
 _CONVERSATION_PATH = re.compile(r"/v1/conversations(?:/(?P<id>[^/]+)(?P<items>/items)?(?P<item>/[^/]+)?)?$")
@@ -37,6 +38,8 @@ def shape_for(path: str, status: int, *, streamed: bool, method: str = "GET") ->
     if response := _RESPONSE_PATH.search(path):
         if response["items"]:
             return "ResponseItemList"
+        if streamed:
+            return "ResponseStreamEvent"
         return None if method == "DELETE" else "Response"  # deleting answers no OpenAI object
     if path.endswith("/chat/completions"):
         return "CreateChatCompletionStreamResponse" if streamed else "CreateChatCompletionResponse"
@@ -104,7 +107,7 @@ class _CheckedStream(httpx.SyncByteStream):
             self._feed(data)
             yield data
         if not self._done:
-            message = f"{self._where}: the stream ended without data: [DONE]"
+            message = f"{self._where}: the stream ended without data: [DONE] (or a Responses stream's last event)"
             self._transport.violations.append(message)
             raise AssertionError(message)
 
@@ -118,7 +121,11 @@ class _CheckedStream(httpx.SyncByteStream):
             if payload == b"[DONE]":
                 self._done = True
             else:
-                self._transport.check(self._shape, json.loads(payload), self._where + " chunk")
+                body = json.loads(payload)
+                self._transport.check(self._shape, body, self._where + " chunk")
+                # A Responses stream has no [DONE]: its last event is the end.
+                if self._shape == "ResponseStreamEvent" and body.get("type") in _RESPONSES_ENDS:
+                    self._done = True
 
     def close(self) -> None:
         self._response.close()

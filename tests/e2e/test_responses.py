@@ -21,6 +21,7 @@ from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.contract.transport import ContractTransport
 from tests.e2e.conftest import SIM_MODEL
+from tests.e2e.test_workers import metric
 from tests.services import ServiceUrls
 
 pytestmark = pytest.mark.e2e
@@ -275,3 +276,90 @@ def test_a_stored_response_outlives_its_redis_copy(
     assert second.usage.input_tokens > first.usage.input_tokens
     client.responses.delete(first.id)
     assert _error(lambda: client.responses.retrieve(first.id)).status_code == 404
+
+
+def test_streamed_events_in_order_with_sequence_numbers(checked: tuple[OpenAI, ContractTransport]) -> None:
+    client, transport = checked
+    events = list(client.responses.create(model=SIM_MODEL, input="Stream a story.", max_output_tokens=12, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 2
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",  # max_output_tokens cut it
+    ]
+    assert events[0].response.status == "in_progress"  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    assert text == final.output_text == events[-4].text  # type: ignore[union-attr]
+    assert final.usage is not None and final.usage.output_tokens == 12
+    assert client.responses.retrieve(final.id).output_text == text  # stored before its last event
+    assert transport.checked.get("ResponseStreamEvent", 0) == len(events)
+
+
+def test_the_stream_helper_and_sse_ids(checked: tuple[OpenAI, ContractTransport], gateway: Service, auth: dict) -> None:
+    client, _ = checked
+    # The helper's final response is that of `response.completed`: an answer that ends on its own
+    # (the sim's plain answers run to max_output_tokens; a JSON one stops once complete).
+    schema = {"type": "object", "properties": {"greeting": {"type": "string"}}, "required": ["greeting"]}
+    text_format = {"format": {"type": "json_schema", "name": "greeting", "schema": schema}}
+    with client.responses.stream(model=SIM_MODEL, input="Hello there.", text=text_format) as stream:  # type: ignore[arg-type]
+        texts = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == final.output_text and final.status == "completed"
+
+    body = {"model": SIM_MODEL, "input": "Hi.", "max_output_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/responses", json=body, headers=auth, timeout=30) as raw:
+        assert raw.headers["content-type"].startswith("text/event-stream")
+        blocks = [b for b in raw.read().decode().split("\n\n") if b]
+    for number, block in enumerate(blocks):
+        kind, sse_id, data = block.split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {payload['type']}" and sse_id == f"id: {number}" == f"id: {payload['sequence_number']}"
+
+
+def test_streamed_function_call(checked: tuple[OpenAI, ContractTransport]) -> None:
+    client, _ = checked
+    events = list(
+        client.responses.create(
+            model=SIM_MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", stream=True
+        )
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.completed" and "response.function_call_arguments.done" in kinds
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    for call in done:  # each call's argument pieces add up to its arguments
+        pieces = [
+            e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == call.item_id
+        ]  # type: ignore[union-attr]
+        assert "".join(pieces) == call.arguments and set(json.loads(call.arguments)) == {"city"}  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert [(c.id, c.arguments, c.name) for c in calls] == [(d.item_id, d.arguments, "get_weather") for d in done]  # type: ignore[union-attr]
+
+
+def test_a_client_that_leaves_a_stream_stops_it(checked: tuple[OpenAI, ContractTransport], sessions: Service) -> None:
+    client, _ = checked
+    labels = {"model": SIM_MODEL, "outcome": "disconnected"}
+    before = metric(sessions, "axon_sessions_requests_total", **labels)
+    stream = client.responses.create(model=SIM_MODEL, input="A long story.", max_output_tokens=2000, stream=True)
+    events = iter(stream)
+    created = next(events)
+    for _ in range(10):
+        next(events)
+    stream.close()
+    deadline = time.monotonic() + 10
+    while metric(sessions, "axon_sessions_requests_total", **labels) < before + 1:
+        assert time.monotonic() < deadline, "the job was not stopped"
+        time.sleep(0.1)
+    # An answer that never ended is not stored.
+    assert _error(lambda: client.responses.retrieve(created.response.id)).status_code == 404  # type: ignore[union-attr]

@@ -119,14 +119,17 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
-        "description": "The completion; with `stream: true`, server-sent events ending with `data: [DONE]`.",
+        "description": "The completion or response; with `stream: true`, server-sent events ending with "
+        "`data: [DONE]` (a response's: with `response.completed`, `response.incomplete` or `response.failed`).",
         "content": {
             "application/json": {"schema": {"type": "object"}},
             # OpenAPI 3.1: the schema of each event.
             "text/event-stream": {
                 "schema": {
                     "type": "object",
-                    "properties": {"data": {"type": "string", "description": "A JSON chunk, or `[DONE]` at the end."}},
+                    "properties": {
+                        "data": {"type": "string", "description": "A JSON chunk or event, or `[DONE]` at the end."}
+                    },
                     "required": ["data"],
                 }
             },

@@ -17,6 +17,7 @@ from services.sessions.api.deps import CallerDep, caller_from
 from services.sessions.api.routes import MAX_BODY_BYTES
 from services.sessions.conversations import item_list
 from services.sessions.responses_api import ResponsesService, StoredResponse, response_not_found
+from services.sessions.service import Caller
 from shared.disconnects import DisconnectWatch
 from shared.errors import AxonError, InvalidRequest, ModelNotFound, invalid_request
 from shared.hot_routes import HotRoute, read_body, send_json
@@ -24,6 +25,7 @@ from shared.logging import bind_contextvars
 from shared.responses_requests import ResponseCreate
 
 PATH = "/v1/responses"
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 router = APIRouter(prefix=PATH)
 
 
@@ -45,17 +47,11 @@ async def _create(scope: Scope, receive: Receive, send: Send) -> None:
     metrics = scope["app"].state.metrics
     caller = caller_from(scope)
     body = parse_response_create(await read_body(scope, receive, max_bytes=MAX_BODY_BYTES))
-    if body.stream:
-        raise InvalidRequest("stream: true is not supported yet.", param="stream", code="unsupported_parameter")
     if body.user is not None:
         bind_contextvars(user=body.user)
     status, model = 500, body.model
-    watch = DisconnectWatch(scope, receive)
     try:
-        response = await service.create(body, caller=caller, request_id=scope["state"]["request_id"])
-        watch.stop()
-        await send_json(send, 200, orjson.dumps(response))
-        status = 200
+        status = await _respond(service, body, caller=caller, scope=scope, receive=receive, send=send)
     except AxonError as exc:
         status = exc.status_code
         model = "unknown" if isinstance(exc, ModelNotFound) else model
@@ -64,8 +60,39 @@ async def _create(scope: Scope, receive: Receive, send: Send) -> None:
         status = 499  # the client went away (or the process is stopping)
         raise
     finally:
-        watch.stop()
         metrics.completion_requests.labels(PATH, model, str(status)).inc()
+
+
+async def _respond(
+    service: ResponsesService, body: ResponseCreate, *, caller: Caller, scope: Scope, receive: Receive, send: Send
+) -> int:
+    """Run the response and write it (whole, or as events with `stream`); returns the status sent."""
+    request_id = scope["state"]["request_id"]
+    if not body.stream:
+        watch = DisconnectWatch(scope, receive)
+        try:
+            response = await service.create(body, caller=caller, request_id=request_id)
+        finally:
+            watch.stop()
+        await send_json(send, 200, orjson.dumps(response))
+        return 200
+    prepared = await service.prepare(body, caller=caller)
+    completions = service.completions
+    active = await completions.start(prepared.chat, kind="chat", caller=caller, request_id=request_id)
+    watch = DisconnectWatch(scope, receive)
+    try:
+        first, rest = await completions.first_chunk(active)  # failures before any token get a real status
+        started = False
+        async for piece in service.stream(prepared, active, first, rest):
+            if not started:  # the head goes out right before the first piece: the gateway reads them together
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                started = True
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        watch.stop()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return 200
+    finally:
+        watch.stop()
 
 
 HOT_ROUTES = [HotRoute("POST", PATH, _create)]

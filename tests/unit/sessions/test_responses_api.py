@@ -1,13 +1,17 @@
 """The Responses API's mapping onto the chat machinery: a request body -> the chat request (and so
 the job) it runs as; an answer -> OpenAI's Response object, checked with the SDK's models."""
 
-import pytest
-from openai.types.responses import Response, ResponseItemList
+import json
 
-from services.gateway.service import budget_reservation, estimate_prompt_tokens
+import pytest
+from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from services.gateway.service import _stream_end, budget_reservation, estimate_prompt_tokens
 from services.sessions.api.responses import parse_response_create
 from services.sessions.responses import Answer
 from services.sessions.responses_api import (
+    ResponseEvents,
     answer_message,
     input_messages,
     message_items,
@@ -19,11 +23,14 @@ from shared.openai_requests import RequestLimits
 from shared.responses_requests import ResponseCreate
 from shared.schemas import (
     FunctionCall,
+    FunctionCallDelta,
     JsonSchemaFormat,
     Message,
     NamedToolChoice,
     PromptTokensDetails,
+    TokenChunk,
     ToolCall,
+    ToolCallDelta,
     Usage,
 )
 
@@ -170,3 +177,98 @@ def test_gateway_estimates_and_reserves_a_responses_body() -> None:
     assert estimate_prompt_tokens(body) > estimate_prompt_tokens({"input": []})
     assert estimate_prompt_tokens({"input": "x" * 400}) > estimate_prompt_tokens({"input": "x"})
     assert budget_reservation(body, 0, default_max_tokens=100, limit=1000) == 9
+
+
+EVENT = TypeAdapter(ResponseStreamEvent)
+
+
+def _parse(pieces: list[bytes]) -> list[dict]:
+    """Each SSE event of `pieces`: its `event:` and `id:` lines must match its data."""
+    events = []
+    for block in b"".join(pieces).decode().split("\n\n")[:-1]:
+        kind, sse_id, data = block.split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {payload['type']}" and sse_id == f"id: {payload['sequence_number']}"
+        EVENT.validate_python(payload)
+        events.append(payload)
+    return events
+
+
+def _call(
+    index: int, *, call_id: str | None = None, name: str | None = None, arguments: str | None = None
+) -> ToolCallDelta:
+    return ToolCallDelta(index=index, id=call_id, function=FunctionCallDelta(name=name, arguments=arguments))
+
+
+def test_the_event_builder_numbers_events_and_closes_every_item_in_order() -> None:
+    body = _body(tools=[TOOL])
+    skeleton = response_object(
+        body, response_id="resp_1", created_at=1.0, status="in_progress", output=[], usage=None, conversation=None
+    )
+    events = ResponseEvents(skeleton)
+    pieces = events.opening()
+    pieces += events.chunk(TokenChunk(seq=0, text="Let me "))
+    pieces += events.chunk(TokenChunk(seq=1, text="check."))
+    pieces += events.chunk(TokenChunk(seq=2, tool_calls=[_call(0, call_id="c1", name="get_weather", arguments='{"ci')]))
+    pieces += events.chunk(TokenChunk(seq=3, tool_calls=[_call(0, arguments='ty": "Paris"}')]))
+    pieces += events.chunk(TokenChunk(seq=4, tool_calls=[_call(1, call_id="c2", name="get_weather")]))
+    output = events.output("completed")
+    final = response_object(
+        body, response_id="resp_1", created_at=1.0, status="completed", output=output, usage=Usage(), conversation=None
+    )
+    parsed = _parse([*pieces, *events.closing(final)])
+    assert [e["sequence_number"] for e in parsed] == list(range(len(parsed)))
+    assert [e["type"] for e in parsed] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.output_item.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    response = Response.model_validate(parsed[-1]["response"])
+    assert response.output_text == "Let me check."
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert [(c.call_id, c.arguments) for c in calls] == [("c1", '{"city": "Paris"}'), ("c2", "")]
+    added = [e["item"]["id"] for e in parsed if e["type"] == "response.output_item.added"]
+    assert added == [item.id for item in response.output]  # the ids streamed are the stored ones
+
+
+def test_a_failed_stream_ends_with_response_failed() -> None:
+    skeleton = response_object(
+        _body(), response_id="resp_1", created_at=1.0, status="in_progress", output=[], usage=None, conversation=None
+    )
+    events = ResponseEvents(skeleton)
+    pieces = [*events.opening(), *events.chunk(TokenChunk(seq=0, text="Hi"))]
+    failed = {**skeleton, "status": "failed", "output": events.output("incomplete")}
+    failed["error"] = {"code": "server_error", "message": "boom"}
+    parsed = _parse([*pieces, *events.failed(failed)])
+    assert parsed[-1]["type"] == "response.failed" and parsed[-1]["sequence_number"] == len(parsed) - 1
+
+
+@pytest.mark.parametrize(
+    ("piece", "end"),
+    [
+        (b"data: {}\n\ndata: [DONE]\n\n", True),
+        (b"event: response.output_text.delta\nid: 4\ndata: {}\n\nevent: response.completed\nid: 5\ndata: {}\n\n", True),
+        (b"event: response.incomplete\nid: 9\ndata: {}\n\n", True),
+        (b"event: response.failed\nid: 9\ndata: {}\n\n", True),
+        (b'event: response.completed\nid: 9\ndata: {"a": ', False),  # cut mid-event
+        (b"event: response.completed\nid: 5\ndata: {}\n\nevent: response.output_item.done\nid: 6\ndata: {}\n\n", False),
+        (b'event: response.output_text.delta\nid: 4\ndata: {"delta": "event: response.completed"}\n\n', False),
+    ],
+)
+def test_the_gateway_sees_where_a_stream_ends(piece: bytes, end: bool) -> None:
+    assert _stream_end(piece) is end
