@@ -126,10 +126,15 @@ async def delete_response(response_id: str, caller: CallerDep, request: Request)
 
 @router.post("/{response_id}/cancel")
 async def cancel_response(response_id: str, caller: CallerDep, request: Request) -> dict[str, Any]:
-    """Cancel a background response. Every stored response is finished (background ones are not
-    supported yet), so this answers 400 as OpenAI does for a finished one."""
+    """Cancel a background response. OpenAI answers 400 for a response not created with
+    `background: true`, and no stored response is one (background is not supported yet): every one
+    is finished by the time it is stored."""
     await _stored(request, caller.tenant, response_id)
-    raise InvalidRequest("Only background responses can be cancelled.", param="response_id", code="invalid_value")
+    raise InvalidRequest(
+        "Only responses created with background=true can be cancelled; this one was not, and it is finished.",
+        param="response_id",
+        code="invalid_value",
+    )
 
 
 @router.get("/{response_id}/input_items")
