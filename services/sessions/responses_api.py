@@ -38,7 +38,7 @@ from services.sessions.outbox import Outbox, ResponseRow, postgres_text
 from services.sessions.responses import Answer
 from services.sessions.service import ActiveRequest, Caller, Choice, CompletionService, chunk_error
 from services.sessions.settings import SessionsSettings
-from services.sessions.turns import build_prompt
+from services.sessions.turns import build_prompt, message_tokens
 from shared.errors import AxonError, NotFound
 from shared.logging import get_logger
 from shared.openai_requests import ChatCompletionRequest
@@ -112,6 +112,23 @@ def message_items(messages: list[Message], *, status: str = "completed") -> list
             for call in message.tool_calls or ()
         )
     return items
+
+
+def fit_history(history: list[Message], *, fixed: list[Message], budget_tokens: int) -> list[Message]:
+    """The most recent messages of `history` that fit in `budget_tokens` beside `fixed` (as a
+    session's prompt is built, `turns.build_prompt`), never starting with a tool's result."""
+    used = sum(message_tokens(m) for m in fixed)
+    kept: list[Message] = []
+    for message in reversed(history):
+        cost = message_tokens(message)
+        if used + cost > budget_tokens:
+            break
+        kept.append(message)
+        used += cost
+    while kept and kept[-1].role == "tool":
+        kept.pop()
+    kept.reverse()
+    return kept
 
 
 def answer_message(answer: Answer) -> Message:
@@ -432,29 +449,27 @@ class ResponsesService:
         """
         body.check()
         new = input_messages(body)
+        head = [Message(role="system", content=body.instructions)] if body.instructions else []
         history: list[Message] = []
         session = None
         if body.previous_response_id is not None:
             previous = await self.store.get(caller.tenant, body.previous_response_id)
             if previous is None:
                 raise previous_not_found()
-            history = previous.context
+            history = fit_history(previous.context, fixed=head + new, budget_tokens=await self._budget(body))
         conversation = body.conversation_id
         if conversation is not None:
             try:
                 session = await self._sessions.get(caller.tenant, session_id_of(conversation))
             except NotFound:
                 raise conversation_not_found() from None
-            _, live = await self._catalog.require(body.model)
-            budget = live.context_tokens - (body.max_output_tokens or self._settings.default_max_tokens)
             prompt, _ = build_prompt(
                 system_prompt=session.system_prompt,
                 history=await self._sessions.history(session),
                 new_messages=new,
-                budget_tokens=budget,
+                budget_tokens=await self._budget(body),
             )
             history, new = prompt[: len(prompt) - len(new)], prompt[len(prompt) - len(new) :]
-        head = [Message(role="system", content=body.instructions)] if body.instructions else []
         return Prepared(
             body=body,
             tenant=caller.tenant,
@@ -465,6 +480,11 @@ class ResponsesService:
             response_id=_id(RESPONSE_PREFIX),
             created_at=time.time(),
         )
+
+    async def _budget(self, body: ResponseCreate) -> int:
+        """The prompt tokens the model's context leaves beside the answer."""
+        _, live = await self._catalog.require(body.model)
+        return live.context_tokens - (body.max_output_tokens or self._settings.default_max_tokens)
 
     def skeleton(self, prepared: Prepared) -> dict[str, Any]:
         """The Response object while it is generated (`in_progress`, no output yet)."""

@@ -13,6 +13,7 @@ from services.sessions.responses import Answer
 from services.sessions.responses_api import (
     ResponseEvents,
     answer_message,
+    fit_history,
     input_messages,
     message_items,
     response_object,
@@ -272,3 +273,19 @@ def test_a_failed_stream_ends_with_response_failed() -> None:
 )
 def test_the_gateway_sees_where_a_stream_ends(piece: bytes, end: bool) -> None:
     assert _stream_end(piece) is end
+
+
+def test_a_chain_keeps_the_recent_history_that_fits_never_starting_with_a_tool_result() -> None:
+    call = ToolCall(id="c", function=FunctionCall(name="f", arguments="{}"))
+    history = [
+        Message(role="user", content="old " * 200),
+        Message(role="assistant", content="", tool_calls=[call]),
+        Message(role="tool", content="result", tool_call_id="c"),
+        Message(role="assistant", content="recent answer"),
+    ]
+    new = [Message(role="user", content="now")]
+    assert fit_history(history, fixed=new, budget_tokens=10_000) == history
+    assert fit_history(history, fixed=new, budget_tokens=30) == history[1:]
+    kept = fit_history(history, fixed=new, budget_tokens=18)
+    assert kept == history[3:]  # the call did not fit, so its result is left out too
+    assert fit_history(history, fixed=new, budget_tokens=1) == []
