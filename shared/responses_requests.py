@@ -11,15 +11,42 @@ and `text.format` its `tools`, `tool_choice` and `response_format`, all checked 
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shared.conversation_requests import _metadata
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, invalid_request
 from shared.openai_requests import MAX_TOOLS, ChatCompletionRequest, RequestLimits
 from shared.schemas import Message
 
 # A resumable stream and a background run come with background responses (issue 16, item 4).
 _NOT_YET = ("background",)
+
+
+def response_param(param: str | None) -> str | None:
+    """A chat request's `param` as the Responses body names it (`messages.2.content` is `input`,
+    `tools.0.function.name` is `tools[0].name`, `response_format` is `text.format`)."""
+    if param is None:
+        return None
+    head, _, rest = param.partition(".")
+    if head == "messages":
+        return "input"
+    if head in ("max_tokens", "max_completion_tokens"):
+        return "max_output_tokens"
+    if head == "response_format":
+        return "text.format"
+    if head == "tools" and rest:
+        index, _, field = rest.partition(".")
+        field = field.removeprefix("function").lstrip(".")
+        return f"tools[{index}]" + (f".{field}" if field else "")
+    return param
+
+
+def as_response_error(exc: InvalidRequest) -> InvalidRequest:
+    """`exc`, a chat request's 400, naming the Responses body's param (in its message too)."""
+    param = response_param(exc.param)
+    if param == exc.param or exc.param is None or param is None:
+        return exc
+    return InvalidRequest(exc.message.replace(exc.param, param), param=param, code=exc.code)
 
 
 class FunctionToolParam(BaseModel):
@@ -153,8 +180,15 @@ class ResponseCreate(BaseModel):
                     raise InvalidRequest("text.format of type json_schema needs name and schema.", param="text.format")
                 spec = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict, "description": fmt.description}
                 body["response_format"]["json_schema"] = {k: v for k, v in spec.items() if v is not None}
-        request = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}, strict=False)
-        request.check(limits)
+        try:
+            request = ChatCompletionRequest.model_validate(
+                {k: v for k, v in body.items() if v is not None}, strict=False
+            )
+            request.check(limits)
+        except ValidationError as exc:
+            raise as_response_error(invalid_request(exc.errors(include_url=False))) from None
+        except InvalidRequest as exc:
+            raise as_response_error(exc) from None
         return request
 
     def echo(self) -> dict[str, Any]:

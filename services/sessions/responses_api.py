@@ -39,10 +39,10 @@ from services.sessions.responses import Answer
 from services.sessions.service import ActiveRequest, Caller, Choice, CompletionService, chunk_error
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import build_prompt, message_tokens
-from shared.errors import AxonError, NotFound
+from shared.errors import AxonError, InvalidRequest, NotFound
 from shared.logging import get_logger
 from shared.openai_requests import ChatCompletionRequest
-from shared.responses_requests import ResponseCreate
+from shared.responses_requests import ResponseCreate, as_response_error
 from shared.schemas import Message, TokenChunk, Usage
 
 log = get_logger(__name__)
@@ -486,6 +486,17 @@ class ResponsesService:
         _, live = await self._catalog.require(body.model)
         return live.context_tokens - (body.max_output_tokens or self._settings.default_max_tokens)
 
+    async def start(self, prepared: Prepared, *, caller: Caller, request_id: str) -> ActiveRequest:
+        """Publish the response's job (`CompletionService.start`); a 400 names the Responses param.
+
+        Raises:
+            ModelNotFound, Unavailable, InvalidRequest, NotFound, Conflict: as a chat completion.
+        """
+        try:
+            return await self.completions.start(prepared.chat, kind="chat", caller=caller, request_id=request_id)
+        except InvalidRequest as exc:
+            raise as_response_error(exc) from None
+
     def skeleton(self, prepared: Prepared) -> dict[str, Any]:
         """The Response object while it is generated (`in_progress`, no output yet)."""
         return prepared.response(status="in_progress", output=[], usage=None)
@@ -498,7 +509,7 @@ class ResponsesService:
             ModelNotFound, Unavailable, UpstreamError, DeadlineExceeded: as a chat completion.
         """
         prepared = await self.prepare(body, caller=caller)
-        active = await self.completions.start(prepared.chat, kind="chat", caller=caller, request_id=request_id)
+        active = await self.start(prepared, caller=caller, request_id=request_id)
         first, rest = await self.completions.first_chunk(active)
         await self.completions.collect(active, first, rest)
         answer = active.choices[0].answer

@@ -214,6 +214,12 @@ def test_bad_input(checked: tuple[OpenAI, ContractTransport], other_client: Open
         ),
         (lambda: client.responses.create(model=SIM_MODEL, input="x", background=True), 400, "background"),
         (
+            lambda: client.responses.create(model=SIM_MODEL, input="x", max_output_tokens=10**7),
+            400,
+            "max_output_tokens",
+        ),
+        (lambda: client.responses.create(model=SIM_MODEL, input=[]), 400, "input"),
+        (
             lambda: client.responses.create(model=SIM_MODEL, input="x", previous_response_id="resp_nope"),
             404,
             "previous_response_id",

@@ -77,11 +77,10 @@ async def _respond(
         await send_json(send, 200, orjson.dumps(response))
         return 200
     prepared = await service.prepare(body, caller=caller)
-    completions = service.completions
-    active = await completions.start(prepared.chat, kind="chat", caller=caller, request_id=request_id)
+    active = await service.start(prepared, caller=caller, request_id=request_id)
     watch = DisconnectWatch(scope, receive)
     try:
-        first, rest = await completions.first_chunk(active)  # failures before any token get a real status
+        first, rest = await service.completions.first_chunk(active)  # failures before any token get a real status
         started = False
         async for piece in service.stream(prepared, active, first, rest):
             if not started:  # the head goes out right before the first piece: the gateway reads them together

@@ -21,7 +21,7 @@ from services.sessions.responses_api import (
 )
 from shared.errors import InvalidRequest
 from shared.openai_requests import RequestLimits
-from shared.responses_requests import ResponseCreate
+from shared.responses_requests import ResponseCreate, as_response_error, response_param
 from shared.schemas import (
     FunctionCall,
     FunctionCallDelta,
@@ -103,13 +103,20 @@ def test_tools_tool_choice_and_text_format_map_onto_the_chat_request() -> None:
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
         ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}, "text.format"),
+        ({"input": []}, "input"),  # and no history: no message at all
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]}, "input[0].content[0].text"),
+        ({"tools": [{**TOOL, "name": "bad name"}]}, "tools[0].name"),
+        ({"tools": [{**TOOL, "parameters": {"type": 5}}]}, "tools[0].parameters"),
+        ({"tools": [TOOL, TOOL]}, "tools[1].name"),
     ],
 )
-def test_chat_rules_still_hold(fields: dict, param: str) -> None:
+def test_chat_rules_still_hold_naming_the_responses_param(fields: dict, param: str) -> None:
     body = _body(**fields)
     with pytest.raises(InvalidRequest) as caught:
         body.chat_request(input_messages(body), LIMITS)
     assert caught.value.param == param
+    assert "messages" not in caught.value.message and "function" not in str(caught.value.param)
 
 
 @pytest.mark.parametrize(
@@ -289,3 +296,21 @@ def test_a_chain_keeps_the_recent_history_that_fits_never_starting_with_a_tool_r
     kept = fit_history(history, fixed=new, budget_tokens=18)
     assert kept == history[3:]  # the call did not fit, so its result is left out too
     assert fit_history(history, fixed=new, budget_tokens=1) == []
+
+
+@pytest.mark.parametrize(
+    ("chat", "responses"),
+    [
+        ("messages.3.content", "input"),
+        ("max_tokens", "max_output_tokens"),
+        ("response_format", "text.format"),
+        ("tools.2.function.parameters", "tools[2].parameters"),
+        ("tools", "tools"),
+        ("tool_choice", "tool_choice"),
+        (None, None),
+    ],
+)
+def test_chat_params_are_named_as_the_responses_body_names_them(chat: str | None, responses: str | None) -> None:
+    assert response_param(chat) == responses
+    error = as_response_error(InvalidRequest(f"{chat} is wrong.", param=chat))
+    assert error.param == responses and (chat is None or error.message == f"{responses} is wrong.")
