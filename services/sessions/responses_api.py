@@ -25,6 +25,7 @@ import asyncpg
 import orjson
 from pydantic import BaseModel
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from services.sessions.catalog import ModelCatalog
 from services.sessions.conversations import (
@@ -39,7 +40,7 @@ from services.sessions.responses import Answer
 from services.sessions.service import ActiveRequest, Caller, Choice, CompletionService, chunk_error
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import build_prompt, message_tokens
-from shared.errors import AxonError, InvalidRequest, NotFound
+from shared.errors import AxonError, InvalidRequest, NotFound, Unavailable
 from shared.logging import get_logger
 from shared.openai_requests import ChatCompletionRequest
 from shared.responses_requests import ResponseCreate, as_response_error
@@ -519,19 +520,31 @@ class ResponsesService:
 
     async def keep(self, prepared: Prepared, answer: Answer, response: dict[str, Any]) -> dict[str, Any]:
         """Append the finished response's input and answer to its conversation, store it (unless
-        `store: false`); returns `response`."""
+        `store: false`); returns `response`.
+
+        Raises:
+            Unavailable: Redis could not be written: the client must not take the response for kept.
+        """
         reply = answer_message(answer)
-        if prepared.session is not None:
-            for message in [*prepared.new, reply]:
-                await self._sessions.append(prepared.session, message, status="complete", job_id=None)
-        if prepared.body.stored:
-            stored = StoredResponse(
-                tenant=prepared.tenant,
-                response=response,
-                input_items=message_items(prepared.new),
-                context=[*prepared.history, *prepared.new, reply],
-            )
-            await self.store.save(prepared.response_id, stored)
+        try:
+            if prepared.session is not None:
+                for message in [*prepared.new, reply]:
+                    await self._sessions.append(prepared.session, message, status="complete", job_id=None)
+            if prepared.body.stored:
+                stored = StoredResponse(
+                    tenant=prepared.tenant,
+                    response=response,
+                    input_items=message_items(prepared.new),
+                    context=[*prepared.history, *prepared.new, reply],
+                )
+                await self.store.save(prepared.response_id, stored)
+        except (RedisError, ConnectionError, TimeoutError) as exc:
+            log.error("response_not_stored", error=repr(exc))
+            raise Unavailable(
+                "The response could not be saved, so it was not kept; try again shortly.",
+                retry_after_s=2,
+                code="response_not_stored",
+            ) from exc
         return response
 
     async def stream(

@@ -6,12 +6,15 @@ import json
 import pytest
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from pydantic import TypeAdapter
+from redis.exceptions import RedisError
 
 from services.gateway.service import _stream_end, budget_reservation, estimate_prompt_tokens
 from services.sessions.api.responses import parse_response_create
 from services.sessions.responses import Answer
 from services.sessions.responses_api import (
+    Prepared,
     ResponseEvents,
+    ResponsesService,
     answer_message,
     fit_history,
     input_messages,
@@ -19,7 +22,7 @@ from services.sessions.responses_api import (
     response_object,
     usage_object,
 )
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, Unavailable
 from shared.openai_requests import RequestLimits
 from shared.responses_requests import ResponseCreate, as_response_error, response_param
 from shared.schemas import (
@@ -314,3 +317,29 @@ def test_chat_params_are_named_as_the_responses_body_names_them(chat: str | None
     assert response_param(chat) == responses
     error = as_response_error(InvalidRequest(f"{chat} is wrong.", param=chat))
     assert error.param == responses and (chat is None or error.message == f"{responses} is wrong.")
+
+
+class _DownStore:
+    async def save(self, response_id: str, stored: object) -> None:
+        raise RedisError("Redis is down")
+
+
+async def test_a_response_that_cannot_be_stored_is_503_not_taken_for_kept() -> None:
+    body = _body()
+    new = input_messages(body)
+    prepared = Prepared(
+        body=body,
+        tenant="t",
+        chat=body.chat_request(new, LIMITS),
+        history=[],
+        new=new,
+        session=None,
+        response_id="resp_1",
+        created_at=1.0,
+    )
+    service = ResponsesService(settings=None, completions=None, catalog=None, sessions=None, store=_DownStore())  # type: ignore[arg-type]
+    answer = Answer(0)
+    answer.text.append("hi")
+    with pytest.raises(Unavailable) as caught:
+        await service.keep(prepared, answer, prepared.response(status="completed", output=[], usage=Usage()))
+    assert caught.value.code == "response_not_stored"
