@@ -369,3 +369,20 @@ def test_a_client_that_leaves_a_stream_stops_it(checked: tuple[OpenAI, ContractT
         time.sleep(0.1)
     # An answer that never ended is not stored.
     assert _error(lambda: client.responses.retrieve(created.response.id)).status_code == 404  # type: ignore[union-attr]
+
+
+def test_a_streamed_response_extends_its_conversation_and_chain(checked: tuple[OpenAI, ContractTransport]) -> None:
+    client, _ = checked
+    conversation = client.conversations.create(items=[{"role": "user", "content": "Hello."}])
+    events = list(
+        client.responses.create(
+            model=SIM_MODEL, input="Go on.", conversation=conversation.id, max_output_tokens=4, stream=True
+        )
+    )
+    final = events[-1].response  # type: ignore[union-attr]
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [i.role for i in items] == ["user", "user", "assistant"]  # type: ignore[union-attr]
+    assert items[2].content[0].text == final.output_text  # type: ignore[union-attr]
+    chained = client.responses.create(model=SIM_MODEL, input="More.", previous_response_id=final.id, stream=True)
+    last = list(chained)[-1].response  # type: ignore[union-attr]
+    assert last.previous_response_id == final.id and last.usage.input_tokens > final.usage.input_tokens
