@@ -290,9 +290,11 @@ class ResponseEvents:
         self._seq = 0
         self._items: list[dict[str, Any]] = []
         self._message: dict[str, Any] | None = None
+        self._message_index = 0
         self._text: list[str] = []
         # Tool call index -> its function_call item (arguments accumulated in it).
         self._calls: dict[int, dict[str, Any]] = {}
+        self._call_index: dict[int, int] = {}
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         seq = self._seq
@@ -313,7 +315,7 @@ class ResponseEvents:
             if self._message is None:
                 self._message = {"id": _id("msg_"), "type": "message", "role": "assistant", "status": "in_progress"}
                 self._items.append(self._message)
-                index = len(self._items) - 1
+                index = self._message_index = len(self._items) - 1
                 events.append(
                     self._event("response.output_item.added", output_index=index, item={**self._message, "content": []})
                 )
@@ -331,7 +333,7 @@ class ResponseEvents:
                 self._event(
                     "response.output_text.delta",
                     item_id=self._message["id"],
-                    output_index=self._items.index(self._message),
+                    output_index=self._message_index,
                     content_index=0,
                     delta=chunk.text,
                     logprobs=[],
@@ -350,9 +352,12 @@ class ResponseEvents:
                     "status": "in_progress",
                 }
                 self._calls[delta.index] = call
+                self._call_index[delta.index] = len(self._items)
                 self._items.append(call)
                 events.append(
-                    self._event("response.output_item.added", output_index=len(self._items) - 1, item=dict(call))
+                    self._event(
+                        "response.output_item.added", output_index=self._call_index[delta.index], item=dict(call)
+                    )
                 )
             elif delta.function is not None and delta.function.name:
                 call["name"] += delta.function.name
@@ -362,7 +367,7 @@ class ResponseEvents:
                     self._event(
                         "response.function_call_arguments.delta",
                         item_id=call["id"],
-                        output_index=self._items.index(call),
+                        output_index=self._call_index[delta.index],
                         delta=delta.function.arguments,
                     )
                 )
