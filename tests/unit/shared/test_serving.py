@@ -52,6 +52,52 @@ print("exited cleanly", flush=True)
 """
 
 
+# A server on port argv[1] whose startup leaves a reference cycle as garbage; its one route
+# answers whether the collector freed it, and how many objects it froze.
+_STARTUP = """
+import gc, sys, weakref
+from shared.serving import serve
+
+class Node:
+    pass
+
+gc.disable()  # the cycle stays until the server's startup collects
+cycle = Node()
+cycle.self = cycle
+alive = weakref.ref(cycle)
+del cycle
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    body = f"{alive() is None} {gc.get_freeze_count()}".encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": body})
+
+serve(app, host="127.0.0.1", port=int(sys.argv[1]), grace_s=1)
+"""
+
+
+def test_startup_collects_its_garbage_and_freezes_the_rest() -> None:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-c", _STARTUP, str(port)], cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                answer = httpx.get(f"http://127.0.0.1:{port}/").text
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "the server did not answer"
+                time.sleep(0.1)
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+    freed, frozen = answer.split()
+    assert freed == "True"
+    assert int(frozen) > 10_000  # the imports (uvicorn, asyncio, ...), out of every later collection
+
+
 def test_the_first_signal_stops_the_second_is_ignored_the_third_forces() -> None:
     signals = StopSignals()
     assert [signals.receive() for _ in range(4)] == ["stop", "ignore", "force", "force"]
