@@ -14,11 +14,12 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
 import pytest
-from playwright.sync_api import Browser, Dialog, Locator, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Dialog, Locator, Page, Request, expect, sync_playwright
 
 from services.cli.launcher import Service
 from tests.e2e.conftest import SIM_MODEL
@@ -98,10 +99,31 @@ def send(page: Page, text: str, *, max_tokens: int) -> None:
     page.press("#prompt", "Enter")
 
 
-def current_session_id(page: Page) -> str:
-    match = re.fullmatch(r"#session=([0-9a-f-]+)", page.evaluate("location.hash"))
+def current_conversation_id(page: Page) -> str:
+    match = re.fullmatch(r"#conversation=(conv_[0-9a-f]{32})", page.evaluate("location.hash"))
     assert match, page.evaluate("location.hash")
     return match.group(1)
+
+
+def record_api_calls(page: Page) -> list[tuple[str, str, Any]]:
+    """Every API request the page makes from now on, as (method, path and query, JSON body)."""
+    calls: list[tuple[str, str, Any]] = []
+
+    def record(request: Request) -> None:
+        url = request.url.split("/", 3)[3]
+        if url.startswith("v1/"):
+            calls.append((request.method, f"/{url}", request.post_data_json if request.post_data else None))
+
+    page.on("request", record)
+    return calls
+
+
+def items(api: httpx.Client, conversation_id: str) -> list[dict[str, Any]]:
+    """The conversation's items, oldest first."""
+    response = api.get(f"/v1/conversations/{conversation_id}/items", params={"order": "asc", "limit": 100})
+    assert response.status_code == 200, response.text
+    data: list[dict[str, Any]] = response.json()["data"]
+    return data
 
 
 @pytest.fixture
@@ -136,20 +158,44 @@ def test_chat_streams_an_answer_with_its_timings_and_the_history_survives_a_relo
     assert page.evaluate("sessionStorage.getItem('axon.apiKey')") == api_key
     assert page.evaluate("localStorage.length") == 0
 
+    calls = record_api_calls(page)
     send(page, "Hello from the playground test", max_tokens=24)
     answer = page.locator(".message.assistant").last
-    expect(answer.locator(".meta")).to_contain_text(re.compile(r"TTFT \d+\.\d\d s · [\d.]+ tokens/s · 24 tokens"))
+    expect(answer.locator(".meta")).to_contain_text(
+        re.compile(r"TTFT \d+\.\d\d s · [\d.]+ tokens/s · 24 tokens · status: incomplete \(max_output_tokens\)")
+    )
     text = answer.locator(".body").inner_text()
     assert len(text.split()) == 24
-    session_id = current_session_id(page)
-    expect(page.locator(f'.session[data-id="{session_id}"] .open')).to_have_text("Hello from the playground test")
-    stored = api.get(f"/v1/sessions/{session_id}/messages").json()["data"]
-    assert [(m["role"], m["status"]) for m in stored] == [("user", "complete"), ("assistant", "complete")]
+    conversation_id = current_conversation_id(page)
+    expect(page.locator(f'.session[data-id="{conversation_id}"] .open')).to_have_text("Hello from the playground test")
+    # One conversation for the chat, titled in its metadata; the answer from the Responses API.
+    posts = [(path, body) for method, path, body in calls if method == "POST"]
+    assert posts[0] == ("/v1/conversations", {"metadata": {"title": "Hello from the playground test"}})
+    response_body = next(body for path, body in posts if path == "/v1/responses")
+    assert response_body == {
+        "model": SIM_MODEL,
+        "input": "Hello from the playground test",
+        "stream": True,
+        "max_output_tokens": 24,
+        "temperature": 0.7,
+        "conversation": conversation_id,
+    }
+    assert api.get(f"/v1/conversations/{conversation_id}").json()["metadata"] == {
+        "title": "Hello from the playground test"
+    }
+    stored = items(api, conversation_id)
+    assert [(i["type"], i["role"], i["status"]) for i in stored] == [
+        ("message", "user", "completed"),
+        ("message", "assistant", "completed"),
+    ]
+    assert stored[1]["content"][0]["text"] == text
 
-    page.reload()  # the key stays in the tab's session storage, the session in the address
+    calls.clear()
+    page.reload()  # the key stays in the tab's session storage, the conversation in the address
     expect(page.locator(".message.user")).to_have_text(["Hello from the playground test"])
     expect(page.locator(".message.assistant .body")).to_have_text([text])
-    expect(page.locator(f'.session[data-id="{session_id}"]')).to_have_class(re.compile(r"\bactive\b"))
+    expect(page.locator(f'.session[data-id="{conversation_id}"]')).to_have_class(re.compile(r"\bactive\b"))
+    assert ("GET", f"/v1/conversations/{conversation_id}/items?limit=100&order=asc", None) in calls
 
 
 def box(page: Page, selector: str) -> dict[str, float]:
@@ -192,30 +238,27 @@ def test_stop_aborts_the_stream_and_cancels_the_generation_on_the_worker(
     expect(streaming).to_contain_text(re.compile(r"(\S+\s+){10}"))  # words arrive before the answer ends
     page.click("#stop")
     answer = page.locator(".message.assistant").last
-    expect(answer.locator(".meta")).to_contain_text(re.compile(r"^Stopped · TTFT \d+\.\d\d s"))
+    expect(answer.locator(".meta")).to_contain_text(
+        re.compile(r"^Stopped · TTFT \d+\.\d\d s.* · not kept in the conversation$")
+    )
     expect(page.locator("#stop")).to_be_disabled()
     expect(page.locator("#send")).to_be_enabled()
     shown = len(answer.locator(".body").inner_text().split())
     assert 10 <= shown < LONG_ANSWER_TOKENS
 
-    session_id = current_session_id(page)
     deadline = time.monotonic() + 10
-    while True:
-        stored = api.get(f"/v1/sessions/{session_id}/messages").json()["data"]
-        if len(stored) == 2 and stored[1]["status"] == "cancelled":
-            break
-        assert time.monotonic() < deadline, stored
-        time.sleep(0.1)
-    assert len(stored[1]["content"].split()) < LONG_ANSWER_TOKENS
     while metric(sim_worker, "axon_worker_jobs_total", model=SIM_MODEL, outcome="cancelled") <= cancelled_before:
         assert time.monotonic() < deadline, "the worker did not abort the stopped generation"
         time.sleep(0.1)
+    # A response whose client disconnects is not stored: the conversation keeps no part of the turn.
+    assert items(api, current_conversation_id(page)) == []
 
 
 def test_sessions_are_renamed_and_deleted_from_the_list(page: Page, api_key: str, api: httpx.Client) -> None:
     session_id = api.post("/v1/sessions", json={"title": "Before rename"}).json()["id"]
+    conversation_id = "conv_" + session_id.replace("-", "")
     use_key(page, api_key)
-    item = page.locator(f'.session[data-id="{session_id}"]')
+    item = page.locator(f'.session[data-id="{conversation_id}"]')
     expect(item.locator(".open")).to_have_text("Before rename")
 
     item.locator(".rename").click()
@@ -223,6 +266,7 @@ def test_sessions_are_renamed_and_deleted_from_the_list(page: Page, api_key: str
     item.locator(".title-input").press("Enter")
     expect(item.locator(".open")).to_have_text("Renamed in the browser")
     assert api.get(f"/v1/sessions/{session_id}").json()["title"] == "Renamed in the browser"
+    assert api.get(f"/v1/conversations/{conversation_id}").json()["metadata"] == {"title": "Renamed in the browser"}
 
     questions: list[str] = []
 
@@ -234,6 +278,7 @@ def test_sessions_are_renamed_and_deleted_from_the_list(page: Page, api_key: str
     item.locator(".delete").click()
     expect(item).to_have_count(0)
     assert questions == ['Delete "Renamed in the browser" and all its messages?']
+    assert api.get(f"/v1/conversations/{conversation_id}").status_code == 404
     assert api.get(f"/v1/sessions/{session_id}").status_code == 404
 
 
@@ -259,18 +304,18 @@ def test_answers_render_as_sanitised_markdown(page: Page) -> None:
         (
             200,
             {"Content-Type": "text/event-stream"},
-            'data: {"error": {"message": "The stream was interrupted.", "type": "server_error", "param": null,'
-            ' "code": "stream_interrupted"}}\n\ndata: [DONE]\n\n',
+            'data: {"type": "response.failed", "sequence_number": 2, "response": {"status": "failed", "error":'
+            ' {"code": "server_error", "message": "The stream was interrupted."}}}\n\n',
             "The answer failed: The stream was interrupted.",
         ),
     ],
-    ids=["503-no-worker", "error-event-in-stream"],
+    ids=["503-no-worker", "failed-event-in-stream"],
 )
 def test_a_failed_answer_is_explained_in_words(
     page: Page, api_key: str, status: int, headers: dict, body: str, shown: str
 ) -> None:
     # The failure is played by the browser's network layer: no worker is harmed for it.
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(status=status, headers=headers, body=body))
+    page.route("**/v1/responses", lambda route: route.fulfill(status=status, headers=headers, body=body))
     use_key(page, api_key)
     pick_model(page, SIM_MODEL)
     send(page, "this one fails", max_tokens=4)
@@ -335,18 +380,17 @@ def test_tool_calls_show_their_name_and_pretty_arguments_live_and_from_history(
     page.select_option("#tool-choice", "required")
     send(page, "What is the weather in Paris?", max_tokens=200)
     answer = page.locator(".message.assistant").last
-    expect(answer.locator(".meta")).to_contain_text("finish: tool_calls")
-    session_id = current_session_id(page)
-    stored = api.get(f"/v1/sessions/{session_id}/messages").json()["data"][1]["tool_calls"]
+    expect(answer.locator(".meta")).to_contain_text("status: completed")
+    stored = [i for i in items(api, current_conversation_id(page)) if i["type"] == "function_call"]
     assert stored  # `required`: one call or more, each of the one tool
     calls = answer.locator(".tool-call")
     expect(calls.locator(".tool-name")).to_have_text(["get_weather"] * len(stored))
     shown = [assert_pretty_json(calls.nth(i).locator("pre.json")) for i in range(len(stored))]
     for arguments in shown:
         jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
-    assert shown == [json.loads(call["function"]["arguments"]) for call in stored]
+    assert shown == [json.loads(call["arguments"]) for call in stored]
 
-    page.reload()  # the calls are shown again from the session's history
+    page.reload()  # the calls are shown again from the conversation's items
     calls = page.locator(".message.assistant .tool-call")
     expect(calls.locator(".tool-name")).to_have_text(["get_weather"] * len(stored))
     assert [assert_pretty_json(calls.nth(i).locator("pre.json")) for i in range(len(stored))] == shown
@@ -358,10 +402,10 @@ def test_a_json_answer_is_pretty_printed_in_monospace(page: Page, api_key: str, 
     page.select_option("#response-format", "json_object")
     send(page, "Describe Paris as JSON", max_tokens=300)
     answer = page.locator(".message.assistant").last
-    expect(answer.locator(".meta")).to_contain_text("finish: stop")
+    expect(answer.locator(".meta")).to_contain_text("status: completed")
     value = assert_pretty_json(answer.locator(".body > pre.json"))
     assert isinstance(value, dict)
-    stored = api.get(f"/v1/sessions/{current_session_id(page)}/messages").json()["data"][1]["content"]
+    stored = items(api, current_conversation_id(page))[1]["content"][0]["text"]
     assert json.loads(stored) == value
 
 
@@ -377,34 +421,31 @@ def test_tools_that_are_not_json_are_explained_before_anything_is_sent(page: Pag
 
 
 def test_a_tool_call_streamed_in_pieces_is_assembled_before_it_is_shown(page: Page, api_key: str) -> None:
-    # OpenAI's streaming shape, played by the browser's network layer: the first piece of a call
-    # brings its id and name, the arguments follow in pieces that are not JSON on their own.
-    def event(delta: dict, finish: str | None = None) -> str:
-        chunk = {
-            "id": "chatcmpl-x",
-            "object": "chat.completion.chunk",
-            "created": 1,
-            "model": SIM_MODEL,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-        }
-        return f"data: {json.dumps(chunk)}\n\n"
+    # OpenAI's Responses events, played by the browser's network layer: the function_call item
+    # comes with its call id and name, its arguments follow in pieces that are not JSON on their own.
+    def event(kind: str, seq: int, **fields: object) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields})}\n\n"
 
-    first = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    call = {"id": "fc_1", "type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": ""}
     pieces = ['{"city": "Pa', 'ris", "unit', '": "c"}']
+    done = {"status": "completed", "incomplete_details": None, "usage": {"output_tokens": 9}}
     body = (
-        event({"role": "assistant", "content": None, "tool_calls": [first]})
-        + "".join(event({"tool_calls": [{"index": 0, "function": {"arguments": p}}]}) for p in pieces)
-        + event({}, "tool_calls")
-        + "data: [DONE]\n\n"
+        event("response.created", 0, response={"status": "in_progress"})
+        + event("response.output_item.added", 1, output_index=0, item={**call, "status": "in_progress"})
+        + "".join(
+            event("response.function_call_arguments.delta", 2 + i, item_id="fc_1", output_index=0, delta=piece)
+            for i, piece in enumerate(pieces)
+        )
+        + event("response.completed", 5, response=done)
     )
     page.route(
-        "**/v1/chat/completions",
+        "**/v1/responses",
         lambda route: route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body),
     )
     use_key(page, api_key)
     pick_model(page, SIM_MODEL)
     send(page, "What is the weather in Paris?", max_tokens=50)
     answer = page.locator(".message.assistant").last
-    expect(answer.locator(".meta")).to_contain_text("finish: tool_calls")
+    expect(answer.locator(".meta")).to_contain_text("9 tokens · status: completed")
     expect(answer.locator(".tool-call .tool-name")).to_have_text(["get_weather"])
     assert assert_pretty_json(answer.locator(".tool-call pre.json")) == {"city": "Paris", "unit": "c"}

@@ -1,4 +1,5 @@
-"""The playground's files ship in the wheel, and the gateway serves its scripts and styles only."""
+"""The playground's files ship in the wheel, the gateway serves its scripts and styles only, and its script
+speaks the Conversations and Responses APIs."""
 
 import tomllib
 from pathlib import Path, PurePosixPath
@@ -43,3 +44,23 @@ def test_the_page_and_its_assets_carry_the_security_headers() -> None:
             assert response.headers[name] == value, (path, name)
     assert client.get("/playground/static/app.css").headers["content-type"] == "text/css; charset=utf-8"
     assert client.get("/playground/static/vendor/README.md").status_code == 404
+
+
+def test_the_page_talks_conversations_and_responses_not_chat_completions() -> None:
+    # The e2e test records the requests the page makes; this is the quick check of its script.
+    script = (playground.STATIC_DIR / "app.js").read_text()
+    for call in [
+        '"/v1/responses"',
+        '"/v1/conversations"',
+        "`/v1/conversations/${id}/items?${query}`",
+        '`/v1/conversations/${id}`, { method: "DELETE" }',
+        "body.conversation = state.conversationId",
+        '"response.output_text.delta"',
+        '"response.function_call_arguments.delta"',
+        "body.max_output_tokens",
+        "body.text = { format:",
+        "/v1/sessions?",  # the sidebar: OpenAI has no list of conversations
+    ]:
+        assert call in script, call
+    for gone in ["/v1/chat/completions", "session_id", "/messages"]:
+        assert gone not in script, gone

@@ -1,17 +1,21 @@
-// Axon playground: a chat page that uses only the public API (/v1/models, /v1/sessions,
-// /v1/chat/completions), so it is also a worked example of it.
+// Axon playground: a chat page that uses only the public API, so it is also a worked example of
+// it: /v1/models for the model picker, OpenAI's Conversations API for a chat's history (one
+// conversation per chat, its title in `metadata`, its items read page by page) and OpenAI's
+// Responses API for the answers (`POST /v1/responses` with `conversation` and `stream: true`).
+// OpenAI has no "list conversations" endpoint: the sidebar lists GET /v1/sessions, an Axon
+// extension (a conversation is a session: its id is `conv_` + the session's UUID in hex).
 "use strict";
 
 (() => {
   const KEY_STORAGE = "axon.apiKey";
   const SESSIONS_PAGE = 50;
-  const MESSAGES_PAGE = 500;
+  const ITEMS_PAGE = 100;
   const TITLE_CHARS = 60;
 
   const $ = (id) => document.getElementById(id);
   const state = {
     key: sessionStorage.getItem(KEY_STORAGE) || "",
-    sessionId: null,
+    conversationId: null,
     lastSessionId: null, // `after` cursor of the next page of sessions, null when there is none
     generation: null, // AbortController of the answer being streamed
   };
@@ -155,12 +159,7 @@
     element.append(...calls.map(toolCallBlock));
   }
 
-  // A stored or sent message's tool calls (OpenAI's shape) as `{id, name, arguments}`.
-  function plainCalls(toolCalls) {
-    return (toolCalls || []).map((c) => ({ id: c.id, name: c.function.name, arguments: c.function.arguments }));
-  }
-
-  function addMessage(role, text, calls = []) {
+  function addMessage(role, text) {
     const article = document.createElement("article");
     article.className = `message ${role}`;
     const body = document.createElement("div");
@@ -170,7 +169,7 @@
     article.append(body, meta);
     if (role === "user") body.textContent = text;
     else if (role === "tool") body.replaceChildren(jsonBlock(text));
-    else renderAnswer(body, text, calls);
+    else renderAnswer(body, text);
     $("messages").append(article);
     article.scrollIntoView({ block: "end" });
     return { article, body, meta };
@@ -186,16 +185,16 @@
   }
 
   // Time to first token, and tokens/s over the generation (first token to last).
-  function answerStats({ startedAt, firstAt, endedAt, usage, finishReason }) {
+  function answerStats({ startedAt, firstAt, endedAt, usage, status }) {
     const parts = [];
     if (firstAt !== null) parts.push(`TTFT ${seconds(firstAt - startedAt)}`);
     if (usage) {
       const generatingS = firstAt === null ? 0 : (endedAt - firstAt) / 1000;
-      const rate = usage.completion_tokens > 1 && generatingS > 0 ? (usage.completion_tokens - 1) / generatingS : null;
+      const rate = usage.output_tokens > 1 && generatingS > 0 ? (usage.output_tokens - 1) / generatingS : null;
       parts.push(rate === null ? "— tokens/s" : `${rate.toFixed(1)} tokens/s`);
-      parts.push(`${usage.completion_tokens} tokens`);
+      parts.push(`${usage.output_tokens} tokens`);
     }
-    if (finishReason) parts.push(`finish: ${finishReason}`);
+    if (status) parts.push(`status: ${status}`);
     return parts.join(" · ");
   }
 
@@ -205,16 +204,27 @@
     return session.title || "Untitled";
   }
 
+  // The conversation of a session listed by GET /v1/sessions: `conv_` + its UUID in hex.
+  function conversationId(sessionId) {
+    return `conv_${sessionId.replaceAll("-", "")}`;
+  }
+
+  function listedTitle(id) {
+    const item = [...$("sessions").children].find((i) => i.dataset.id === id);
+    return item ? item.querySelector(".open").textContent : null;
+  }
+
   function sessionItem(session) {
     const item = document.createElement("li");
     item.className = "session";
-    item.dataset.id = session.id;
-    item.classList.toggle("active", session.id === state.sessionId);
+    const id = conversationId(session.id);
+    item.dataset.id = id;
+    item.classList.toggle("active", id === state.conversationId);
     const open = document.createElement("button");
     open.type = "button";
     open.className = "open";
     open.textContent = sessionTitle(session);
-    open.addEventListener("click", () => openSession(session.id).catch((e) => showAlert(describe(e))));
+    open.addEventListener("click", () => openConversation(id).catch((e) => showAlert(describe(e))));
     const rename = document.createElement("button");
     rename.type = "button";
     rename.className = "rename";
@@ -224,7 +234,7 @@
     remove.type = "button";
     remove.className = "delete";
     remove.textContent = "Delete";
-    remove.addEventListener("click", () => deleteSession(session).catch((e) => showAlert(describe(e))));
+    remove.addEventListener("click", () => deleteConversation(id, session).catch((e) => showAlert(describe(e))));
     item.append(open, rename, remove);
     return item;
   }
@@ -253,18 +263,19 @@
     const finish = async (save) => {
       if (done) return;
       done = true;
-      if (save && input.value.trim() && input.value.trim() !== session.title) {
+      const title = input.value.trim();
+      if (save && title && title !== session.title) {
         try {
-          Object.assign(session, await apiJson(`/v1/sessions/${session.id}`, {
-            method: "PATCH", body: { title: input.value.trim() },
-          }));
+          await apiJson(`/v1/conversations/${conversationId(session.id)}`, { method: "POST", body: { metadata: { title } } });
+          // The session's title is what GET /v1/sessions lists (the Axon extension of the sidebar).
+          Object.assign(session, await apiJson(`/v1/sessions/${session.id}`, { method: "PATCH", body: { title } }));
         } catch (error) {
           showAlert(describe(error));
         }
       }
       open.textContent = sessionTitle(session);
       input.replaceWith(open);
-      if (session.id === state.sessionId) $("chat-title").textContent = sessionTitle(session);
+      if (conversationId(session.id) === state.conversationId) $("chat-title").textContent = sessionTitle(session);
     };
     input.addEventListener("keydown", (event) => {
       if (event.key === "Enter") finish(true);
@@ -273,80 +284,107 @@
     input.addEventListener("blur", () => finish(true));
   }
 
-  async function deleteSession(session) {
+  async function deleteConversation(id, session) {
     if (!confirm(`Delete "${sessionTitle(session)}" and all its messages?`)) return;
-    await api(`/v1/sessions/${session.id}`, { method: "DELETE" });
-    if (session.id === state.sessionId) newChat();
+    await api(`/v1/conversations/${id}`, { method: "DELETE" });
+    if (id === state.conversationId) newChat();
     await loadSessions();
   }
 
   function markActive() {
-    for (const item of $("sessions").children) item.classList.toggle("active", item.dataset.id === state.sessionId);
+    for (const item of $("sessions").children) item.classList.toggle("active", item.dataset.id === state.conversationId);
   }
 
-  async function allMessages(sessionId) {
-    const messages = [];
-    let after = 0;
+  // Every item of a conversation, oldest first, a page at a time.
+  async function allItems(id) {
+    const items = [];
+    const query = new URLSearchParams({ limit: String(ITEMS_PAGE), order: "asc" });
     for (;;) {
-      const page = await apiJson(`/v1/sessions/${sessionId}/messages?limit=${MESSAGES_PAGE}&after=${after}`);
-      messages.push(...page.data);
-      if (!page.has_more || !page.data.length) return messages;
-      after = page.data[page.data.length - 1].seq;
+      const page = await apiJson(`/v1/conversations/${id}/items?${query}`);
+      items.push(...page.data);
+      if (!page.has_more || !page.data.length) return items;
+      query.set("after", page.last_id);
     }
   }
 
-  async function openSession(sessionId) {
-    const [session, messages] = await Promise.all([
-      apiJson(`/v1/sessions/${sessionId}`), allMessages(sessionId),
-    ]);
-    state.sessionId = session.id;
-    location.hash = `session=${session.id}`;
-    $("chat-title").textContent = sessionTitle(session);
-    if (session.model && [...$("model").options].some((o) => o.value === session.model)) $("model").value = session.model;
+  // The stored message an item came from: `msg_<seq>`, `fc_<seq>_<i>` and `fco_<seq>`.
+  function itemSeq(item) {
+    const match = /^(?:msg|fc|fco)_(\d+)/.exec(item.id);
+    return match ? match[1] : item.id;
+  }
+
+  function showItems(items) {
     $("messages").replaceChildren();
-    for (const message of messages) {
-      const role = message.role === "user" || message.role === "tool" ? message.role : "assistant";
-      const { meta } = addMessage(role, message.content || "", plainCalls(message.tool_calls));
-      if (role === "tool") meta.textContent = `Result of ${message.tool_call_id || "a tool call"}`;
-      else if (message.status === "cancelled") meta.textContent = "Stopped";
-      else if (message.status !== "complete") meta.textContent = `Status: ${message.status}`;
+    let answer = null; // the assistant message a function_call item joins: the one of its stored message
+    for (const item of items) {
+      let view;
+      if (item.type === "message") {
+        const text = item.content.map((part) => part.text || "").join("");
+        const role = item.role === "user" ? "user" : "assistant";
+        view = addMessage(role, text);
+        answer = role === "assistant" ? { seq: itemSeq(item), text, calls: [], view } : null;
+      } else if (item.type === "function_call") {
+        if (!answer || answer.seq !== itemSeq(item)) {
+          answer = { seq: itemSeq(item), text: "", calls: [], view: addMessage("assistant", "") };
+        }
+        answer.calls.push({ id: item.call_id, name: item.name, arguments: item.arguments });
+        renderAnswer(answer.view.body, answer.text, answer.calls);
+        view = answer.view;
+      } else if (item.type === "function_call_output") {
+        view = addMessage("tool", item.output || "");
+        view.meta.textContent = `Result of ${item.call_id || "a tool call"}`;
+        answer = null;
+        continue;
+      } else {
+        continue;
+      }
+      if (item.status === "incomplete") view.meta.textContent = "Incomplete";
     }
+  }
+
+  async function openConversation(id) {
+    const [conversation, items] = await Promise.all([apiJson(`/v1/conversations/${id}`), allItems(id)]);
+    state.conversationId = conversation.id;
+    location.hash = `conversation=${conversation.id}`;
+    $("chat-title").textContent = conversation.metadata.title || listedTitle(conversation.id) || "Untitled";
+    showItems(items);
     markActive();
   }
 
   function newChat() {
-    state.sessionId = null;
+    state.conversationId = null;
     history.replaceState(null, "", location.pathname);
     $("chat-title").textContent = "New chat";
     $("messages").replaceChildren();
     markActive();
   }
 
-  async function createSession(firstMessage) {
-    const session = await apiJson("/v1/sessions", {
-      method: "POST", body: { title: firstMessage.slice(0, TITLE_CHARS), model: $("model").value || null },
-    });
-    state.sessionId = session.id;
-    location.hash = `session=${session.id}`;
-    $("chat-title").textContent = sessionTitle(session);
+  async function createConversation(firstMessage) {
+    const title = firstMessage.slice(0, TITLE_CHARS);
+    const conversation = await apiJson("/v1/conversations", { method: "POST", body: { metadata: { title } } });
+    // GET /v1/sessions, which the sidebar lists, shows a session's title, not its metadata.
+    await api(`/v1/sessions/${conversation.id}`, { method: "PATCH", body: { title } });
+    state.conversationId = conversation.id;
+    location.hash = `conversation=${conversation.id}`;
+    $("chat-title").textContent = title;
     await loadSessions();
   }
 
   // --- chat -----------------------------------------------------------------------------------
 
-  function chatBody(content) {
-    const body = {
-      model: $("model").value,
-      session_id: state.sessionId,
-      messages: [{ role: "user", content }],
-      stream: true,
-      stream_options: { include_usage: true },
-    };
+  // A tool of the Tools box: the Responses API's flat shape (`name` at the top); one in Chat
+  // Completions' shape (`function: {name, ...}`) is flattened.
+  function responsesTool(tool) {
+    return tool && tool.function ? { type: "function", ...tool.function } : tool;
+  }
+
+  function responseBody(content) {
+    const body = { model: $("model").value, input: content, stream: true };
     const maxTokens = Number.parseInt($("max-tokens").value, 10);
-    if (maxTokens > 0) body.max_tokens = maxTokens;
+    if (maxTokens > 0) body.max_output_tokens = maxTokens;
     const temperature = Number.parseFloat($("temperature").value);
     if (!Number.isNaN(temperature)) body.temperature = temperature;
-    if ($("response-format").value !== "text") body.response_format = { type: $("response-format").value };
+    if ($("response-format").value !== "text") body.text = { format: { type: $("response-format").value } };
     const tools = $("tools").value.trim();
     if (tools) {
       let parsed;
@@ -355,55 +393,63 @@
       } catch (error) {
         throw new Error(`Tools: not JSON (${error.message}).`);
       }
-      body.tools = Array.isArray(parsed) ? parsed : [parsed];
+      body.tools = (Array.isArray(parsed) ? parsed : [parsed]).map(responsesTool);
       body.tool_choice = $("tool-choice").value;
     }
     return body;
   }
 
-  // Folds one chunk's `delta.tool_calls` into `calls`: the first piece of call `index` brings its
-  // id and name, the next ones pieces of its arguments.
-  function addToolCallDeltas(calls, deltas) {
-    for (const delta of deltas) {
-      const call = calls[delta.index] || (calls[delta.index] = { id: null, name: "", arguments: "" });
-      if (delta.id) call.id = delta.id;
-      if (delta.function && delta.function.name) call.name += delta.function.name;
-      if (delta.function && delta.function.arguments) call.arguments += delta.function.arguments;
-    }
+  // The error a stream's event reports, if it is one: `response.failed`, OpenAI's `error` event,
+  // or an `{error}` the gateway sends when it loses the stream.
+  function streamError(event) {
+    if (event.type === "response.failed") return (event.response.error && event.response.error.message) || "failed";
+    if (event.type === "error") return event.message || (event.error && event.error.message) || "error";
+    if (!event.type && event.error) return event.error.message;
+    return null;
   }
 
-  // Streams one answer into `view`, re-rendering at most once a frame.
+  // Streams one response's events into `view`, re-rendering at most once a frame: the text of
+  // `response.output_text.delta`, each function_call item (`response.output_item.added` brings its
+  // id and name, `response.function_call_arguments.delta` pieces of its arguments), and the usage
+  // and status of the closing `response.completed` or `response.incomplete`.
   async function streamAnswer(body, view, controller) {
-    const answer = { startedAt: performance.now(), firstAt: null, endedAt: null, usage: null, finishReason: null };
-    const json = Boolean(body.response_format);
-    const calls = [];
+    const answer = { startedAt: performance.now(), firstAt: null, endedAt: null, usage: null, status: null };
+    const json = Boolean(body.text);
+    const calls = new Map(); // output_index -> {id, name, arguments}
     let text = "";
     let pending = false;
     const render = () => {
       pending = false;
-      renderAnswer(view.body, text, calls.filter(Boolean), { json });
+      renderAnswer(view.body, text, [...calls.values()], { json });
       view.article.scrollIntoView({ block: "end" });
     };
+    const changed = () => {
+      if (answer.firstAt === null) answer.firstAt = performance.now();
+      if (!pending) {
+        pending = true;
+        requestAnimationFrame(render);
+      }
+    };
     try {
-      const response = await api("/v1/chat/completions", { method: "POST", body, signal: controller.signal });
+      const response = await api("/v1/responses", { method: "POST", body, signal: controller.signal });
       for await (const data of sseData(response.body)) {
-        if (data === "[DONE]") break;
         const event = JSON.parse(data);
-        if (event.error) throw new Error(`The answer failed: ${event.error.message}`);
-        if (event.usage) answer.usage = event.usage;
-        const choice = event.choices && event.choices[0];
-        if (!choice) continue;
-        const delta = choice.delta || {};
-        if (delta.content || delta.tool_calls) {
-          if (answer.firstAt === null) answer.firstAt = performance.now();
-          text += delta.content || "";
-          addToolCallDeltas(calls, delta.tool_calls || []);
-          if (!pending) {
-            pending = true;
-            requestAnimationFrame(render);
-          }
+        const failure = streamError(event);
+        if (failure !== null) throw new Error(`The answer failed: ${failure}`);
+        if (event.type === "response.output_text.delta") {
+          text += event.delta;
+          changed();
+        } else if (event.type === "response.output_item.added" && event.item.type === "function_call") {
+          calls.set(event.output_index, { id: event.item.call_id, name: event.item.name, arguments: event.item.arguments });
+          changed();
+        } else if (event.type === "response.function_call_arguments.delta" && calls.has(event.output_index)) {
+          calls.get(event.output_index).arguments += event.delta;
+          changed();
+        } else if (event.type === "response.completed" || event.type === "response.incomplete") {
+          answer.usage = event.response.usage;
+          const reason = event.response.incomplete_details && event.response.incomplete_details.reason;
+          answer.status = reason ? `${event.response.status} (${reason})` : event.response.status;
         }
-        if (choice.finish_reason) answer.finishReason = choice.finish_reason;
       }
       answer.endedAt = performance.now();
       view.meta.textContent = answerStats(answer);
@@ -412,7 +458,8 @@
         view.meta.textContent = "Failed";
         throw error;
       }
-      view.meta.textContent = ["Stopped", answerStats(answer)].filter(Boolean).join(" · ");
+      // A response whose client disconnects is not stored: the turn is not added to the conversation.
+      view.meta.textContent = ["Stopped", answerStats(answer), "not kept in the conversation"].filter(Boolean).join(" · ");
     } finally {
       render();
     }
@@ -434,9 +481,9 @@
     state.generation = controller;
     setGenerating(true);
     try {
-      const body = chatBody(content);
-      if (!state.sessionId) await createSession(content);
-      body.session_id = state.sessionId;
+      const body = responseBody(content);
+      if (!state.conversationId) await createConversation(content);
+      body.conversation = state.conversationId;
       $("prompt").value = "";
       addMessage("user", content);
       const view = addMessage("assistant", "");
@@ -474,8 +521,8 @@
     clearAlert();
     try {
       await Promise.all([loadModels(), loadSessions()]);
-      const match = /^#session=([\w-]+)$/.exec(location.hash);
-      if (match) await openSession(match[1]);
+      const match = /^#conversation=(\w+)$/.exec(location.hash);
+      if (match) await openConversation(match[1]);
     } catch (error) {
       showAlert(describe(error));
     }
