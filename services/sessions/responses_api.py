@@ -39,7 +39,7 @@ from services.sessions.outbox import Outbox, ResponseRow, postgres_text
 from services.sessions.responses import Answer
 from services.sessions.service import ActiveRequest, Caller, Choice, CompletionService, chunk_error
 from services.sessions.settings import SessionsSettings
-from services.sessions.turns import build_prompt, message_tokens
+from services.sessions.turns import build_prompt, fit_history
 from shared.errors import AxonError, InvalidRequest, NotFound, Unavailable
 from shared.logging import get_logger
 from shared.openai_requests import ChatCompletionRequest
@@ -113,23 +113,6 @@ def message_items(messages: list[Message], *, status: str = "completed") -> list
             for call in message.tool_calls or ()
         )
     return items
-
-
-def fit_history(history: list[Message], *, fixed: list[Message], budget_tokens: int) -> list[Message]:
-    """The most recent messages of `history` that fit in `budget_tokens` beside `fixed` (as a
-    session's prompt is built, `turns.build_prompt`), never starting with a tool's result."""
-    used = sum(message_tokens(m) for m in fixed)
-    kept: list[Message] = []
-    for message in reversed(history):
-        cost = message_tokens(message)
-        if used + cost > budget_tokens:
-            break
-        kept.append(message)
-        used += cost
-    while kept and kept[-1].role == "tool":
-        kept.pop()
-    kept.reverse()
-    return kept
 
 
 def answer_message(answer: Answer) -> Message:

@@ -57,10 +57,16 @@ def build_prompt(
         for m in history
         if m.status not in _SKIPPED_STATUSES and (role := _PROMPT_ROLES.get(m.role)) is not None
     ]
-    fixed = sum(message_tokens(m) for m in head + new_messages)
+    kept = fit_history(usable, fixed=head + new_messages, budget_tokens=budget_tokens)
+    return head + kept + new_messages, len(usable) - len(kept)
+
+
+def fit_history(history: list[Message], *, fixed: list[Message], budget_tokens: int) -> list[Message]:
+    """The most recent messages of `history` that fit in `budget_tokens` beside `fixed`, never
+    starting with a tool's result (its call would be gone)."""
+    used = sum(message_tokens(m) for m in fixed)
     kept: list[Message] = []
-    used = fixed
-    for message in reversed(usable):
+    for message in reversed(history):
         cost = message_tokens(message)
         if used + cost > budget_tokens:
             break
@@ -69,7 +75,7 @@ def build_prompt(
     while kept and kept[-1].role == "tool":
         kept.pop()
     kept.reverse()
-    return head + kept + new_messages, len(usable) - len(kept)
+    return kept
 
 
 @dataclass

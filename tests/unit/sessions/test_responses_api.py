@@ -16,12 +16,12 @@ from services.sessions.responses_api import (
     ResponseEvents,
     ResponsesService,
     answer_message,
-    fit_history,
     input_messages,
     message_items,
     response_object,
     usage_object,
 )
+from services.sessions.turns import fit_history
 from shared.errors import InvalidRequest, Unavailable
 from shared.openai_requests import RequestLimits
 from shared.responses_requests import ResponseCreate, as_response_error, response_param
