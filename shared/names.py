@@ -60,6 +60,11 @@ class Names:
         """Token ids a running job has generated so far (engines that expose them)."""
         return f"{self.namespace}:progress-tokens:{job_id}"
 
+    def chunk_log(self, job_id: str) -> str:
+        """Capped stream of a job's chunks as published (entry `0-<seq + 1>`, field `c`), kept
+        for a client that reconnects when its job asks for it (`Job.chunk_log_ttl_s`)."""
+        return f"{self.namespace}:chunks:{job_id}"
+
     def job_deliveries(self, job_id: str) -> str:
         """How many times a job was redelivered (poison-job detection)."""
         return f"{self.namespace}:deliveries:{job_id}"

@@ -134,6 +134,9 @@ class Job(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=20)
     # Completions only: the answer starts with the prompt (and its logprobs, with `logprobs`).
     echo: bool = False
+    # Keep the job's chunks in its log (`Names.chunk_log`) for this many seconds after the last
+    # one, for a client that reconnects to replay them; None: no log.
+    chunk_log_ttl_s: int | None = Field(None, ge=1)
 
 
 class PromptTokensDetails(BaseModel):

@@ -210,8 +210,11 @@ class CompletionService:
         kind: Kind,
         caller: Caller,
         request_id: str,
+        resumable: bool = False,
     ) -> ActiveRequest:
-        """Admit the request and publish its jobs (one per choice, all or none).
+        """Admit the request and publish its jobs (one per choice, all or none). `resumable`: the
+        jobs keep their chunk logs for `AXON_STREAM_LOG_TTL_S` (`services/sessions/chunk_log.py`),
+        so their stream can be replayed and followed from any session manager.
 
         Raises:
             ModelNotFound, Unavailable, InvalidRequest, NotFound, Conflict: refused before
@@ -252,6 +255,8 @@ class CompletionService:
                 turn=turn,
                 caller=caller,
             )
+            if resumable:
+                job.chunk_log_ttl_s = self._settings.stream_log_ttl_s
             jobs = [job, *(_for_choice(job, i, s) for i, s in enumerate(streams[1:], 1))]
             # A session's job goes to the worker that served its last turn while it is live and
             # not draining (its prefix cache holds the conversation), a sessionless conversation's

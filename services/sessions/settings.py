@@ -43,6 +43,11 @@ class SessionsSettings(CommonSettings):
     session_cache_ttl_s: int = Field(86_400, ge=60)
     # Stored responses (`POST /v1/responses` with `store`) expire this long after they were created.
     response_ttl_s: int = Field(30 * 86_400, ge=60)
+    stream_log_ttl_s: int = Field(
+        3600,
+        ge=60,
+        description="how long a resumable stream's chunk log (`<ns>:chunks:<job>`) is kept after its last chunk",
+    )
     # Outbox persister (write-behind to PostgreSQL)
     persist_batch_size: int = Field(2000, ge=1)
     persist_flush_interval_ms: int = Field(100, ge=1)

@@ -39,10 +39,15 @@ log = get_logger(__name__)
 # Progress outlives the job's deadline by this much, then Redis forgets it.
 _PROGRESS_GRACE_S = 60
 
-# KEYS: progress hash, text, token ids[, a final chunk's session affinity record].
+# KEYS: progress hash, text, token ids[, the job's chunk log][, a final chunk's session affinity record].
 # ARGV: channel, chunk JSON, final (0/1), next seq, completion tokens, prompt tokens, new text,
-#       expiry in seconds (0: leave as is), then new token ids... or, for a final chunk with the
-#       affinity record, this worker's id and the record's lifetime in seconds.
+#       expiry in seconds (0: leave as is), the chunk log's lifetime in seconds (0: no log) and
+#       cap, then new token ids... or, for a final chunk with the affinity record, this worker's id
+#       and the record's lifetime in seconds.
+# A job with a chunk log (`Job.chunk_log_ttl_s`) also appends the chunk to it as entry `0-<seq + 1>`,
+# and keeps the log for its lifetime from this chunk: a chunk republished after a failover whose
+# seq is already logged is refused by Redis (its id is not past the stream's last), the refusal
+# caught by `pcall`, so the log holds each seq once, as first published.
 # The final chunk replaces the progress with `done` and the job's final token counts: a job
 # redelivered after its answer was complete (its ack was lost with the broker connection) is then
 # acked, not generated again, and a session manager that never saw the final chunk can still
@@ -53,18 +58,25 @@ _PROGRESS_GRACE_S = 60
 # the same call: the session manager sends the next turn to its queue, where its prefix is cached.
 _PUBLISH_WITH_PROGRESS = PipeScript("""
 local receivers = redis.call('PUBLISH', ARGV[1], ARGV[2])
+local home = 4
+local log_ttl = tonumber(ARGV[9])
+if log_ttl > 0 then
+  redis.pcall('XADD', KEYS[4], 'MAXLEN', '~', ARGV[10], '0-' .. ARGV[4], 'c', ARGV[2])
+  redis.call('EXPIRE', KEYS[4], log_ttl)
+  home = 5
+end
 if ARGV[3] == '1' then
   local billed = redis.call('HEXISTS', KEYS[1], 'billed')
   redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
   redis.call('HSET', KEYS[1], 'done', '1', 'completion_tokens', ARGV[5], 'prompt_tokens', ARGV[6])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
-  if #KEYS > 3 then redis.call('SET', KEYS[4], ARGV[9], 'EX', tonumber(ARGV[10])) end
+  if #KEYS >= home then redis.call('SET', KEYS[home], ARGV[11], 'EX', tonumber(ARGV[12])) end
   if receivers == 0 and billed == 0 then return 2 end
   return 1
 end
 redis.call('HSET', KEYS[1], 'seq', ARGV[4], 'completion_tokens', ARGV[5], 'prompt_tokens', ARGV[6])
 if ARGV[7] ~= '' then redis.call('APPEND', KEYS[2], ARGV[7]) end
-if #ARGV > 8 then redis.call('RPUSH', KEYS[3], unpack(ARGV, 9)) end
+if #ARGV > 10 then redis.call('RPUSH', KEYS[3], unpack(ARGV, 11)) end
 local ttl = tonumber(ARGV[8])
 if ttl > 0 then
   for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ttl) end
@@ -82,6 +94,29 @@ _UNHEARD = 2
 # How long a session's affinity record names the worker that answered its last turn: past an
 # hour of silence its prefix has most likely left that worker's cache anyway.
 AFFINITY_TTL_S = 3600
+
+
+# Entries a job's chunk log keeps beyond its token budget: every chunk but a final one carries at
+# least one token, and a failover adds none (it continues the same seqs and budget), so the cap
+# only bites on a worker gone wrong; Redis trims whole nodes of entries (`MAXLEN ~`), at most
+# `stream-node-max-entries` (100) past the cap.
+CHUNK_LOG_MARGIN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLogTarget:
+    """Where a job's chunks are logged for replay (`Job.chunk_log_ttl_s`): its stream, how long it
+    is kept after the last chunk, and how many entries it holds at most."""
+
+    key: str
+    ttl_s: int
+    cap: int
+
+    @classmethod
+    def of(cls, job: Job, names: Names) -> "ChunkLogTarget | None":
+        if job.chunk_log_ttl_s is None:
+            return None
+        return cls(names.chunk_log(job.job_id), job.chunk_log_ttl_s, job.sampling.max_tokens + CHUNK_LOG_MARGIN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +159,7 @@ class ChunkPublisher:
         progress: Progress,
         owner: UsageOwner | None = None,
         home: Home | None = None,
+        chunk_log: ChunkLogTarget | None = None,
     ) -> None:
         self._pipe = pipe
         self._channel = channel
@@ -132,7 +168,15 @@ class ChunkPublisher:
         self._owner = owner
         self._home = home
         self._outbox = names.outbox
-        self._keys = (names.job_progress(job_id), names.job_progress_text(job_id), names.job_progress_tokens(job_id))
+        self._keys: tuple[str, ...] = (
+            names.job_progress(job_id),
+            names.job_progress_text(job_id),
+            names.job_progress_tokens(job_id),
+        )
+        self._log_args: tuple[int, int] = (0, 0)
+        if chunk_log is not None:
+            self._keys += (chunk_log.key,)
+            self._log_args = (chunk_log.ttl_s, chunk_log.cap)
         self.seq = progress.seq
         self.completion_tokens = progress.resume.completion_tokens if progress.resume is not None else 0
         self.prompt_tokens = progress.prompt_tokens
@@ -212,10 +256,10 @@ class ChunkPublisher:
     async def _send(
         self, chunk: TokenChunk, *, text: str = "", token_ids: tuple[int, ...] = (), home: Home | None = None
     ) -> None:
-        """One script call: publish the chunk and record the progress (or, for a final chunk,
-        forget it, and name this worker the session's `home`), so a worker dying in between never
-        leaves half a record. `text` is the engine's raw text (tool calls included), which a
-        resumed job replays."""
+        """One script call: publish the chunk, log it if the job keeps a log, and record the
+        progress (or, for a final chunk, forget it, and name this worker the session's `home`), so
+        a worker dying in between never leaves half a record. `text` is the engine's raw text
+        (tool calls included), which a resumed job replays."""
         final = chunk.finish_reason is not None
         expire_s = 0
         if final or not self._expiry_set:
@@ -238,6 +282,7 @@ class ChunkPublisher:
                 self.prompt_tokens,
                 text,
                 expire_s,
+                *self._log_args,
                 *tail,
             ],
         )

@@ -26,7 +26,7 @@ from services.worker.engines import (
 )
 from services.worker.failover import Failover, Progress, remaining_sampling
 from services.worker.metrics import WorkerMetrics
-from services.worker.publisher import ChunkPublisher, Coalescer, Home, UsageOwner
+from services.worker.publisher import ChunkLogTarget, ChunkPublisher, Coalescer, Home, UsageOwner
 from services.worker.tools import answer_finish_reason, guide_for
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
@@ -134,6 +134,7 @@ class JobRunner:
                 progress=progress,
                 owner=UsageOwner.of(job),
                 home=self._home(job),
+                chunk_log=ChunkLogTarget.of(job, self._names),
             )
             if progress.done:
                 outcome = "duplicate"  # finished before; only its ack was lost

@@ -1,0 +1,98 @@
+"""A job's chunks read back from its log in Redis, for a client that reconnects to its stream.
+
+A job that asks for it (`Job.chunk_log_ttl_s`) has its worker append every chunk it publishes to a
+capped stream (`Names.chunk_log`), in the same script call as the publish
+(`services/worker/publisher.py`): entry `0-<seq + 1>`, field `c` the chunk's JSON, each seq once.
+The log outlives the session manager that relayed the job, and a worker that takes a job over
+continues it, so any replica can replay the whole answer in order, and follow it live until its
+final chunk.
+
+Reads go through the redis-py client, never the hot path's pipe: a page of a thousand chunks, or
+an `XREAD BLOCK` holding its connection, must not delay the commands pipelined behind them.
+"""
+
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import redis.asyncio as redis
+from pydantic import ValidationError
+
+from shared.logging import get_logger
+from shared.names import Names
+from shared.schemas import TokenChunk
+
+log = get_logger(__name__)
+
+# Chunks one read asks Redis for: replay costs one round trip per page.
+PAGE = 1000
+
+
+class ChunkLog:
+    """Reads jobs' chunk logs. `block_s`: the longest one `XREAD BLOCK` waits, below the client's
+    command timeout (a longer wait is made of several)."""
+
+    def __init__(self, client: redis.Redis, names: Names, *, block_s: float) -> None:
+        self._client = client
+        self._names = names
+        self._block_ms = max(1, int(block_s * 1000))
+
+    async def read(self, job_id: str, after_seq: int, count: int = PAGE) -> list[TokenChunk]:
+        """Up to `count` logged chunks of the job with seq > `after_seq` (-1: from the first), in
+        order; [] when there are none (or no log).
+
+        Raises:
+            redis.exceptions.RedisError: Redis is unreachable.
+        """
+        if count < 1:
+            raise ValueError(f"count must be at least 1, not {count}")
+        entries = await self._client.xrange(self._names.chunk_log(job_id), min=_after(after_seq), count=count)
+        return _chunks(entries or [])
+
+    async def follow(self, job_id: str, after_seq: int, *, idle_timeout_s: float) -> AsyncIterator[TokenChunk]:
+        """The job's chunks with seq > `after_seq` (-1: from the first), in order: those logged,
+        then each as its worker publishes it, ending after the final one (`finish_reason` set).
+
+        Raises:
+            TimeoutError: nothing new was logged for `idle_timeout_s` (the job is not running, or
+                its log expired or never existed).
+            redis.exceptions.RedisError: Redis is unreachable.
+        """
+        key = self._names.chunk_log(job_id)
+        last = after_seq
+        idle_until = time.monotonic() + idle_timeout_s
+        while True:
+            wait_ms = int((idle_until - time.monotonic()) * 1000)
+            if wait_ms <= 0:
+                raise TimeoutError(f"No chunk of job {job_id} was logged for {idle_timeout_s} s.")
+            # RESP2's reply: [[key, [(id, fields), ...]]], or None when the wait ended empty.
+            reply: Any = await self._client.xread({key: _id(last)}, count=PAGE, block=min(wait_ms, self._block_ms))
+            if not reply:
+                continue
+            for chunk in _chunks(reply[0][1]):
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+                last = chunk.seq
+            idle_until = time.monotonic() + idle_timeout_s
+
+
+def _id(seq: int) -> str:
+    """The log entry id of chunk `seq` (entry ids start at 0-1: 0-0 is not a valid one)."""
+    return f"0-{seq + 1}"
+
+
+def _after(seq: int) -> str:
+    """An `XRANGE` start past chunk `seq`."""
+    return "(" + _id(seq)
+
+
+def _chunks(entries: Iterable[Any]) -> list[TokenChunk]:
+    """The chunks of log entries as redis-py gives them: (id, {b"c": chunk JSON})."""
+    chunks = []
+    for entry_id, fields in entries:
+        try:
+            chunks.append(TokenChunk.model_validate_json(fields[b"c"]))
+        except (KeyError, ValidationError):
+            log.error("chunk_log_entry_invalid", entry_id=entry_id.decode())
+    return chunks
