@@ -5,7 +5,7 @@ import socket
 import uuid
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.settings import DEFAULT_MODEL, CommonSettings
 
@@ -40,6 +40,21 @@ class WorkerSettings(CommonSettings):
 
     # vllm engine
     tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "vLLM's pipeline_parallel_size: stages the model's layers are split into, each of "
+            "tensor_parallel_size GPUs (one stage per node in a multi-node pool); vllm engine only"
+        ),
+    )
+    distributed_executor: Literal["mp", "ray", "uni"] | None = Field(
+        None,
+        description=(
+            "vLLM's distributed_executor_backend: mp (processes on this node), ray (a Ray cluster, needed "
+            "to span nodes) or uni (one process); unset: vLLM's own choice"
+        ),
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_model_len: int | None = None
     # vLLM's structured-output backend (`StructuredOutputsConfig.backend`) for response_format and
@@ -66,3 +81,12 @@ class WorkerSettings(CommonSettings):
     heartbeat_ttl_s: float = Field(10.0, gt=0)
     # A job redelivered more often than this (it keeps killing workers) is dead-lettered.
     max_deliveries: int = Field(3, ge=1)
+
+    @model_validator(mode="after")
+    def _pipeline_parallel_needs_vllm(self) -> "WorkerSettings":
+        if self.pipeline_parallel_size > 1 and self.engine != "vllm":
+            raise ValueError(
+                f"AXON_PIPELINE_PARALLEL_SIZE={self.pipeline_parallel_size} needs AXON_ENGINE=vllm: "
+                f"the {self.engine} engine runs the whole model in one process"
+            )
+        return self

@@ -30,6 +30,8 @@ def create_engine(settings: WorkerSettings) -> Engine:
             model_name=settings.model,
             model_path=settings.model_path or settings.model,
             tensor_parallel_size=settings.tensor_parallel_size,
+            pipeline_parallel_size=settings.pipeline_parallel_size,
+            distributed_executor=settings.distributed_executor,
             max_seqs=max_seqs,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_model_len=settings.max_model_len,

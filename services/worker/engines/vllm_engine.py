@@ -1,4 +1,5 @@
-"""Production GPU engine: vLLM's async engine with tensor parallelism.
+"""Production GPU engine: vLLM's async engine with tensor and pipeline parallelism, on one node or,
+with vLLM's Ray executor, several (`AXON_PIPELINE_PARALLEL_SIZE`, `AXON_DISTRIBUTED_EXECUTOR`).
 
 vLLM is imported only when this engine starts, so nothing else in Axon needs it. Everything a
 request asks for is mapped onto vLLM's own machinery, written against its public API:
@@ -344,6 +345,8 @@ class VllmEngine(Engine):
         max_model_len: int | None,
         structured_outputs_backend: str = "xgrammar",
         tool_parser: str = "hermes",
+        pipeline_parallel_size: int = 1,
+        distributed_executor: str | None = None,
     ) -> None:
         self.model_name = model_name
         self.max_seqs = max_seqs
@@ -354,6 +357,9 @@ class VllmEngine(Engine):
             "max_num_seqs": max_seqs,
             "gpu_memory_utilization": gpu_memory_utilization,
             "max_model_len": max_model_len,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            # None (left out below): vLLM picks mp when the GPUs are on this node.
+            "distributed_executor_backend": distributed_executor,
         }
         self._structured_outputs_backend = structured_outputs_backend
         self._tool_parser_name = tool_parser

@@ -981,3 +981,50 @@ def test_vllm_accepts_axon_sampling_params() -> None:
     assert params.top_k in (-1, 0)  # disabled, however this vLLM spells it
     assert params.structured_outputs is not None and params.structured_outputs.json_object
     assert vllm.__version__
+
+
+# --- tensor and pipeline parallelism -----------------------------------------------------------
+
+
+async def test_pipeline_and_tensor_parallel_reach_vllms_engine_arguments(fake_vllm: dict[str, Any]) -> None:
+    """Two 8-GPU nodes: 8-way tensor parallel inside a node, 2 pipeline stages across, on Ray."""
+    _, llm = await started(fake_vllm, tensor_parallel_size=8, pipeline_parallel_size=2, distributed_executor="ray")
+    kwargs = llm.args.kwargs
+    assert kwargs["tensor_parallel_size"] == 8
+    assert kwargs["pipeline_parallel_size"] == 2
+    assert kwargs["distributed_executor_backend"] == "ray"
+
+
+async def test_one_stage_and_vllms_own_executor_by_default(fake_vllm: dict[str, Any]) -> None:
+    _, llm = await started(fake_vllm)
+    assert llm.args.kwargs["pipeline_parallel_size"] == 1
+    # Left out, not None: vLLM then picks mp on one node by itself.
+    assert "distributed_executor_backend" not in llm.args.kwargs
+
+
+async def test_factory_passes_the_parallel_settings(fake_vllm: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AXON_TENSOR_PARALLEL_SIZE", "4")
+    monkeypatch.setenv("AXON_PIPELINE_PARALLEL_SIZE", "3")
+    monkeypatch.setenv("AXON_DISTRIBUTED_EXECUTOR", "mp")
+    await create_engine(WorkerSettings(engine="vllm", model="m")).start()
+    kwargs = fake_vllm["engine"].args.kwargs
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"]) == (4, 3)
+    assert kwargs["distributed_executor_backend"] == "mp"
+
+
+@pytest.mark.parametrize("engine", ["transformers", "sim"])
+def test_pipeline_parallel_needs_the_vllm_engine(engine: str) -> None:
+    with pytest.raises(ValueError, match="AXON_PIPELINE_PARALLEL_SIZE=2 needs AXON_ENGINE=vllm"):
+        WorkerSettings(engine=engine, pipeline_parallel_size=2)
+    assert WorkerSettings(engine="vllm", pipeline_parallel_size=2).pipeline_parallel_size == 2
+
+
+def test_vllm_accepts_axons_parallel_engine_arguments() -> None:
+    """Against the real `AsyncEngineArgs` where vLLM is installed (the GPU image): the names exist."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    engine = new_engine(tensor_parallel_size=8, pipeline_parallel_size=2, distributed_executor="ray")
+    args = AsyncEngineArgs(**{k: v for k, v in engine._engine_kwargs.items() if v is not None})
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (8, 2)
+    assert args.distributed_executor_backend == "ray"
