@@ -18,9 +18,6 @@ from shared.errors import InvalidRequest, invalid_request
 from shared.openai_requests import MAX_TOOLS, ChatCompletionRequest, RequestLimits
 from shared.schemas import Message
 
-# A resumable stream and a background run come with background responses (issue 16, item 4).
-_NOT_YET = ("background",)
-
 
 def response_param(param: str | None) -> str | None:
     """A chat request's `param` as the Responses body names it (`messages.2.content` is `input`,
@@ -117,7 +114,11 @@ class ResponseCreate(BaseModel):
         None, description="A conversation (or `{id}`) whose items are the history and which this response extends."
     )
     stream: bool | None = False
-    background: bool | None = Field(None, description="Not supported yet: only `false` or null.")
+    background: bool | None = Field(
+        None,
+        description="Answer at once (`queued`) and run with no client attached; poll, stream or cancel it by id. "
+        "Needs `store`.",
+    )
     user: str | None = Field(None, max_length=256, description="An end-user identifier, logged.")
 
     @field_validator("metadata")
@@ -139,9 +140,12 @@ class ResponseCreate(BaseModel):
         Raises:
             InvalidRequest: one is broken (`param` names the field).
         """
-        for name in _NOT_YET:
-            if getattr(self, name):
-                raise InvalidRequest(f"{name}: true is not supported yet.", param=name, code="unsupported_parameter")
+        if self.background and not self.stored:
+            raise InvalidRequest(
+                "background: true needs store: a background response is kept to be retrieved.",
+                param="background",
+                code="invalid_value",
+            )
         if self.previous_response_id is not None and self.conversation is not None:
             raise InvalidRequest(
                 "previous_response_id and conversation cannot be used together.",
@@ -212,5 +216,5 @@ class ResponseCreate(BaseModel):
             "tools": tools,
             "top_p": self.top_p,
             "user": self.user,
-            "background": False,
+            "background": self.background is True,
         }

@@ -6,14 +6,14 @@ Completions, the route every generated token takes, are answered by a plain ASGI
 FastAPI (`GatewayService.call`). Both forward with the lean HTTP/1.1 client of `shared/http1.py`.
 """
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote, quote_from_bytes
 
 import orjson
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from prometheus_client import Counter
 from starlette.types import Message, Receive, Scope, Send
@@ -300,9 +300,18 @@ class GatewayService:
         admission: Admission = await self._admitter.admit(record, token_cost=0)
         try:
             headers = self._upstream_headers(request.scope["state"]["request_id"], record, prompt_estimate=0)
+            last_event_id = request.headers.get("last-event-id")
+            if last_event_id is not None:  # where a resumed stream (`GET .../stream`) goes on from
+                headers["last-event-id"] = last_event_id
             upstream = await unless_disconnected(
                 request, self._forwarder.open(request.method, upstream_target(request), body=body, headers=headers)
             )
+            if (upstream.header(b"content-type") or b"").startswith(b"text/event-stream"):
+                # A replayed stream (`GET /v1/responses/{id}?stream=true`): relayed as it comes.
+                streamed = StreamingResponse(_event_pieces(upstream), status_code=upstream.status)
+                streamed.raw_headers.extend(_relayed_headers(upstream))
+                streamed.headers.update(admission.headers())
+                return streamed
             try:
                 content = await upstream.read()
             except _UPSTREAM_ERRORS as exc:
@@ -313,6 +322,18 @@ class GatewayService:
             return response
         finally:
             await self._admitter.release(admission)
+
+
+async def _event_pieces(upstream: UpstreamResponse) -> AsyncIterator[bytes]:
+    """An event stream's pieces as they arrive; a stream the session manager breaks off just ends
+    (its client resumes after the last event it got)."""
+    try:
+        async for piece in upstream.pieces():
+            yield piece
+    except _UPSTREAM_ERRORS as exc:
+        log.warning("upstream_stream_broken", error=repr(exc))
+    finally:
+        upstream.close()
 
 
 # The last event of a Responses API stream (`POST /v1/responses` with `stream`), which has no `[DONE]`.

@@ -15,6 +15,7 @@ from services.sessions.api.routes import HOT_ROUTES, router
 from services.sessions.chunk_log import ChunkLog
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.resources import SessionsResources, open_resources
+from services.sessions.response_runs import ResponseLeases
 from services.sessions.responses_api import ResponsesService, ResponseStore
 from services.sessions.service import CompletionService
 from services.sessions.settings import SessionsSettings
@@ -105,6 +106,13 @@ def _attach_services(
         store=ResponseStore(
             opened.redis, opened.db, opened.outbox, namespace=settings.namespace, ttl_s=settings.response_ttl_s
         ),
+        chunk_log=app.state.chunk_log,
+        leases=ResponseLeases(
+            opened.redis,
+            namespace=settings.namespace,
+            instance_id=opened.instance_id,
+            lease_s=settings.response_lease_s,
+        ),
     )
 
 
@@ -122,8 +130,16 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_resources(settings, metrics) as opened:
             _attach_services(app, opened, settings=settings, metrics=metrics)
+            responses: ResponsesService = app.state.responses
+            # Renews this process's leases on unfinished stored responses, takes over expired ones.
+            sweeping = asyncio.create_task(responses.leases.run(responses.take_over))
             log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)
-            yield
+            try:
+                yield
+            finally:
+                sweeping.cancel()
+                await asyncio.gather(sweeping, return_exceptions=True)
+                await responses.leases.stop()
 
     app = FastAPI(
         title="Axon session manager",

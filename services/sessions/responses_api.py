@@ -8,16 +8,22 @@ and output as messages) or the items of `conversation` (a session, to which the 
 and output items are appended once it is answered).
 
 A stored response (`store`, the default) is one Redis key, `<ns>:response:<id>`, holding its
-tenant, its Response object, its input items and its context, expiring `AXON_RESPONSE_TTL_S` after
-it was created, and a row of `responses` written behind through the outbox (read when Redis
-misses). Another tenant's response, or one not stored, is 404.
+tenant, its Response object, its input items, its context and its job's id, expiring
+`AXON_RESPONSE_TTL_S` after it was created, and a row of `responses` written behind through the
+outbox once it is finished (read when Redis misses). Another tenant's response, or one not
+stored, is 404. It is written when its job is published (`pending`: what finishing it needs) and
+again when finished, by whoever finishes it first (`ResponseStore.finish`): the session manager
+relaying it, even once its client left, or one that took it over (`response_runs.py`). Its events
+are rebuilt from its job's chunk log (`chunk_log.py`) exactly as they were streamed (item ids
+follow from the response id and output index), so any replica can replay and follow them.
 """
 
 import asyncio
+import contextlib
 import datetime as dt
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +34,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.sessions.catalog import ModelCatalog
+from services.sessions.chunk_log import PAGE, ChunkLog
 from services.sessions.conversations import (
     conversation_id,
     conversation_not_found,
@@ -36,19 +43,29 @@ from services.sessions.conversations import (
 )
 from services.sessions.history import SessionInfo, SessionStore
 from services.sessions.outbox import Outbox, ResponseRow, postgres_text
+from services.sessions.response_runs import ResponseLeases, owners_key, running_key
 from services.sessions.responses import Answer
 from services.sessions.service import ActiveRequest, Caller, Choice, CompletionService, chunk_error
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import build_prompt, fit_history
 from shared.errors import AxonError, InvalidRequest, NotFound, Unavailable
 from shared.logging import get_logger
+from shared.names import Names
 from shared.openai_requests import ChatCompletionRequest
 from shared.responses_requests import ResponseCreate, as_response_error
-from shared.schemas import Message, TokenChunk, Usage
+from shared.schemas import FunctionCall, Message, TokenChunk, ToolCall, Usage
 
 log = get_logger(__name__)
 
 RESPONSE_PREFIX = "resp_"
+# A finished response's status; before it is `queued` (background, no chunk yet) or `in_progress`.
+FINISHED = frozenset({"completed", "incomplete", "failed", "cancelled"})
+# The status a job's finish reason gives (any other: `completed`).
+_STATUS_OF = {"length": "incomplete", "cancelled": "cancelled", "error": "failed"}
+# How long a follower past a job's deadline waits for its last chunk (a worker's error chunk).
+_DEADLINE_GRACE_S = 5.0
+# Storage that cannot be reached.
+_STORAGE_ERRORS = (RedisError, ConnectionError, TimeoutError)
 
 
 def response_not_found() -> NotFound:
@@ -61,6 +78,17 @@ def previous_not_found() -> NotFound:
 
 def _id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex
+
+
+def output_id(response_id: str, prefix: str, index: int) -> str:
+    """The id of output item `index` of a response (`msg_<response hex>_<index>`): the same on
+    every replica that rebuilds the response from its chunks."""
+    return f"{prefix}{response_id.removeprefix(RESPONSE_PREFIX)}_{index}"
+
+
+def status_of(finish_reason: str | None) -> str:
+    """A finished response's status by its job's finish reason."""
+    return _STATUS_OF.get(finish_reason or "stop", "completed")
 
 
 def input_messages(body: ResponseCreate) -> list[Message]:
@@ -153,10 +181,55 @@ def response_object(
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "model": body.model,
         "output": output,
-        "usage": usage_object(usage) if usage is not None or status != "in_progress" else None,
+        "usage": usage_object(usage) if usage is not None or status in FINISHED else None,
         "conversation": {"id": conversation} if conversation is not None else None,
         **body.echo(),
     }
+
+
+def finished_response(
+    initial: dict[str, Any],
+    *,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: Usage | None,
+    error: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The Response object `initial` (as created) once finished with `status`."""
+    return {
+        **initial,
+        "status": status,
+        "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "output": output,
+        "usage": usage_object(usage),
+    }
+
+
+def skeleton_of(response: dict[str, Any]) -> dict[str, Any]:
+    """The Response object a stream's first events carry (`in_progress`, no output), the same
+    for any state of `response`: a replay's first events equal the original's."""
+    return {
+        **response,
+        "status": "in_progress",
+        "completed_at": None,
+        "error": None,
+        "incomplete_details": None,
+        "output": [],
+        "usage": None,
+    }
+
+
+class Pending(BaseModel):
+    """What finishing an unfinished stored response needs, kept in its record until it is finished."""
+
+    # The first `history` messages of its context are its history, the rest its input.
+    history: int
+    # The conversation's session it is appended to once answered.
+    session_id: str | None = None
+    # Its job's deadline (epoch seconds): past it, nothing more is generated.
+    deadline: float
 
 
 class StoredResponse(BaseModel):
@@ -167,11 +240,18 @@ class StoredResponse(BaseModel):
     input_items: list[dict[str, Any]]
     # The chain's messages up to and with this response's output: the next one's history.
     context: list[Message]
+    # Its job (whose chunk log replays its events); None for responses stored before logs.
+    job_id: str | None = None
+    # The seq of the last chunk of its answer, once finished (-1: none).
+    last_seq: int | None = None
+    # Set while it is unfinished.
+    pending: Pending | None = None
 
 
 class ResponseStore:
     """Stored responses: in Redis for `ttl_s`, written behind to PostgreSQL's `responses` through
-    the outbox, by tenant. A read that misses Redis (evicted, or Redis lost it) reads PostgreSQL."""
+    the outbox once finished, by tenant. A read that misses Redis (evicted, or Redis lost it)
+    reads PostgreSQL. An unfinished one is leased (`response_runs.py`)."""
 
     def __init__(self, redis: Redis, db: asyncpg.Pool, outbox: Outbox, *, namespace: str, ttl_s: int) -> None:
         self._redis = redis
@@ -179,28 +259,69 @@ class ResponseStore:
         self._outbox = outbox
         self._namespace = namespace
         self._ttl_s = ttl_s
+        self._running = running_key(namespace)
+        self._owners = owners_key(namespace)
+        self._cancel_channel = Names(namespace).cancel_channel
+        self._finish = redis.register_script(_FINISH)
 
     def key(self, response_id: str) -> str:
         return f"{self._namespace}:response:{response_id}"
 
-    async def save(self, response_id: str, stored: StoredResponse) -> None:
-        """Keep `stored` in Redis and queue its row for PostgreSQL, both in one transaction."""
+    def _row(self, response_id: str, stored: StoredResponse) -> ResponseRow:
         created = dt.datetime.now(dt.UTC)
-        row = ResponseRow(
+        return ResponseRow(
             id=response_id,
             tenant=stored.tenant,
             body=stored.model_dump(mode="json", exclude_none=True),
             created_at=created,
             expires_at=created + dt.timedelta(seconds=self._ttl_s),
         )
+
+    async def save(self, response_id: str, stored: StoredResponse) -> None:
+        """Keep finished `stored` in Redis and queue its row for PostgreSQL, both in one transaction."""
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.set(self.key(response_id), stored.model_dump_json(exclude_none=True), ex=self._ttl_s)
-            await self._outbox.append("response", row, pipe=pipe)
+            await self._outbox.append("response", self._row(response_id, stored), pipe=pipe)
             await pipe.execute()
+
+    async def open(self, response_id: str, stored: StoredResponse, *, owner: str, lease_expiry_ms: int) -> None:
+        """Keep unfinished `stored` in Redis (not yet in PostgreSQL) and lease it to `owner`, in one
+        transaction."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.key(response_id), stored.model_dump_json(exclude_none=True), ex=self._ttl_s)
+            pipe.zadd(self._running, {response_id: lease_expiry_ms})
+            pipe.hset(self._owners, response_id, owner)
+            await pipe.execute()
+
+    async def finish(self, response_id: str, stored: StoredResponse) -> bool:
+        """Store finished `stored` and queue its row for PostgreSQL, if the response is still
+        unfinished (running), in one script: False when another finisher was first."""
+        _, outbox, _, *fields = self._outbox.append_command("response", self._row(response_id, stored))
+        result = await self._finish(
+            keys=[self.key(response_id), self._running, self._owners, str(outbox)],
+            args=[response_id, stored.model_dump_json(exclude_none=True), self._ttl_s, *fields],
+        )
+        return bool(result)
+
+    async def drop_lease(self, response_id: str) -> None:
+        """The response is no longer running (its record is gone or finished)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.zrem(self._running, response_id)
+            pipe.hdel(self._owners, response_id)
+            await pipe.execute()
+
+    async def cancel_job(self, job_id: str) -> None:
+        """Tell the workers to stop generating (or skip) `job_id`."""
+        await self._redis.publish(self._cancel_channel, job_id)
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         """The tenant's stored response, None if there is none (unknown, expired, deleted, or
         another tenant's)."""
+        stored = await self.get_any(response_id)
+        return stored if stored is not None and stored.tenant == tenant else None
+
+    async def get_any(self, response_id: str) -> StoredResponse | None:
+        """A stored response, whoever's it is."""
         if not response_id.startswith(RESPONSE_PREFIX) or len(response_id) > 64:
             return None
         raw = await self._redis.get(self.key(response_id))
@@ -208,18 +329,24 @@ class ResponseStore:
             raw = await self._db.fetchval(_READ_RESPONSE, response_id)
             if raw is None:
                 return None
-        stored = StoredResponse.model_validate_json(raw)
-        return stored if stored.tenant == tenant else None
+        return StoredResponse.model_validate_json(raw)
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         """Delete the tenant's stored response: its row becomes a tombstone at once (so that its
-        outbox entry, if not yet committed, cannot bring it back), then its Redis key goes."""
+        outbox entry, if not yet committed, cannot bring it back), then its Redis key goes. An
+        unfinished one is no longer running and its job is cancelled."""
         stored = await self.get(tenant, response_id)
         if stored is None:
             return False
         expires = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self._ttl_s)
         await self._db.execute(_TOMBSTONE, response_id, postgres_text(tenant), expires)
-        await self._redis.delete(self.key(response_id))
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.key(response_id))
+            pipe.zrem(self._running, response_id)
+            pipe.hdel(self._owners, response_id)
+            await pipe.execute()
+        if stored.pending is not None and stored.job_id is not None:
+            await self.cancel_job(stored.job_id)
         return True
 
 
@@ -228,49 +355,83 @@ _TOMBSTONE = """
 INSERT INTO responses (id, tenant, body, created_at, expires_at) VALUES ($1, $2, NULL, now(), $3)
 ON CONFLICT (id) DO UPDATE SET body = NULL
 """
+# KEYS: the response, running set, owners hash, outbox. ARGV: id, record, ttl (s), outbox fields...
+# The first finisher of a running response stores it; 0 for any later one.
+_FINISH = """
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('SET', KEYS[1], ARGV[2], 'EX', tonumber(ARGV[3]))
+redis.call('XADD', KEYS[4], '*', unpack(ARGV, 4))
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A response being answered, and where it goes once finished."""
+
+    response_id: str
+    tenant: str
+    # The Response object as created (`queued` or `in_progress`, no output).
+    initial: dict[str, Any]
+    history: list[Message]
+    new: list[Message]
+    input_items: list[dict[str, Any]]
+    session: SessionInfo | None
+    stored: bool
+
+    def record(self, *, job_id: str, deadline: float) -> StoredResponse:
+        """Its stored record while unfinished."""
+        return StoredResponse(
+            tenant=self.tenant,
+            response=self.initial,
+            input_items=self.input_items,
+            context=[*self.history, *self.new],
+            job_id=job_id,
+            pending=Pending(
+                history=len(self.history),
+                session_id=self.session.id if self.session is not None else None,
+                deadline=deadline,
+            ),
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A checked request, ready to run: its chat request, history, input and ids."""
+    """A checked request, ready to run: its chat request and its target."""
 
     body: ResponseCreate
-    tenant: str
     chat: ChatCompletionRequest
-    history: list[Message]
-    new: list[Message]
-    session: SessionInfo | None
-    response_id: str
-    created_at: float
-
-    def response(self, *, status: str, output: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
-        return response_object(
-            self.body,
-            response_id=self.response_id,
-            created_at=self.created_at,
-            status=status,
-            output=output,
-            usage=usage,
-            conversation=conversation_id(self.session.id) if self.session is not None else None,
-        )
-
-
-def _status(answer: Answer) -> str:
-    return "incomplete" if answer.finish_reason == "length" else "completed"
+    target: Target
 
 
 class ResponseEvents:
     """OpenAI's Responses streaming events of one answer, numbered from 0 (`sequence_number`):
-    `response.created` and `response.in_progress`; per output item, as the chunks bring it,
-    `response.output_item.added` (then for a message `response.content_part.added` and
-    `response.output_text.delta`s, for a call `response.function_call_arguments.delta`s); at the
-    end, per item in order, `response.output_text.done` + `response.content_part.done` or
+    `response.created` (`queued` for a background response) and `response.in_progress`; per
+    output item, as the chunks bring it, `response.output_item.added` (then for a message
+    `response.content_part.added` and `response.output_text.delta`s, for a call
+    `response.function_call_arguments.delta`s); at the end, per item in order,
+    `response.output_text.done` + `response.content_part.done` or
     `response.function_call_arguments.done`, then `response.output_item.done`; last
-    `response.completed`, `response.incomplete` or `response.failed`."""
+    `response.completed` or `response.incomplete`, or `response.failed` (a failed or cancelled
+    response).
 
-    def __init__(self, skeleton: dict[str, Any]) -> None:
+    The events are a function of the skeleton and the chunks (ids from the response id and the
+    output index), so a replica that feeds it the same chunks from the job's log gets the same
+    bytes. `quiet`: keep the answer's state without building the events' bytes (each is b"").
+    """
+
+    def __init__(self, skeleton: dict[str, Any], *, quiet: bool = False) -> None:
         self._skeleton = skeleton
-        self._seq = 0
+        self._response_id: str = skeleton["id"]
+        self._quiet = quiet
+        # The number of events so far (the next one's sequence_number).
+        self.seq = 0
+        # The last chunk applied, its finish reason, usage and error message.
+        self.last_seq = -1
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self.error: str | None = None
         self._items: list[dict[str, Any]] = []
         self._message: dict[str, Any] | None = None
         self._message_index = 0
@@ -280,25 +441,43 @@ class ResponseEvents:
         self._call_index: dict[int, int] = {}
 
     def _event(self, kind: str, **fields: Any) -> bytes:
-        seq = self._seq
-        self._seq += 1
+        seq = self.seq
+        self.seq += 1
+        if self._quiet:
+            return b""
         payload = orjson.dumps({"type": kind, "sequence_number": seq, **fields})
         return b"event: " + kind.encode() + b"\nid: " + str(seq).encode() + b"\ndata: " + payload + b"\n\n"
 
     def opening(self) -> list[bytes]:
+        created = {**self._skeleton, "status": "queued"} if self._skeleton.get("background") else self._skeleton
         return [
-            self._event("response.created", response=self._skeleton),
+            self._event("response.created", response=created),
             self._event("response.in_progress", response=self._skeleton),
         ]
 
     def chunk(self, chunk: TokenChunk) -> list[bytes]:
-        """The events of one chunk: its text's delta, its tool calls' pieces."""
+        """The events of one chunk: its text's delta, its tool calls' pieces (none for a chunk
+        already applied, or an error chunk)."""
+        if chunk.seq <= self.last_seq:
+            return []
+        self.last_seq = chunk.seq
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+            self.usage = chunk.usage
+            if chunk.finish_reason == "error":
+                self.error = chunk.error.message if chunk.error else "The worker failed to generate an answer."
+                return []
         events: list[bytes] = []
         if chunk.text:
             if self._message is None:
-                self._message = {"id": _id("msg_"), "type": "message", "role": "assistant", "status": "in_progress"}
+                index = self._message_index = len(self._items)
+                self._message = {
+                    "id": output_id(self._response_id, "msg_", index),
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "in_progress",
+                }
                 self._items.append(self._message)
-                index = self._message_index = len(self._items) - 1
                 events.append(
                     self._event("response.output_item.added", output_index=index, item={**self._message, "content": []})
                 )
@@ -325,23 +504,20 @@ class ResponseEvents:
         for delta in chunk.tool_calls or ():
             call = self._calls.get(delta.index)
             if call is None:
+                index = len(self._items)
                 name = delta.function.name if delta.function is not None and delta.function.name else ""
                 call = {
-                    "id": _id("fc_"),
+                    "id": output_id(self._response_id, "fc_", index),
                     "type": "function_call",
-                    "call_id": delta.id or _id("call_"),
+                    "call_id": delta.id or output_id(self._response_id, "call_", index),
                     "name": name,
                     "arguments": "",
                     "status": "in_progress",
                 }
                 self._calls[delta.index] = call
-                self._call_index[delta.index] = len(self._items)
+                self._call_index[delta.index] = index
                 self._items.append(call)
-                events.append(
-                    self._event(
-                        "response.output_item.added", output_index=self._call_index[delta.index], item=dict(call)
-                    )
-                )
+                events.append(self._event("response.output_item.added", output_index=index, item=dict(call)))
             elif delta.function is not None and delta.function.name:
                 call["name"] += delta.function.name
             if delta.function is not None and delta.function.arguments:
@@ -366,6 +542,14 @@ class ResponseEvents:
             else:
                 items.append({**item, "status": status})
         return items
+
+    def reply(self) -> Message:
+        """The answer so far as an assistant message (its text and tool calls)."""
+        calls = [
+            ToolCall(id=call["call_id"], function=FunctionCall(name=call["name"], arguments=call["arguments"]))
+            for _, call in sorted(self._calls.items())
+        ]
+        return Message(role="assistant", content="".join(self._text), tool_calls=calls or None)
 
     def _items_done(self, output: list[dict[str, Any]]) -> list[bytes]:
         events: list[bytes] = []
@@ -401,17 +585,19 @@ class ResponseEvents:
         return events
 
     def closing(self, response: dict[str, Any]) -> list[bytes]:
-        """Every open item's end, then `response.completed` (or `response.incomplete`) with `response`."""
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        """The end of finished `response`: for a completed or incomplete one, every item's end,
+        then `response.completed` or `response.incomplete`; for a failed or cancelled one,
+        `response.failed` (OpenAI's events have no `response.cancelled`)."""
+        status = response["status"]
+        if status in ("failed", "cancelled"):
+            return [self._event("response.failed", response=response)]
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*self._items_done(response["output"]), self._event(kind, response=response)]
-
-    def failed(self, response: dict[str, Any]) -> list[bytes]:
-        """`response.failed` with `response` (its `error` set)."""
-        return [self._event("response.failed", response=response)]
 
 
 class ResponsesService:
-    """Creates responses on `CompletionService` and keeps the stored ones."""
+    """Creates responses on `CompletionService`, keeps the stored ones, replays their events, and
+    finishes those whose relay was lost (`take_over`)."""
 
     def __init__(
         self,
@@ -421,12 +607,16 @@ class ResponsesService:
         catalog: ModelCatalog,
         sessions: SessionStore,
         store: ResponseStore,
+        chunk_log: ChunkLog,
+        leases: ResponseLeases,
     ) -> None:
         self._settings = settings
         self.completions = completions
         self._catalog = catalog
         self._sessions = sessions
         self.store = store
+        self._log = chunk_log
+        self.leases = leases
 
     async def prepare(self, body: ResponseCreate, *, caller: Caller) -> Prepared:
         """Check `body` and build the chat request it runs as, on its history.
@@ -445,6 +635,12 @@ class ResponsesService:
             previous = await self.store.get(caller.tenant, body.previous_response_id)
             if previous is None:
                 raise previous_not_found()
+            if previous.pending is not None:
+                raise InvalidRequest(
+                    "previous_response_id names a response that is not finished yet.",
+                    param="previous_response_id",
+                    code="invalid_value",
+                )
             history = fit_history(previous.context, fixed=head + new, budget_tokens=await self._budget(body))
         conversation = body.conversation_id
         if conversation is not None:
@@ -459,15 +655,28 @@ class ResponsesService:
                 budget_tokens=await self._budget(body),
             )
             history, new = prompt[: len(prompt) - len(new)], prompt[len(prompt) - len(new) :]
-        return Prepared(
-            body=body,
+        response_id = _id(RESPONSE_PREFIX)
+        initial = response_object(
+            body,
+            response_id=response_id,
+            created_at=time.time(),
+            status="queued" if body.background else "in_progress",
+            output=[],
+            usage=None,
+            conversation=conversation_id(session.id) if session is not None else None,
+        )
+        target = Target(
+            response_id=response_id,
             tenant=caller.tenant,
-            chat=body.chat_request(head + history + new, self._settings.request_limits),
+            initial=initial,
             history=history,
             new=new,
+            input_items=message_items(new) if body.stored else [],
             session=session,
-            response_id=_id(RESPONSE_PREFIX),
-            created_at=time.time(),
+            stored=body.stored,
+        )
+        return Prepared(
+            body=body, chat=body.chat_request(head + history + new, self._settings.request_limits), target=target
         )
 
     async def _budget(self, body: ResponseCreate) -> int:
@@ -476,22 +685,42 @@ class ResponsesService:
         return live.context_tokens - (body.max_output_tokens or self._settings.default_max_tokens)
 
     async def start(self, prepared: Prepared, *, caller: Caller, request_id: str) -> ActiveRequest:
-        """Publish the response's job (`CompletionService.start`); a 400 names the Responses param.
+        """Publish the response's job (`CompletionService.start`; a stored response's keeps its
+        chunk log, a background one has `AXON_BACKGROUND_TIMEOUT_S`), then store a stored one as
+        unfinished, leased to this process. A 400 names the Responses param.
 
         Raises:
             ModelNotFound, Unavailable, InvalidRequest, NotFound, Conflict: as a chat completion.
+            Unavailable: the response could not be stored (its job is called off).
         """
+        target = prepared.target
+        timeout_s = self._settings.background_timeout_s if prepared.body.background else None
         try:
-            return await self.completions.start(prepared.chat, kind="chat", caller=caller, request_id=request_id)
+            active = await self.completions.start(
+                prepared.chat,
+                kind="chat",
+                caller=caller,
+                request_id=request_id,
+                resumable=target.stored,
+                timeout_s=timeout_s,
+            )
         except InvalidRequest as exc:
             raise as_response_error(exc) from None
-
-    def skeleton(self, prepared: Prepared) -> dict[str, Any]:
-        """The Response object while it is generated (`in_progress`, no output yet)."""
-        return prepared.response(status="in_progress", output=[], usage=None)
+        if target.stored:
+            record = target.record(job_id=active.job.job_id, deadline=active.job.deadline)
+            try:
+                await self.store.open(
+                    target.response_id, record, owner=self.leases.owner, lease_expiry_ms=self.leases.expiry_ms()
+                )
+            except _STORAGE_ERRORS as exc:
+                await self.completions.finish(active, outcome="error")
+                raise _not_stored(exc) from exc
+        return active
 
     async def create(self, body: ResponseCreate, *, caller: Caller, request_id: str) -> dict[str, Any]:
-        """Answer `body` (not streamed): run it, store it, append it to its conversation.
+        """Answer `body` (not streamed): run it, store it, append it to its conversation. A stored
+        one is relayed by a task of its own, so it is finished and stored even if its client
+        leaves; a background one is answered at once (`queued`).
 
         Raises:
             InvalidRequest, NotFound: see `prepare`.
@@ -499,77 +728,368 @@ class ResponsesService:
         """
         prepared = await self.prepare(body, caller=caller)
         active = await self.start(prepared, caller=caller, request_id=request_id)
-        first, rest = await self.completions.first_chunk(active)
-        await self.completions.collect(active, first, rest)
-        answer = active.choices[0].answer
-        status = _status(answer)
-        output = message_items([answer_message(answer)], status=status)
-        return await self.keep(prepared, answer, prepared.response(status=status, output=output, usage=active.usage))
+        target = prepared.target
+        events = ResponseEvents(skeleton_of(target.initial), quiet=True)
+        if not target.stored:
+            return await self._relay(target, active, events)
+        task = self.leases.hold(target.response_id, self._relay(target, active, events))
+        if body.background:
+            return target.initial
+        return await asyncio.shield(task)
 
-    async def keep(self, prepared: Prepared, answer: Answer, response: dict[str, Any]) -> dict[str, Any]:
-        """Append the finished response's input and answer to its conversation, store it (unless
-        `store: false`); returns `response`.
+    async def _relay(
+        self,
+        target: Target,
+        active: ActiveRequest,
+        events: ResponseEvents,
+        *,
+        first: tuple[Choice, TokenChunk] | None = None,
+    ) -> dict[str, Any]:
+        """Feed the job's chunks (after `first`, if given) into `events` until the final one,
+        finish the request (usage) and keep the response; returns it.
+
+        Cancelled: an unstored response's client left (its job is cancelled); a stored one's
+        relay was stopped (shutdown, or its lease was lost: another process finishes it) or its
+        response was finished elsewhere (cancelled, deleted: its job is cancelled).
+
+        Raises:
+            AxonError: the answer failed (a stored response is kept as `failed`).
+        """
+        chunks = active.chunks()
+        try:
+            choice, chunk = first if first is not None else await anext(chunks)
+            while True:
+                if chunk.finish_reason == "error":
+                    raise chunk_error(chunk)
+                events.chunk(chunk)
+                if not active.unfinished:
+                    break
+                choice, chunk = await anext(chunks)
+        except asyncio.CancelledError:
+            if target.stored and not self.leases.abandoned(target.response_id):
+                await active.stream.close()  # the job runs on, for whoever takes the response over
+            else:
+                await asyncio.shield(self.completions.finish(active, outcome="disconnected"))
+            raise
+        except AxonError as exc:
+            await self.completions.finish(active, outcome="error")
+            await self._keep_failed(target, active, events, exc)
+            raise
+        reason = chunk.finish_reason or "stop"
+        await self.completions.finish(active, outcome=reason)
+        status = status_of(reason)
+        response = finished_response(target.initial, status=status, output=events.output(status), usage=active.usage)
+        return await self.keep(
+            target, answer_message(choice.answer), response, job_id=active.job.job_id, last_seq=events.last_seq
+        )
+
+    async def _keep_failed(
+        self, target: Target, active: ActiveRequest, events: ResponseEvents, exc: AxonError
+    ) -> dict[str, Any]:
+        """Keep the response as `failed` with `exc`'s message (a storage failure is only logged:
+        the failure itself is what its client gets)."""
+        log.warning("response_failed", response_id=target.response_id, error=exc.message)
+        failed = finished_response(
+            target.initial,
+            status="failed",
+            output=events.output("incomplete"),
+            usage=active.usage,
+            error={"code": "server_error", "message": exc.message},
+        )
+        with contextlib.suppress(Unavailable):
+            failed = await self.keep(target, None, failed, job_id=active.job.job_id, last_seq=events.last_seq)
+        return failed
+
+    async def keep(
+        self, target: Target, reply: Message | None, response: dict[str, Any], *, job_id: str | None, last_seq: int
+    ) -> dict[str, Any]:
+        """Store the finished response (if stored and no other finisher was first: then that one's
+        is returned), then append its input and `reply` to its conversation if it was answered;
+        returns the response kept.
 
         Raises:
             Unavailable: Redis could not be written: the client must not take the response for kept.
         """
-        reply = answer_message(answer)
         try:
-            if prepared.session is not None:
-                for message in [*prepared.new, reply]:
-                    await self._sessions.append(prepared.session, message, status="complete", job_id=None)
-            if prepared.body.stored:
+            if target.stored:
                 stored = StoredResponse(
-                    tenant=prepared.tenant,
+                    tenant=target.tenant,
                     response=response,
-                    input_items=message_items(prepared.new),
-                    context=[*prepared.history, *prepared.new, reply],
+                    input_items=target.input_items,
+                    context=[*target.history, *target.new, *([reply] if reply is not None else [])],
+                    job_id=job_id,
+                    last_seq=last_seq,
                 )
-                await self.store.save(prepared.response_id, stored)
-        except (RedisError, ConnectionError, TimeoutError) as exc:
-            log.error("response_not_stored", error=repr(exc))
-            raise Unavailable(
-                "The response could not be saved, so it was not kept; try again shortly.",
-                retry_after_s=2,
-                code="response_not_stored",
-            ) from exc
+                if not await self.store.finish(target.response_id, stored):
+                    again = await self.store.get_any(target.response_id)
+                    return again.response if again is not None else response
+            if target.session is not None and reply is not None and response["status"] in ("completed", "incomplete"):
+                for message in [*target.new, reply]:
+                    await self._sessions.append(target.session, message, status="complete", job_id=None)
+        except _STORAGE_ERRORS as exc:
+            raise _not_stored(exc) from exc
         return response
 
     async def stream(
         self, prepared: Prepared, active: ActiveRequest, first: tuple[Choice, TokenChunk], rest: AsyncIterator[Any]
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes]:
         """Relay the answer as OpenAI's Responses events (`ResponseEvents`), each its own SSE
         event with `id:` = its `sequence_number`; the response is stored before its last event.
-        A client that leaves stops the job, as a chat stream does."""
-        events = ResponseEvents(self.skeleton(prepared))
+        A client that leaves stops an unstored response's job; a stored one is relayed on to its
+        end by a task of its own (and stored, and resumable)."""
+        target = prepared.target
+        events = ResponseEvents(skeleton_of(target.initial))
         pieces = events.opening()
         outcome = "disconnected"
+        with self.leases.attached(target.response_id) if target.stored else contextlib.nullcontext():
+            try:
+                choice, chunk = first
+                while True:
+                    if chunk.finish_reason == "error":
+                        raise chunk_error(chunk)
+                    pieces += events.chunk(chunk)
+                    if not active.unfinished:
+                        break
+                    if not active.stream.ready:
+                        yield b"".join(pieces)
+                        pieces = []
+                    choice, chunk = await anext(rest)
+                outcome = chunk.finish_reason or "stop"
+                await self.completions.finish(active, outcome=outcome)
+                status = status_of(outcome)
+                response = finished_response(
+                    target.initial, status=status, output=events.output(status), usage=active.usage
+                )
+                response = await self.keep(
+                    target, answer_message(choice.answer), response, job_id=active.job.job_id, last_seq=events.last_seq
+                )
+                yield b"".join([*pieces, *events.closing(response)])
+            except AxonError as exc:
+                outcome = "error"
+                log.warning("stream_failed", error=exc.message)
+                await self.completions.finish(active, outcome=outcome)
+                failed = await self._keep_failed(target, active, events, exc)
+                yield b"".join([*pieces, *events.closing(failed)])
+            finally:
+                if outcome == "disconnected":
+                    if target.stored:
+                        self.leases.hold(target.response_id, self._relay(target, active, events))
+                    else:
+                        await asyncio.shield(self.completions.finish(active, outcome=outcome))
+
+    async def _logged(self, job_id: str) -> list[TokenChunk]:
+        """Every chunk of `job_id`'s log so far, in order."""
+        chunks: list[TokenChunk] = []
+        after = -1
+        while True:
+            page = await self._log.read(job_id, after, PAGE)
+            chunks += page
+            if len(page) < PAGE:
+                return chunks
+            after = page[-1].seq
+
+    async def _stored(self, tenant: str, response_id: str) -> StoredResponse:
+        stored = await self.store.get(tenant, response_id)
+        if stored is None:
+            raise response_not_found()
+        return stored
+
+    async def current(self, tenant: str, response_id: str) -> dict[str, Any]:
+        """The tenant's stored response as it is now: an unfinished one with its output so far
+        (from its job's chunk log), `in_progress` once a chunk came.
+
+        Raises:
+            NotFound: unknown, expired, deleted or another tenant's.
+        """
+        stored = await self._stored(tenant, response_id)
+        if stored.pending is None or stored.job_id is None:
+            return stored.response
+        events = ResponseEvents(skeleton_of(stored.response), quiet=True)
+        for chunk in await self._logged(stored.job_id):
+            events.chunk(chunk)
+        if events.last_seq < 0:
+            return stored.response
+        return {**skeleton_of(stored.response), "output": events.output("in_progress")}
+
+    async def cancel(self, tenant: str, response_id: str) -> dict[str, Any]:
+        """Cancel the tenant's unfinished background response: it is stored `cancelled` with its
+        output so far, and its job is cancelled.
+
+        Raises:
+            NotFound: unknown, expired, deleted or another tenant's.
+            InvalidRequest: not a background response, or finished.
+        """
+        stored = await self._stored(tenant, response_id)
+        if not stored.response.get("background"):
+            raise InvalidRequest(
+                "Only responses created with background=true can be cancelled; this one was not.",
+                param="response_id",
+                code="invalid_value",
+            )
+        if stored.pending is None or stored.job_id is None:
+            raise InvalidRequest(
+                f"This response is {stored.response['status']} already: only an unfinished one can be cancelled.",
+                param="response_id",
+                code="invalid_value",
+            )
+        events = ResponseEvents(skeleton_of(stored.response), quiet=True)
+        for chunk in await self._logged(stored.job_id):
+            events.chunk(chunk)
+        response = finished_response(
+            stored.response, status="cancelled", output=events.output("incomplete"), usage=events.usage
+        )
+        done = stored.model_copy(update={"response": response, "pending": None, "last_seq": events.last_seq})
+        if await self.store.finish(response_id, done):
+            await self.store.cancel_job(stored.job_id)
+            return response
+        return (await self._stored(tenant, response_id)).response  # it finished meanwhile
+
+    async def replay(self, tenant: str, response_id: str, *, starting_after: int | None) -> AsyncGenerator[bytes]:
+        """The stored response's events with a sequence_number past `starting_after` (all without
+        it), rebuilt from its job's chunk log, then, while it is unfinished, followed live to its
+        end. The checks are done before the first piece is asked for.
+
+        Raises:
+            NotFound: unknown, expired, deleted or another tenant's.
+            InvalidRequest: its events are not kept (expired log, or stored before logs), or
+                `starting_after` is past the end of a finished one.
+        """
+        stored = await self._stored(tenant, response_id)
+        if stored.job_id is None:
+            raise InvalidRequest(
+                "This response's events were not kept, so it cannot be streamed; retrieve it without stream.",
+                param="stream",
+                code="stream_unavailable",
+            )
+        chunks = await self._logged(stored.job_id)
+        events = ResponseEvents(skeleton_of(stored.response))
+        pieces = events.opening()
+        after = -1 if starting_after is None else starting_after
+        if stored.pending is None:
+            last_seq = stored.last_seq if stored.last_seq is not None else -1
+            for chunk in chunks:
+                if chunk.seq <= last_seq:
+                    pieces += events.chunk(chunk)
+            if events.last_seq < last_seq:
+                raise InvalidRequest(
+                    f"This response's events are kept for {self._settings.stream_log_ttl_s} s after its last "
+                    "one, and they are gone; retrieve it without stream.",
+                    param="stream",
+                    code="stream_expired",
+                )
+            pieces += events.closing(stored.response)
+            if after >= len(pieces) - 1:
+                raise InvalidRequest(
+                    f"starting_after is {after}, past the end of this response (its last event is {len(pieces) - 1}).",
+                    param="starting_after",
+                    code="invalid_value",
+                )
+            return _pieces([b"".join(pieces[after + 1 :])])
+        for chunk in chunks:
+            pieces += events.chunk(chunk)
+        return self._follow(response_id, stored, events, pieces, after)
+
+    async def _follow(
+        self, response_id: str, stored: StoredResponse, events: ResponseEvents, pieces: list[bytes], after: int
+    ) -> AsyncGenerator[bytes]:
+        """The events of an unfinished response past `after`: `pieces` (the logged ones), then
+        its chunks as they are logged, then its end once it is stored finished."""
+        assert stored.pending is not None and stored.job_id is not None
+        if len(pieces) > after + 1:
+            yield b"".join(pieces[after + 1 :])
+        idle_s = max(0.0, stored.pending.deadline - time.time()) + _DEADLINE_GRACE_S
+        with contextlib.suppress(TimeoutError):
+            async for chunk in self._log.follow(stored.job_id, events.last_seq, idle_timeout_s=idle_s):
+                first = events.seq
+                new = events.chunk(chunk)
+                skip = max(0, after + 1 - first)
+                if len(new) > skip:
+                    yield b"".join(new[skip:])
+        final = await self._finished(response_id)
+        if final is not None:
+            first = events.seq
+            end = events.closing(final)
+            skip = max(0, after + 1 - first)
+            if len(end) > skip:
+                yield b"".join(end[skip:])
+
+    async def _finished(self, response_id: str) -> dict[str, Any] | None:
+        """The response once its finisher stored it (whoever relays it, or takes it over once its
+        lease expires), or None if that does not happen within three leases."""
+        until = time.monotonic() + 3 * self.leases.lease_s + _DEADLINE_GRACE_S
+        while time.monotonic() < until:
+            stored = await self.store.get_any(response_id)
+            if stored is None:
+                return None
+            if stored.pending is None:
+                return stored.response
+            await asyncio.sleep(0.05)
+        return None
+
+    async def take_over(self, response_id: str) -> None:
+        """Finish a stored response whose relay was lost (its session manager died): rebuild it
+        from its job's chunk log, follow the log to the final chunk (the job runs on, or is taken
+        over by another worker) and keep it, failed if its job never ended before its deadline.
+        Its usage was recorded by its worker (nobody received the final chunk)."""
+        stored = await self.store.get_any(response_id)
+        if stored is None or stored.pending is None or stored.job_id is None:
+            await self.store.drop_lease(response_id)  # deleted, or finished meanwhile
+            return
+        target = await self._target_of(stored)
+        events = ResponseEvents(skeleton_of(stored.response), quiet=True)
+        idle_s = max(0.0, stored.pending.deadline - time.time()) + _DEADLINE_GRACE_S
         try:
-            choice, chunk = first
-            while True:
-                if chunk.finish_reason == "error":
-                    raise chunk_error(chunk)
-                pieces += events.chunk(chunk)
-                if not active.unfinished:
-                    break
-                if not active.stream.ready:
-                    yield b"".join(pieces)
-                    pieces = []
-                choice, chunk = await anext(rest)
-            outcome = chunk.finish_reason or "stop"
-            await self.completions.finish(active, outcome=outcome)
-            answer = choice.answer
-            status = _status(answer)
-            response = prepared.response(status=status, output=events.output(status), usage=active.usage)
-            await self.keep(prepared, answer, response)
-            yield b"".join([*pieces, *events.closing(response)])
-        except AxonError as exc:
-            outcome = "error"
-            log.warning("stream_failed", error=exc.message)
-            await self.completions.finish(active, outcome=outcome)
-            failed = prepared.response(status="failed", output=events.output("incomplete"), usage=active.usage)
-            failed["error"] = {"code": "server_error", "message": exc.message}
-            yield b"".join([*pieces, *events.failed(failed)])
-        finally:
-            if outcome == "disconnected":
-                await asyncio.shield(self.completions.finish(active, outcome=outcome))
+            async for chunk in self._log.follow(stored.job_id, -1, idle_timeout_s=idle_s):
+                events.chunk(chunk)
+        except TimeoutError:
+            events.error = (
+                "The response's job did not start before its deadline (no worker took it)."
+                if events.last_seq < 0
+                else "The response's job did not finish before its deadline."
+            )
+        if events.error is not None:
+            response = finished_response(
+                stored.response,
+                status="failed",
+                output=events.output("incomplete"),
+                usage=events.usage,
+                error={"code": "server_error", "message": events.error},
+            )
+            await self.keep(target, None, response, job_id=stored.job_id, last_seq=events.last_seq)
+            return
+        status = status_of(events.finish_reason)
+        response = finished_response(stored.response, status=status, output=events.output(status), usage=events.usage)
+        await self.keep(target, events.reply(), response, job_id=stored.job_id, last_seq=events.last_seq)
+
+    async def _target_of(self, stored: StoredResponse) -> Target:
+        """The target of an unfinished stored response, as its record keeps it."""
+        assert stored.pending is not None
+        session = None
+        if stored.pending.session_id is not None:
+            with contextlib.suppress(NotFound):  # deleted meanwhile: nothing to append to
+                session = await self._sessions.get(stored.tenant, stored.pending.session_id)
+        split = stored.pending.history
+        return Target(
+            response_id=stored.response["id"],
+            tenant=stored.tenant,
+            initial=stored.response,
+            history=stored.context[:split],
+            new=stored.context[split:],
+            input_items=stored.input_items,
+            session=session,
+            stored=True,
+        )
+
+
+def _not_stored(exc: BaseException) -> Unavailable:
+    log.error("response_not_stored", error=repr(exc))
+    return Unavailable(
+        "The response could not be saved, so it was not kept; try again shortly.",
+        retry_after_s=2,
+        code="response_not_stored",
+    )
+
+
+async def _pieces(pieces: list[bytes]) -> AsyncGenerator[bytes]:
+    for piece in pieces:
+        yield piece

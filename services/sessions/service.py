@@ -211,10 +211,12 @@ class CompletionService:
         caller: Caller,
         request_id: str,
         resumable: bool = False,
+        timeout_s: float | None = None,
     ) -> ActiveRequest:
         """Admit the request and publish its jobs (one per choice, all or none). `resumable`: the
         jobs keep their chunk logs for `AXON_STREAM_LOG_TTL_S` (`services/sessions/chunk_log.py`),
-        so their stream can be replayed and followed from any session manager.
+        so their stream can be replayed and followed from any session manager. `timeout_s`: the
+        jobs' deadline is this far ahead (None: `AXON_REQUEST_TIMEOUT_S`).
 
         Raises:
             ModelNotFound, Unavailable, InvalidRequest, NotFound, Conflict: refused before
@@ -257,6 +259,8 @@ class CompletionService:
             )
             if resumable:
                 job.chunk_log_ttl_s = self._settings.stream_log_ttl_s
+            if timeout_s is not None:
+                job.deadline = time.time() + timeout_s
             jobs = [job, *(_for_choice(job, i, s) for i, s in enumerate(streams[1:], 1))]
             # A session's job goes to the worker that served its last turn while it is live and
             # not draining (its prefix cache holds the conversation), a sessionless conversation's

@@ -43,6 +43,18 @@ class SessionsSettings(CommonSettings):
     session_cache_ttl_s: int = Field(86_400, ge=60)
     # Stored responses (`POST /v1/responses` with `store`) expire this long after they were created.
     response_ttl_s: int = Field(30 * 86_400, ge=60)
+    background_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="a background response's deadline: it may wait in the queue and run this long (a chat request"
+        " has AXON_REQUEST_TIMEOUT_S)",
+    )
+    response_lease_s: float = Field(
+        10.0,
+        ge=1,
+        description="the lease of the session manager relaying an unfinished stored response, renewed every third"
+        " of it; once it expires (that process died) another one takes the response over",
+    )
     stream_log_ttl_s: int = Field(
         3600,
         ge=60,

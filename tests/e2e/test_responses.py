@@ -1,8 +1,10 @@
 """OpenAI's Responses API through the official `openai` client, on the shared stack (sim engine):
 create (string and items input, instructions), retrieve, delete, input items, a
 `previous_response_id` chain, a `conversation` it appends to, a function tool round trip, bad
-input, and a stored response read back from PostgreSQL once Redis lost it. Every answer is checked
-against the SDK's models on the way (`tests/contract/transport.py`)."""
+input, a stored response read back from PostgreSQL once Redis lost it, background responses
+(polled, streamed, cancelled) and a stored stream resumed after its client left. Every answer is
+checked against the SDK's models on the way (`tests/contract/transport.py`). Kill tests:
+`test_responses_takeover.py`."""
 
 import asyncio
 import json
@@ -212,7 +214,11 @@ def test_bad_input(checked: tuple[OpenAI, ContractTransport], other_client: Open
             400,
             "previous_response_id",
         ),
-        (lambda: client.responses.create(model=SIM_MODEL, input="x", background=True), 400, "background"),
+        (
+            lambda: client.responses.create(model=SIM_MODEL, input="x", background=True, store=False),
+            400,
+            "background",
+        ),
         (
             lambda: client.responses.create(model=SIM_MODEL, input="x", max_output_tokens=10**7),
             400,
@@ -353,11 +359,15 @@ def test_streamed_function_call(checked: tuple[OpenAI, ContractTransport]) -> No
     assert [(c.id, c.arguments, c.name) for c in calls] == [(d.item_id, d.arguments, "get_weather") for d in done]  # type: ignore[union-attr]
 
 
-def test_a_client_that_leaves_a_stream_stops_it(checked: tuple[OpenAI, ContractTransport], sessions: Service) -> None:
+def test_a_client_that_leaves_an_unstored_stream_stops_it(
+    checked: tuple[OpenAI, ContractTransport], sessions: Service
+) -> None:
     client, _ = checked
     labels = {"model": SIM_MODEL, "outcome": "disconnected"}
     before = metric(sessions, "axon_sessions_requests_total", **labels)
-    stream = client.responses.create(model=SIM_MODEL, input="A long story.", max_output_tokens=2000, stream=True)
+    stream = client.responses.create(
+        model=SIM_MODEL, input="A long story.", max_output_tokens=2000, stream=True, store=False
+    )
     events = iter(stream)
     created = next(events)
     for _ in range(10):
@@ -367,7 +377,7 @@ def test_a_client_that_leaves_a_stream_stops_it(checked: tuple[OpenAI, ContractT
     while metric(sessions, "axon_sessions_requests_total", **labels) < before + 1:
         assert time.monotonic() < deadline, "the job was not stopped"
         time.sleep(0.1)
-    # An answer that never ended is not stored.
+    # An unstored response is not kept.
     assert _error(lambda: client.responses.retrieve(created.response.id)).status_code == 404  # type: ignore[union-attr]
 
 
@@ -386,3 +396,85 @@ def test_a_streamed_response_extends_its_conversation_and_chain(checked: tuple[O
     chained = client.responses.create(model=SIM_MODEL, input="More.", previous_response_id=final.id, stream=True)
     last = list(chained)[-1].response  # type: ignore[union-attr]
     assert last.previous_response_id == final.id and last.usage.input_tokens > final.usage.input_tokens
+
+
+def _wait_status(
+    client: OpenAI, response_id: str, statuses: set[str], timeout_s: float = 20
+) -> openai.types.responses.Response:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status in statuses:
+            return response
+        assert time.monotonic() < deadline, f"still {response.status}"
+        time.sleep(0.05)
+
+
+def test_background_polling_to_completed(checked: tuple[OpenAI, ContractTransport], other_client: OpenAI) -> None:
+    client, _ = checked
+    queued = client.responses.create(model=SIM_MODEL, input="Background story.", max_output_tokens=150, background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    running = _wait_status(client, queued.id, {"in_progress"})
+    assert running.output_text  # the output so far, from the job's chunk log
+    done = _wait_status(client, queued.id, {"incomplete", "completed"})
+    assert done.usage is not None and done.usage.output_tokens == 150
+    assert done.output_text.startswith(running.output_text) and len(done.output_text) > len(running.output_text)
+    cancel_finished = _error(lambda: client.responses.cancel(queued.id))
+    assert (cancel_finished.status_code, cancel_finished.body["param"]) == (400, "response_id")  # type: ignore[index]
+    # The whole stream, replayed from its chunk log, ends with the stored response.
+    events = list(client.responses.retrieve(queued.id, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "queued" and events[-1].response == done  # type: ignore[union-attr]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    assert text == done.output_text
+    for call in (
+        lambda: other_client.responses.retrieve(queued.id),
+        lambda: other_client.responses.retrieve(queued.id, stream=True),
+        lambda: other_client.responses.cancel(queued.id),
+        lambda: other_client.responses.input_items.list(queued.id),
+    ):
+        assert _error(call).status_code == 404
+
+
+def test_background_cancel_and_stream(checked: tuple[OpenAI, ContractTransport]) -> None:
+    client, _ = checked
+    queued = client.responses.create(model=SIM_MODEL, input="A very long one.", max_output_tokens=4000, background=True)
+    _wait_status(client, queued.id, {"in_progress"})
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled" and cancelled.output_text
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    assert _error(lambda: client.responses.cancel(queued.id)).status_code == 400
+
+    streamed = list(
+        client.responses.create(model=SIM_MODEL, input="Go.", max_output_tokens=8, background=True, stream=True)
+    )
+    assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
+    assert streamed[0].type == "response.created" and streamed[0].response.status == "queued"  # type: ignore[union-attr]
+    final = streamed[-1].response  # type: ignore[union-attr]
+    assert streamed[-1].type == "response.incomplete" and final.usage.output_tokens == 8
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_a_stored_stream_outlives_its_client_and_resumes(checked: tuple[OpenAI, ContractTransport]) -> None:
+    client, _ = checked
+    stream = client.responses.create(model=SIM_MODEL, input="Resume me.", max_output_tokens=120, stream=True)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if len(seen) == 12:
+            break
+    stream.close()
+    response_id = seen[0].response.id  # type: ignore[union-attr]
+    last = seen[-1].sequence_number
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=last))
+    assert [e.sequence_number for e in rest] == list(range(last + 1, last + 1 + len(rest)))
+    events = seen + rest
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    stored = client.responses.retrieve(response_id)
+    assert stored.status == "incomplete" and stored.usage is not None and stored.usage.output_tokens == 120
+    assert text == stored.output_text and rest[-1].response == stored  # type: ignore[union-attr]
+    # Replayed whole, the stream is the same one.
+    again = list(client.responses.retrieve(response_id, stream=True))
+    assert [e.model_dump() for e in again[: len(seen)]] == [e.model_dump() for e in seen]
+    past = _error(lambda: list(client.responses.retrieve(response_id, stream=True, starting_after=len(again) - 1)))
+    assert (past.status_code, past.body["param"]) == (400, "starting_after")  # type: ignore[index]

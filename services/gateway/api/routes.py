@@ -80,6 +80,24 @@ for _path, _name, _what, _body in _COMPLETION_ROUTES:
     )
 
 
+_RESUME_STREAM = [
+    query("starting_after", {"type": "integer", "minimum": -1}, "Id of the last event received (or Last-Event-ID)."),
+]
+
+
+@router.get(
+    "/v1/chat/completions/{completion_id}/stream",
+    responses=error_responses(400, 404),
+    openapi_extra={"parameters": _RESUME_STREAM},
+)
+async def resume_chat_completion_stream(
+    completion_id: str, request: Request, caller: CallerDep, service: ServiceDep
+) -> Response:
+    """The rest of a session turn's streamed chat completion (`chatcmpl-...`), after the event the
+    `Last-Event-ID` header (or `starting_after`) names, live until it ends (an Axon extension)."""
+    return await service.call(request, caller)
+
+
 @router.get("/v1/models", responses=error_responses())
 async def list_models(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """List the models that live workers serve, with their context length and capabilities."""
@@ -215,9 +233,18 @@ _PAGE_INPUT_ITEMS = [
 ]
 
 
-@router.get("/v1/responses/{response_id}", responses=error_responses(404))
+_STREAM_RESPONSE = [
+    query("stream", {"type": "boolean", "default": False}, "Stream its events: replayed, then live until it ends."),
+    query("starting_after", {"type": "integer", "minimum": -1}, "With stream: the events after this sequence_number."),
+]
+
+
+@router.get(
+    "/v1/responses/{response_id}", responses=error_responses(400, 404), openapi_extra={"parameters": _STREAM_RESPONSE}
+)
 async def get_response(response_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
-    """Get one of your stored responses (`resp_<hex>`)."""
+    """Get one of your stored responses (`resp_<hex>`; an unfinished one with its output so far),
+    or with `stream=true` its events from the first (or after `starting_after`), live until it ends."""
     return await service.call(request, caller)
 
 
@@ -229,7 +256,7 @@ async def delete_response(response_id: str, request: Request, caller: CallerDep,
 
 @router.post("/v1/responses/{response_id}/cancel", responses=error_responses(400, 404))
 async def cancel_response(response_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
-    """Cancel a background response; a finished one answers 400 (background responses are not supported yet)."""
+    """Cancel an unfinished background response; a finished one, or one not created in the background, is 400."""
     return await service.call(request, caller)
 
 

@@ -1,15 +1,18 @@
 """OpenAI's Responses API (`/v1/responses`) on the caller's tenant (`services/sessions/responses_api.py`).
 
 `POST /v1/responses` runs a completion, so it is a hot route like `/v1/chat/completions` (a client
-that disconnects cancels its job); the stored responses' routes are FastAPI routes. Another
-tenant's response gets 404.
+that disconnects cancels an unstored response's job; a stored one runs on); the stored responses'
+routes are FastAPI routes. Another tenant's response gets 404.
 """
 
 import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
 from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
@@ -76,20 +79,39 @@ async def _respond(
             watch.stop()
         await send_json(send, 200, orjson.dumps(response))
         return 200
+    if body.background:  # runs on its own: the client follows its events in its chunk log
+        created = await service.create(body, caller=caller, request_id=request_id)
+        await _send_events(
+            await service.replay(caller.tenant, created["id"], starting_after=None), scope, receive, send
+        )
+        return 200
     prepared = await service.prepare(body, caller=caller)
     active = await service.start(prepared, caller=caller, request_id=request_id)
     watch = DisconnectWatch(scope, receive)
     try:
         first, rest = await service.completions.first_chunk(active)  # failures before any token get a real status
-        started = False
-        async for piece in service.stream(prepared, active, first, rest):
-            if not started:  # the head goes out right before the first piece: the gateway reads them together
-                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-                started = True
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
+    finally:
         watch.stop()
+    await _send_events(service.stream(prepared, active, first, rest), scope, receive, send)
+    return 200
+
+
+async def _send_events(events: AsyncGenerator[bytes], scope: Scope, receive: Receive, send: Send) -> None:
+    """Send `events` as an SSE body (the head goes out right before the first piece: the gateway
+    reads them together); a client that leaves cancels the sending, and `events` is closed at once."""
+    watch = DisconnectWatch(scope, receive)
+    try:
+        async with contextlib.aclosing(events):
+            started = False
+            async for piece in events:
+                if not started:
+                    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                    started = True
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        watch.stop()
+        if not started:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return 200
     finally:
         watch.stop()
 
@@ -109,10 +131,22 @@ async def _stored(request: Request, tenant: str, response_id: str) -> StoredResp
     return stored
 
 
-@router.get("/{response_id}")
-async def get_response(response_id: str, caller: CallerDep, request: Request) -> dict[str, Any]:
-    """A stored response."""
-    return (await _stored(request, caller.tenant, response_id)).response
+@router.get("/{response_id}", response_model=None)
+async def get_response(
+    response_id: str,
+    caller: CallerDep,
+    request: Request,
+    stream: Annotated[bool, Query(description="Stream its events (replayed, then live until it ends).")] = False,
+    starting_after: Annotated[
+        int | None, Query(ge=-1, description="With stream: only the events after this sequence_number.")
+    ] = None,
+) -> dict[str, Any] | StreamingResponse:
+    """A stored response (an unfinished one with its output so far), or with `stream` its events."""
+    service = _service(request)
+    if not stream:
+        return await service.current(caller.tenant, response_id)
+    events = await service.replay(caller.tenant, response_id, starting_after=starting_after)
+    return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
 @router.delete("/{response_id}")
@@ -125,15 +159,9 @@ async def delete_response(response_id: str, caller: CallerDep, request: Request)
 
 @router.post("/{response_id}/cancel")
 async def cancel_response(response_id: str, caller: CallerDep, request: Request) -> dict[str, Any]:
-    """Cancel a background response. OpenAI answers 400 for a response not created with
-    `background: true`, and no stored response is one (background is not supported yet): every one
-    is finished by the time it is stored."""
-    await _stored(request, caller.tenant, response_id)
-    raise InvalidRequest(
-        "Only responses created with background=true can be cancelled; this one was not, and it is finished.",
-        param="response_id",
-        code="invalid_value",
-    )
+    """Cancel an unfinished background response (400 for a finished one, or one not created with
+    `background: true`, as OpenAI answers)."""
+    return await _service(request).cancel(caller.tenant, response_id)
 
 
 @router.get("/{response_id}/input_items")

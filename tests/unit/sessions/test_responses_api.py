@@ -12,13 +12,16 @@ from services.gateway.service import _stream_end, budget_reservation, estimate_p
 from services.sessions.api.responses import parse_response_create
 from services.sessions.responses import Answer
 from services.sessions.responses_api import (
-    Prepared,
     ResponseEvents,
     ResponsesService,
+    Target,
     answer_message,
+    finished_response,
     input_messages,
     message_items,
     response_object,
+    skeleton_of,
+    status_of,
     usage_object,
 )
 from services.sessions.turns import fit_history
@@ -125,7 +128,7 @@ def test_chat_rules_still_hold_naming_the_responses_param(fields: dict, param: s
 @pytest.mark.parametrize(
     ("raw", "param"),
     [
-        (b'{"model": "m", "input": "x", "background": true}', "background"),
+        (b'{"model": "m", "input": "x", "background": true, "store": false}', "background"),
         (
             b'{"model": "m", "input": "x", "previous_response_id": "resp_1", "conversation": "conv_1"}',
             "previous_response_id",
@@ -257,18 +260,6 @@ def test_the_event_builder_numbers_events_and_closes_every_item_in_order() -> No
     assert added == [item.id for item in response.output]  # the ids streamed are the stored ones
 
 
-def test_a_failed_stream_ends_with_response_failed() -> None:
-    skeleton = response_object(
-        _body(), response_id="resp_1", created_at=1.0, status="in_progress", output=[], usage=None, conversation=None
-    )
-    events = ResponseEvents(skeleton)
-    pieces = [*events.opening(), *events.chunk(TokenChunk(seq=0, text="Hi"))]
-    failed = {**skeleton, "status": "failed", "output": events.output("incomplete")}
-    failed["error"] = {"code": "server_error", "message": "boom"}
-    parsed = _parse([*pieces, *events.failed(failed)])
-    assert parsed[-1]["type"] == "response.failed" and parsed[-1]["sequence_number"] == len(parsed) - 1
-
-
 @pytest.mark.parametrize(
     ("piece", "end"),
     [
@@ -320,26 +311,107 @@ def test_chat_params_are_named_as_the_responses_body_names_them(chat: str | None
 
 
 class _DownStore:
-    async def save(self, response_id: str, stored: object) -> None:
+    async def finish(self, response_id: str, stored: object) -> bool:
         raise RedisError("Redis is down")
 
 
 async def test_a_response_that_cannot_be_stored_is_503_not_taken_for_kept() -> None:
     body = _body()
     new = input_messages(body)
-    prepared = Prepared(
-        body=body,
+    initial = response_object(
+        body, response_id="resp_1", created_at=1.0, status="in_progress", output=[], usage=None, conversation=None
+    )
+    target = Target(
+        response_id="resp_1",
         tenant="t",
-        chat=body.chat_request(new, LIMITS),
+        initial=initial,
         history=[],
         new=new,
+        input_items=message_items(new),
         session=None,
+        stored=True,
+    )
+    service = ResponsesService(
+        settings=None,  # type: ignore[arg-type]
+        completions=None,  # type: ignore[arg-type]
+        catalog=None,  # type: ignore[arg-type]
+        sessions=None,  # type: ignore[arg-type]
+        store=_DownStore(),  # type: ignore[arg-type]
+        chunk_log=None,  # type: ignore[arg-type]
+        leases=None,  # type: ignore[arg-type]
+    )
+    response = finished_response(initial, status="completed", output=[], usage=Usage())
+    with pytest.raises(Unavailable) as caught:
+        await service.keep(target, Message(role="assistant", content="hi"), response, job_id="j", last_seq=0)
+    assert caught.value.code == "response_not_stored"
+
+
+def _chunks() -> list[TokenChunk]:
+    return [
+        TokenChunk(seq=0, text="Let me "),
+        TokenChunk(seq=1, tool_calls=[_call(0, name="get_weather", arguments="{}")]),
+        TokenChunk(seq=2, text="see.", finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=2)),
+    ]
+
+
+def test_events_rebuilt_from_the_same_chunks_are_the_same_bytes() -> None:
+    body = _body(tools=[TOOL], background=True)
+    initial = response_object(
+        body, response_id="resp_ab", created_at=1.0, status="queued", output=[], usage=None, conversation=None
+    )
+
+    def run() -> tuple[list[bytes], ResponseEvents]:
+        events = ResponseEvents(skeleton_of(initial))
+        pieces = events.opening()
+        for chunk in [*_chunks(), _chunks()[1]]:  # a chunk seen twice adds nothing
+            pieces += events.chunk(chunk)
+        final = finished_response(initial, status="completed", output=events.output("completed"), usage=events.usage)
+        return [*pieces, *events.closing({**final, "completed_at": 2})], events
+
+    first, events = run()
+    assert first == run()[0]
+    parsed = _parse(first)
+    assert parsed[0]["response"]["status"] == "queued" and parsed[1]["response"]["status"] == "in_progress"
+    assert parsed[0]["response"]["background"] is True
+    final = Response.model_validate(parsed[-1]["response"])
+    assert [item.id for item in final.output] == ["msg_ab_0", "fc_ab_1"]
+    assert final.output[1].call_id == "call_ab_1"  # type: ignore[union-attr]  # the worker sent none
+    assert events.reply().content == "Let me see." and events.reply().tool_calls is not None
+    assert events.last_seq == 2 and events.finish_reason == "stop" and events.usage is not None
+    assert events.seq == len(parsed)
+    quiet = ResponseEvents(skeleton_of(initial), quiet=True)
+    assert all(piece == b"" for chunk in _chunks() for piece in quiet.chunk(chunk))
+    assert quiet.output("completed") == events.output("completed")
+
+
+@pytest.mark.parametrize(
+    ("reason", "status"),
+    [
+        ("stop", "completed"),
+        ("tool_calls", "completed"),
+        ("length", "incomplete"),
+        ("cancelled", "cancelled"),
+        ("error", "failed"),
+        (None, "completed"),
+    ],
+)
+def test_the_status_of_a_finish_reason(reason: str | None, status: str) -> None:
+    assert status_of(reason) == status
+
+
+def test_a_cancelled_or_failed_stream_ends_with_response_failed() -> None:
+    initial = response_object(
+        _body(background=True),
         response_id="resp_1",
         created_at=1.0,
+        status="queued",
+        output=[],
+        usage=None,
+        conversation=None,
     )
-    service = ResponsesService(settings=None, completions=None, catalog=None, sessions=None, store=_DownStore())  # type: ignore[arg-type]
-    answer = Answer(0)
-    answer.text.append("hi")
-    with pytest.raises(Unavailable) as caught:
-        await service.keep(prepared, answer, prepared.response(status="completed", output=[], usage=Usage()))
-    assert caught.value.code == "response_not_stored"
+    for status in ("cancelled", "failed"):
+        events = ResponseEvents(skeleton_of(initial))
+        pieces = [*events.opening(), *events.chunk(TokenChunk(seq=0, text="Hi"))]
+        end = finished_response(initial, status=status, output=events.output("incomplete"), usage=None)
+        parsed = _parse([*pieces, *events.closing(end)])
+        assert parsed[-1]["type"] == "response.failed" and parsed[-1]["response"]["status"] == status

@@ -1,0 +1,168 @@
+"""Leases on unfinished stored responses, so that each is finished by exactly one live session
+manager, whichever dies.
+
+An unfinished stored response is a member of the sorted set `<ns>:responses:running`, scored by
+the time (ms) its lease expires, and `<ns>:responses:owners` maps it to the instance holding the
+lease: the session manager relaying its job. That one renews every lease it holds every third of
+`AXON_RESPONSE_LEASE_S`; every session manager, as often, claims the leases that expired (their
+holder was killed, or stopped) in one script call, and takes each over: it rebuilds the response
+from its job's chunk log, follows the log to the final chunk and stores the response
+(`ResponsesService.take_over`). Finishing a response removes it from the set in the same script
+that stores it (`ResponseStore.finish`), so only one finisher stores it.
+"""
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import redis.asyncio as redis
+
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def running_key(namespace: str) -> str:
+    """Sorted set of unfinished stored responses, scored by their lease's expiry (epoch ms)."""
+    return f"{namespace}:responses:running"
+
+
+def owners_key(namespace: str) -> str:
+    """Hash: unfinished stored response -> the instance id holding its lease."""
+    return f"{namespace}:responses:owners"
+
+
+# Responses one sweep claims at most (the next sweep takes the rest).
+_CLAIM_BATCH = 64
+
+# KEYS: running set, owners hash. ARGV: owner, new expiry (ms), response ids...
+# Renews the leases `owner` still holds; returns, per id, 1 (renewed), 0 (finished: no longer
+# running) or -1 (another instance took it over).
+_RENEW = """
+local result = {}
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  if redis.call('ZSCORE', KEYS[1], id) == false then
+    result[#result + 1] = 0
+  elseif redis.call('HGET', KEYS[2], id) ~= ARGV[1] then
+    result[#result + 1] = -1
+  else
+    redis.call('ZADD', KEYS[1], 'XX', ARGV[2], id)
+    result[#result + 1] = 1
+  end
+end
+return result
+"""
+# KEYS: running set, owners hash. ARGV: owner, now (ms), new expiry (ms), batch.
+# Claims up to `batch` responses whose lease expired; returns their ids.
+_CLAIM = """
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2], 'LIMIT', 0, tonumber(ARGV[4]))
+for _, id in ipairs(ids) do
+  redis.call('ZADD', KEYS[1], ARGV[3], id)
+  redis.call('HSET', KEYS[2], id, ARGV[1])
+end
+return ids
+"""
+
+
+class ResponseLeases:
+    """This process's leases on unfinished stored responses, and the sweep that claims expired ones.
+
+    `hold(id, coro)` runs the relay of a response this process leased (`ResponseStore.open` took
+    the lease) as a task of its own, `attached(id)` marks one relayed by a client's request; `run`
+    renews them and claims the expired ones, starting `take_over(id)` for each. A task whose
+    response was finished elsewhere (cancelled, deleted) is cancelled, and `abandoned(id)` then
+    says so; one whose lease another instance took is cancelled too (that one finishes it).
+    """
+
+    def __init__(self, client: redis.Redis, *, namespace: str, instance_id: str, lease_s: float) -> None:
+        self._client = client
+        self.running_key = running_key(namespace)
+        self.owners_key = owners_key(namespace)
+        self.owner = instance_id
+        self.lease_s = lease_s
+        # Leased response -> the task relaying it (None: a client's request relays it).
+        self._tasks: dict[str, asyncio.Task[Any] | None] = {}
+        self._abandoned: set[str] = set()
+        self._renew = client.register_script(_RENEW)
+        self._claim = client.register_script(_CLAIM)
+
+    def expiry_ms(self) -> int:
+        return int((time.time() + self.lease_s) * 1000)
+
+    def hold(self, response_id: str, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":
+        """Run `coro`, the relay of leased `response_id`, as a task of its own (its lease is renewed
+        until it ends)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks[response_id] = task
+        task.add_done_callback(lambda done: self._release(response_id, done))
+        return task
+
+    @contextlib.contextmanager
+    def attached(self, response_id: str) -> Iterator[None]:
+        """Renew `response_id`'s lease while the block (a client's request relaying it) runs."""
+        self._tasks.setdefault(response_id, None)
+        try:
+            yield
+        finally:
+            if response_id in self._tasks and self._tasks[response_id] is None:
+                del self._tasks[response_id]
+                self._abandoned.discard(response_id)
+
+    def _release(self, response_id: str, task: "asyncio.Task[Any]") -> None:
+        if self._tasks.get(response_id) is task:
+            del self._tasks[response_id]
+        self._abandoned.discard(response_id)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("response_relay_failed", response_id=response_id, error=repr(task.exception()))
+
+    def holding(self, response_id: str) -> bool:
+        return response_id in self._tasks
+
+    def abandoned(self, response_id: str) -> bool:
+        """Whether `response_id`'s relay was cancelled because the response was finished elsewhere."""
+        return response_id in self._abandoned
+
+    async def run(self, take_over: Callable[[str], Coroutine[Any, Any, None]]) -> None:
+        """Every third of the lease: renew the leases held, then claim the expired ones."""
+        while True:
+            try:
+                await self._renew_held()
+                for response_id in await self._claim_expired():
+                    log.info("response_taken_over", response_id=response_id)
+                    self.hold(response_id, take_over(response_id))
+            except Exception as exc:  # noqa: BLE001 - Redis away: retried on the next beat
+                log.warning("response_lease_sweep_failed", error=repr(exc))
+            await asyncio.sleep(self.lease_s / 3)
+
+    async def _renew_held(self) -> None:
+        ids = list(self._tasks)
+        if not ids:
+            return
+        results = await self._renew(keys=[self.running_key, self.owners_key], args=[self.owner, self.expiry_ms(), *ids])
+        for response_id, result in zip(ids, results, strict=True):
+            if result == 1 or response_id not in self._tasks:
+                continue
+            if result == 0:
+                self._abandoned.add(response_id)
+            log.info("response_lease_lost", response_id=response_id, finished=result == 0)
+            task = self._tasks[response_id]
+            if task is not None:
+                task.cancel()
+
+    async def _claim_expired(self) -> list[str]:
+        now_ms = int(time.time() * 1000)
+        ids = await self._claim(
+            keys=[self.running_key, self.owners_key], args=[self.owner, now_ms, self.expiry_ms(), _CLAIM_BATCH]
+        )
+        return [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in ids]
+
+    async def stop(self) -> None:
+        """Cancel every relay (their leases expire and another instance takes them over)."""
+        tasks = [task for task in self._tasks.values() if task is not None]
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*tasks, return_exceptions=True)
