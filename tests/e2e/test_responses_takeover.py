@@ -1,0 +1,86 @@
+"""Background responses survive kill -9 of the session manager relaying them (another one takes
+the response over once its lease expires, and stores it and appends it to its conversation) and
+of the worker generating them (failover), each ending `completed` with the full text.
+
+The answers are JSON (`text.format`), which the simulator ends with `stop` once complete, at one
+short piece per 40 ms: long enough to kill a process mid-answer. The full text is that of the
+same request answered undisturbed (the simulator's answer depends only on the prompt)."""
+
+import time
+from typing import Any
+
+import pytest
+from openai import OpenAI
+from openai.types.responses import Response
+
+from services.cli.launcher import Service
+from tests.e2e.stack import Stack
+from tests.e2e.test_workers import client_for, holder, metric, sim_worker, wait_listed
+
+pytestmark = pytest.mark.e2e
+
+SCHEMA = {
+    "type": "object",
+    "properties": {name: {"type": "string", "minLength": 20} for name in ("title", "summary", "ending")},
+    "required": ["title", "summary", "ending"],
+}
+TEXT = {"format": {"type": "json_schema", "name": "story", "schema": SCHEMA}}
+
+
+def _ask(client: OpenAI, model: str, prompt: str, **fields: Any) -> Response:
+    return client.responses.create(model=model, input=prompt, text=TEXT, **fields)  # type: ignore[arg-type]
+
+
+def _wait(client: OpenAI, response_id: str, statuses: set[str], timeout_s: float = 30) -> Response:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status in statuses:
+            return response
+        assert time.monotonic() < deadline, f"still {response.status}"
+        time.sleep(0.05)
+
+
+def test_killing_the_relaying_session_manager_another_takes_the_response_over(
+    stack: Stack, gateway: Service, sessions: Service, api_key: str
+) -> None:
+    model = "takeover-sessions-sim"
+    sim_worker(stack, "takeover-sessions", model, AXON_SIM_ITL_MS="40")
+    victim = stack.start("sessions:takeover", env={"AXON_RESPONSE_LEASE_S": "2"})
+    victim_gateway = stack.start("gateway:takeover", env={"AXON_SESSIONS_URL": victim.url})
+    client, survivor = client_for(victim_gateway, api_key), client_for(gateway, api_key)
+    wait_listed(client, model)
+    expected = _ask(survivor, model, "A story, please.", store=False)
+    assert expected.status == "completed"
+
+    conversation = client.conversations.create()
+    queued = _ask(client, model, "A story, please.", background=True, conversation=conversation.id)
+    running = _wait(client, queued.id, {"in_progress"})
+    victim.kill()
+    done = _wait(survivor, queued.id, {"completed", "incomplete", "failed"})
+    assert done.status == "completed" and done.output_text == expected.output_text
+    assert len(done.output_text) > len(running.output_text)
+    items = survivor.conversations.items.list(conversation.id, order="asc").data
+    assert [i.role for i in items] == ["user", "assistant"]  # type: ignore[union-attr]
+    assert items[1].content[0].text == expected.output_text  # type: ignore[union-attr]
+    taken = [line for line in sessions.log_text().splitlines() if '"event":"response_taken_over"' in line]
+    assert any(queued.id in line for line in taken)  # by the survivor
+    events = list(survivor.responses.retrieve(queued.id, stream=True))
+    assert events[-1].response == done  # type: ignore[union-attr]
+
+
+def test_killing_the_worker_another_finishes_the_response(stack: Stack, gateway: Service, api_key: str) -> None:
+    model = "takeover-workers-sim"
+    workers = [sim_worker(stack, f"takeover-workers-{i}", model, AXON_SIM_ITL_MS="40") for i in range(2)]
+    client = client_for(gateway, api_key)
+    wait_listed(client, model)
+    expected = _ask(client, model, "Another story.", store=False)
+
+    queued = _ask(client, model, "Another story.", background=True)
+    running = _wait(client, queued.id, {"in_progress"})
+    holder(workers, model).kill()
+    done = _wait(client, queued.id, {"completed", "incomplete", "failed"})
+    assert done.status == "completed" and done.output_text == expected.output_text
+    assert len(done.output_text) > len(running.output_text)
+    survivor = next(w for w in workers if w.process.poll() is None)
+    assert metric(survivor, "axon_worker_jobs_total", model=model, outcome="resumed") == 1
