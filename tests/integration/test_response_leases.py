@@ -1,0 +1,107 @@
+"""Leases on unfinished stored responses against real Redis and PostgreSQL: one process's expired
+lease is claimed by another exactly once, renewing reports a finished or taken response, the
+first finisher alone stores it, and a response whose job never started is taken over and stored
+`failed` once its deadline passed."""
+
+import asyncio
+import time
+import uuid
+
+import asyncpg
+import pytest
+
+from services.sessions.chunk_log import ChunkLog
+from services.sessions.outbox import Outbox
+from services.sessions.response_runs import ResponseLeases
+from services.sessions.responses_api import (
+    Pending,
+    ResponsesService,
+    ResponseStore,
+    StoredResponse,
+    finished_response,
+)
+from shared.names import Names
+from shared.schemas import Message
+
+INITIAL = {"object": "response", "status": "queued", "background": True, "output": [], "usage": None}
+
+
+@pytest.fixture
+async def setup(database_url, redis_client, namespace):
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
+    names = Names(f"{namespace}-leases-{uuid.uuid4().hex[:6]}")
+    store = ResponseStore(redis_client, pool, Outbox(redis_client, names), namespace=names.namespace, ttl_s=3600)
+    yield names, store
+    await redis_client.delete(
+        names.outbox, f"{names.namespace}:responses:running", f"{names.namespace}:responses:owners"
+    )
+    await pool.close()
+
+
+def _leases(redis_client, names: Names, owner: str, lease_s: float = 1.0) -> ResponseLeases:
+    return ResponseLeases(redis_client, namespace=names.namespace, instance_id=owner, lease_s=lease_s)
+
+
+def _unfinished(response_id: str, *, deadline: float) -> StoredResponse:
+    return StoredResponse(
+        tenant="t",
+        response={**INITIAL, "id": response_id},
+        input_items=[],
+        context=[Message(role="user", content="hi")],
+        job_id=str(uuid.uuid4()),
+        pending=Pending(history=0, deadline=deadline),
+    )
+
+
+async def test_an_expired_lease_is_claimed_once_and_the_first_finisher_alone_stores(setup, redis_client) -> None:
+    names, store = setup
+    dead, alive, other = (_leases(redis_client, names, owner) for owner in ("dead", "alive", "other"))
+    response_id = "resp_" + uuid.uuid4().hex
+    stored = _unfinished(response_id, deadline=time.time() + 60)
+    await store.open(response_id, stored, owner="dead", lease_expiry_ms=int(time.time() * 1000) - 1)
+    claimed = await asyncio.gather(alive._claim_expired(), other._claim_expired())
+    assert sorted(claimed, key=len) == [[], [response_id]]  # one of the two, once
+    assert await alive._claim_expired() == [] and await other._claim_expired() == []  # renewed by the claim
+
+    winner = alive if claimed[0] else other
+    waiting = asyncio.Event()
+    winner.hold(response_id, waiting.wait())
+    dead.hold(response_id, waiting.wait())
+    await winner._renew_held()
+    await dead._renew_held()  # it lost the lease: its relay is stopped, the response is not "finished"
+    await asyncio.sleep(0.01)  # the cancelled task ends
+    assert not dead.holding(response_id) and not dead.abandoned(response_id) and winner.holding(response_id)
+
+    done = stored.model_copy(update={"response": {**stored.response, "status": "completed"}, "pending": None})
+    assert await store.finish(response_id, done)
+    assert not await store.finish(response_id, done.model_copy(update={"last_seq": 5}))  # a late finisher
+    again = await store.get("t", response_id)
+    assert again is not None and again.pending is None and again.last_seq is None
+    assert await redis_client.xlen(names.outbox) == 1  # written behind once
+    await winner._renew_held()  # finished elsewhere: its relay is cancelled as abandoned
+    await asyncio.sleep(0.01)  # the cancelled task ends
+    assert not winner.holding(response_id)
+
+
+async def test_a_response_whose_job_never_started_fails_at_its_deadline(setup, redis_client) -> None:
+    names, store = setup
+    leases = _leases(redis_client, names, "taker")
+    service = ResponsesService(
+        settings=None,  # type: ignore[arg-type]
+        completions=None,  # type: ignore[arg-type]
+        catalog=None,  # type: ignore[arg-type]
+        sessions=None,  # type: ignore[arg-type]
+        store=store,
+        chunk_log=ChunkLog(redis_client, names, block_s=0.5),
+        leases=leases,
+    )
+    response_id = "resp_" + uuid.uuid4().hex
+    await store.open(response_id, _unfinished(response_id, deadline=time.time() - 10), owner="dead", lease_expiry_ms=0)
+    started = time.monotonic()
+    await service.take_over(response_id)
+    assert time.monotonic() - started < 10  # the deadline passed: only the grace is waited
+    stored = await store.get("t", response_id)
+    assert stored is not None and stored.pending is None and stored.last_seq == -1
+    assert stored.response["status"] == "failed"
+    assert "did not start before its deadline" in stored.response["error"]["message"]
+    assert finished_response(INITIAL, status="failed", output=[], usage=None)["usage"]["total_tokens"] == 0
