@@ -80,6 +80,12 @@ class Names:
         return f"{self.namespace}:workers"
 
     @property
+    def model_profiles_key(self) -> str:
+        """Hash: model -> JSON of what its live workers last offered (context, supported parameters),
+        for requests that wait for a worker of a model that has none."""
+        return f"{self.namespace}:model-profiles"
+
+    @property
     def models_key(self) -> str:
         """Set of every model a worker has ever served in this namespace (known models)."""
         return f"{self.namespace}:models"

@@ -4,6 +4,9 @@ Workers heartbeat into one hash with an expiry time inside each entry; readers
 ignore (and sweep) expired entries, so a killed worker's model disappears once its
 last heartbeat expires. Every model ever served is also remembered, which tells
 "unknown model" (404) from "known model, no worker right now" (503).
+
+What a model's live workers offered (context, supported parameters) is remembered too, for requests
+that wait for a worker of a model whose pool has scaled to zero (`remember_profiles`).
 """
 
 import time
@@ -13,6 +16,7 @@ from typing import cast
 
 import orjson
 import redis.asyncio as redis
+from redis.typing import EncodableT, FieldT
 
 from shared.errors import Conflict, InvalidRequest
 from shared.names import Names
@@ -133,3 +137,22 @@ class WorkerRegistry:
 
     async def remove_alias(self, alias: str) -> bool:
         return bool(await self._redis.hdel(self._names.aliases_key, alias))
+
+    async def remember_profiles(self, live: dict[str, LiveModel]) -> None:
+        """Keep what the live workers of each model in `live` offer (its context and supported
+        parameters), replacing what was remembered of it."""
+        if live:
+            profiles: dict[FieldT, EncodableT] = {
+                model: orjson.dumps({"context_tokens": state.context_tokens, "supports": sorted(state.supports)})
+                for model, state in live.items()
+            }
+            await self._redis.hset(self._names.model_profiles_key, mapping=profiles)
+
+    async def profile(self, model: str) -> LiveModel | None:
+        """What the live workers of `model` offered when last seen, as a LiveModel with no worker
+        (None: never seen)."""
+        raw = await self._redis.hget(self._names.model_profiles_key, model)
+        if raw is None:
+            return None
+        profile = orjson.loads(raw)
+        return LiveModel(0, profile["context_tokens"], frozenset(profile["supports"]))

@@ -134,6 +134,13 @@ class Job(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=20)
     # Completions only: the answer starts with the prompt (and its logprobs, with `logprobs`).
     echo: bool = False
+    # Set when the job was queued while no worker of its model was live (scale to zero): its
+    # requester stops waiting at this Unix time unless the answer has begun, so a worker that takes
+    # it later, with nothing of it published yet, skips it.
+    start_by: float | None = None
+    # The request parameters (`Capability` names) the job uses that no live worker could be asked
+    # about when it was queued: a worker whose engine does not honour one refuses the job.
+    requires: list[str] = Field(default_factory=list)
     # Keep the job's chunks in its log (`Names.chunk_log`) for this many seconds after the last
     # one, for a client that reconnects to replay them; None: no log.
     chunk_log_ttl_s: int | None = Field(None, ge=1)

@@ -1,22 +1,39 @@
 """Which models can be served now, from worker heartbeats, with a short cache, and what they
-support."""
+support; and how long a request may wait for a worker of a model that has none (scale to zero)."""
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, get_args
 
 from shared.errors import InvalidRequest, ModelNotFound, Unavailable
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.registry import LiveModel, WorkerRegistry
+from shared.schemas import Capability
 
 # Suggested wait before retrying a model that has no live worker.
 NO_WORKER_RETRY_AFTER_S = 5
+# What a request waiting for a worker of a model never seen live assumes of it: every parameter
+# supported (its worker refuses what it does not honour, `Job.requires`) and no context bound (the
+# worker refuses a prompt longer than its context).
+UNSEEN_MODEL = LiveModel(0, 2**31 - 1, frozenset(get_args(Capability)))
 
 
 class ModelCatalog:
-    def __init__(self, registry: WorkerRegistry, *, cache_ttl_s: float) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        *,
+        cache_ttl_s: float,
+        cold_start_wait_s: float = 0.0,
+        cold_start_waits: Mapping[str, float] | None = None,
+    ) -> None:
         self._registry = registry
         self._cache_ttl_s = cache_ttl_s
+        self._cold_start_wait_s = cold_start_wait_s
+        self._cold_start_waits = dict(cold_start_waits or {})
+        # What this process last remembered of each live model (`WorkerRegistry.remember_profiles`).
+        self._remembered: dict[str, LiveModel] = {}
         self._live: dict[str, LiveModel] = {}
         self._aliases: dict[str, str] = {}
         self._fetched_at = float("-inf")
@@ -36,6 +53,20 @@ class ModelCatalog:
         live = await self._registry.live_models()
         aliases = await self._registry.aliases()
         self._live, self._aliases, self._fetched_at = live, aliases, time.monotonic()
+        await self._remember(live)
+
+    async def _remember(self, live: dict[str, LiveModel]) -> None:
+        """Remember the profile of each live model whose profile changed since this process last did,
+        for requests that will wait for one of its workers once it has none."""
+        changed = {
+            model: state
+            for model, state in live.items()
+            if (seen := self._remembered.get(model)) is None
+            or (seen.context_tokens, seen.supports) != (state.context_tokens, state.supports)
+        }
+        if changed:
+            await self._registry.remember_profiles(changed)
+            self._remembered.update(changed)
 
     def _fetched(self, fetch: asyncio.Future[None]) -> None:
         self._fetching = None
@@ -63,12 +94,40 @@ class ModelCatalog:
         if live is not None:
             return model, live
         if await self._registry.is_known(model):
-            raise Unavailable(
-                f"No worker is serving model '{model}' right now; try again shortly.",
-                retry_after_s=NO_WORKER_RETRY_AFTER_S,
-                code="no_worker",
-            )
+            raise no_worker(model)
         raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
+
+    def cold_start_wait(self, model: str) -> float:
+        """How long a request for `model` waits for a worker when none is live (0: refused at once)."""
+        return self._cold_start_waits.get(model, self._cold_start_wait_s)
+
+    async def require_or_wait(self, name: str, *, wait_s: float | None = None) -> tuple[str, LiveModel, float]:
+        """Return the model `name` refers to, its live state, and how long its request may wait for
+        a worker: 0 when a live worker serves it. When none does and the wait is above 0 (`wait_s`,
+        else the model's `cold_start_wait`), the state is what its workers offered when last seen
+        (`UNSEEN_MODEL` for a model never seen live, known from `AXON_COLD_START_WAITS` or the
+        registry), with no worker and no home.
+
+        Raises:
+            ModelNotFound: no worker has ever served it and `AXON_COLD_START_WAITS` does not list it.
+            Unavailable: `no_worker`, it is known, no worker serves it now, and its wait is 0.
+        """
+        model = await self.resolve(name)
+        live = (await self.live()).get(model)
+        if live is not None:
+            return model, live, 0.0
+        wait = self.cold_start_wait(model) if wait_s is None else wait_s
+        listed = model in self._cold_start_waits
+        if wait > 0:
+            profile = await self._registry.profile(model)
+            if profile is not None:
+                return model, profile, wait
+            if listed or await self._registry.is_known(model):
+                return model, UNSEEN_MODEL, wait
+        elif listed:
+            raise no_worker(model)
+        model, live = await self.require(name)
+        return model, live, 0.0
 
     async def listing(self) -> list[dict[str, Any]]:
         """OpenAI `/v1/models` entries: live models and the aliases that point at them."""
@@ -87,6 +146,15 @@ class ModelCatalog:
         if live is None:
             raise ModelNotFound(f"The model '{name}' does not exist or no worker serves it now.")
         return _entry(name, model, live)
+
+
+def no_worker(model: str) -> Unavailable:
+    """503 `no_worker` with Retry-After: no worker serves `model` now."""
+    return Unavailable(
+        f"No worker is serving model '{model}' right now; try again shortly.",
+        retry_after_s=NO_WORKER_RETRY_AFTER_S,
+        code="no_worker",
+    )
 
 
 def _entry(name: str, model: str, live: LiveModel) -> dict[str, Any]:

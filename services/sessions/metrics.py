@@ -116,6 +116,19 @@ class SessionsMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.cold_start_waits = Counter(
+            "axon_sessions_cold_start_waits_total",
+            "Requests queued while their model had no live worker (scale to zero), by how their wait"
+            " for its first chunk ended: `served`, `timed_out` (503 no_worker), `disconnected`, `error`.",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.cold_start_waiting = Gauge(
+            "axon_sessions_cold_start_waiting",
+            "Requests waiting now for a worker of their model to start.",
+            ["model"],
+            registry=self.registry,
+        )
         self.queue_poll_errors = Counter(
             "axon_sessions_queue_poll_errors_total",
             "Queue depth polls that failed (RabbitMQ or Redis unreachable).",

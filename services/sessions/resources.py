@@ -123,6 +123,8 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
         catalog = ModelCatalog(
             WorkerRegistry(client, names),
             cache_ttl_s=settings.models_cache_ttl_s,
+            cold_start_wait_s=settings.cold_start_wait_s,
+            cold_start_waits=settings.cold_start_waits,
         )
         poller = QueueDepthPoller(connection=connection, catalog=catalog, client=client, names=names, metrics=metrics)
         polling = asyncio.create_task(poller.run())

@@ -10,7 +10,7 @@ Order matters:
 import asyncio
 import datetime as dt
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ import orjson
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from services.sessions.catalog import ModelCatalog, require_supported
+from services.sessions.catalog import NO_WORKER_RETRY_AFTER_S, ModelCatalog, require_supported
 from services.sessions.jobs import JobPublisher, conversation_home
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox, UsageRow
@@ -44,6 +44,9 @@ _ERROR_TYPES: dict[str, type[AxonError]] = {
     "invalid_request_error": InvalidRequest,
 }
 HISTORY_DROPPED_HEADER = "x-axon-history-dropped"
+# How often a request waiting for a worker of its model to start is told (`on_wait`: a streaming
+# one sends an SSE comment), so no proxy on the way closes its idle connection.
+KEEPALIVE_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +213,7 @@ class CompletionService:
         kind: Kind,
         caller: Caller,
         request_id: str,
+        cold_start_wait_s: float | None = None,
         resumable: bool = False,
         timeout_s: float | None = None,
     ) -> ActiveRequest:
@@ -218,12 +222,18 @@ class CompletionService:
         so their stream can be replayed and followed from any session manager. `timeout_s`: the
         jobs' deadline is this far ahead (None: `AXON_REQUEST_TIMEOUT_S`).
 
+        Args:
+            cold_start_wait_s: how long the request may wait for a worker of its model to start
+                when none is live (its jobs queued meanwhile); None: the model's configured wait
+                (`AXON_COLD_START_WAITS`, else `AXON_COLD_START_WAIT_S`). Work that can wait
+                longer (a background response) passes more; the request's deadline bounds it.
+
         Raises:
             ModelNotFound, Unavailable, InvalidRequest, NotFound, Conflict: refused before
             any work was queued.
         """
         started = time.perf_counter()
-        model, live = await self._catalog.require(body.model)
+        model, live, wait_s = await self._catalog.require_or_wait(body.model, wait_s=cold_start_wait_s)
         require_supported(body, model, live)
         sampling = self._sampling(body, live)
         messages, prompt = self._input(body)
@@ -261,6 +271,8 @@ class CompletionService:
                 job.chunk_log_ttl_s = self._settings.stream_log_ttl_s
             if timeout_s is not None:
                 job.deadline = time.time() + timeout_s
+            if wait_s > 0:
+                job = _cold_start(job, body, wait_s)
             jobs = [job, *(_for_choice(job, i, s) for i, s in enumerate(streams[1:], 1))]
             # A session's job goes to the worker that served its last turn while it is live and
             # not draining (its prefix cache holds the conversation), a sessionless conversation's
@@ -406,12 +418,23 @@ class CompletionService:
         return self._pipe.submit("PUBLISH", self._names.cancel_channel, job_id)
 
     async def first_chunk(
-        self, active: ActiveRequest
+        self, active: ActiveRequest, *, on_wait: Callable[[], Awaitable[None]] | None = None
     ) -> tuple[tuple[Choice, TokenChunk], AsyncIterator[tuple[Choice, TokenChunk]]]:
-        """Wait for the first chunk (of any choice), so failures before any token get a real status code."""
+        """Wait for the first chunk (of any choice), so failures before any token get a real status code.
+
+        Args:
+            on_wait: called every `KEEPALIVE_INTERVAL_S` while a request queued for a model with
+                no live worker waits for one to start (a streaming one sends a keep-alive comment).
+
+        Raises:
+            Unavailable: `no_worker`, the request's cold-start wait passed first.
+        """
         chunks = active.chunks()
         try:
-            first = await anext(chunks)
+            if active.job.start_by is None:
+                first = await anext(chunks)
+            else:
+                first = await first_after_cold_start(active, chunks, on_wait=on_wait, metrics=self._metrics)
             if first[1].finish_reason == "error":
                 raise chunk_error(first[1])
         except asyncio.CancelledError:
@@ -680,6 +703,60 @@ _ANSWER_STATUSES = {
 }
 # Seeds are 64-bit: choice i's (seed + i) wraps around within them.
 _SEED_SPAN = 2**64
+
+
+async def first_after_cold_start(
+    active: ActiveRequest,
+    chunks: AsyncIterator[tuple[Choice, TokenChunk]],
+    *,
+    on_wait: Callable[[], Awaitable[None]] | None,
+    metrics: SessionsMetrics,
+) -> tuple[Choice, TokenChunk]:
+    """The first of `chunks` of a request queued while its model had no live worker, waited for
+    until its job's `start_by` (a worker taking the job later skips it), calling `on_wait` every
+    `KEEPALIVE_INTERVAL_S` meanwhile.
+
+    Raises:
+        Unavailable: `no_worker` with Retry-After, no chunk came by `start_by`.
+    """
+    job = active.job
+    assert job.start_by is not None
+    waiting = asyncio.ensure_future(anext(chunks))
+    metrics.cold_start_waiting.labels(job.model).inc()
+    outcome = "error"
+    try:
+        while (left_s := job.start_by - time.time()) > 0 and not waiting.done():
+            await asyncio.wait((waiting,), timeout=min(left_s, KEEPALIVE_INTERVAL_S))
+            if not waiting.done() and on_wait is not None and job.start_by > time.time():
+                await on_wait()
+        if not waiting.done():
+            outcome = "timed_out"
+            raise Unavailable(
+                f"No worker of model '{job.model}' started within its cold-start wait; try again shortly.",
+                retry_after_s=NO_WORKER_RETRY_AFTER_S,
+                code="no_worker",
+            )
+        first = waiting.result()
+        outcome = "served"
+        return first
+    except asyncio.CancelledError:
+        outcome = "disconnected"
+        raise
+    finally:
+        if not waiting.done():
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+        metrics.cold_start_waiting.labels(job.model).dec()
+        metrics.cold_start_waits.labels(job.model, outcome).inc()
+        log.info("cold_start_wait_ended", outcome=outcome)
+
+
+def _cold_start(job: Job, body: ChatCompletionRequest | CompletionRequest, wait_s: float) -> Job:
+    """`job` queued while its model has no live worker: its requester waits `wait_s` (at most until
+    its deadline) for one to start and take it, and the parameters it uses go with it, since no live
+    worker could be asked whether it honours them (a worker that does not refuses the job)."""
+    start_by = min(job.deadline, time.time() + wait_s)
+    return job.model_copy(update={"start_by": start_by, "requires": sorted(body.capabilities_used())})
 
 
 def _for_choice(job: Job, index: int, stream: TokenStream) -> Job:

@@ -1,5 +1,7 @@
 """Session manager settings (`AXON_*` environment variables)."""
 
+from typing import Annotated
+
 from pydantic import Field
 
 from shared.openai_requests import MAX_CHOICES, RequestLimits
@@ -23,6 +25,21 @@ class SessionsSettings(CommonSettings):
     # to the worker their first exchange hashes to. Off by default: it pays for clients that keep
     # the conversation themselves, and piles requests sharing a few-shot example onto one worker.
     prefix_affinity: bool = False
+    cold_start_wait_s: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "how long a request for a model with no live worker waits for one (its job queued, so an"
+            " autoscaler sees it) before 503 no_worker; 0 refuses at once"
+        ),
+    )
+    cold_start_waits: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=dict,
+        description=(
+            "JSON object model -> seconds: the cold-start wait of each model of a pool that scales to"
+            " zero, overriding cold_start_wait_s; a model listed is known even if no worker ever served it"
+        ),
+    )
     subscribe_timeout_s: float = Field(5.0, gt=0)
     # Token channels of new job ids kept subscribed ahead, so a request need not wait for its own.
     subscribe_ahead: int = Field(32, ge=0)

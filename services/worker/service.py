@@ -195,6 +195,15 @@ class JobRunner:
         if remaining_s <= 0:
             await publisher.finish_with_error("The request's deadline passed before it started.", "timeout_error")
             return "expired"
+        if job.start_by is not None and publisher.seq == 0 and time.time() > job.start_by:
+            await publisher.finish_cancelled()  # queued for a cold pool; its requester gave up waiting
+            return "cancelled"
+        unsupported = sorted(set(job.requires) - self._engine.supports)
+        if unsupported:
+            await publisher.finish_with_error(
+                f"{unsupported[0]} is not supported by the engine serving model {job.model}.", "invalid_request_error"
+            )
+            return "invalid"
         try:
             async with asyncio.timeout(remaining_s):
                 return await self._generate(job, publisher, resume)

@@ -27,6 +27,27 @@ router = APIRouter()
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+# An SSE comment: clients ignore it, proxies see the connection is not idle.
+SSE_KEEPALIVE = b": keep-alive\n\n"
+
+
+class StreamKeepAlive:
+    """Keeps a stream's connection busy while its request waits for a worker of its model to start
+    (`CompletionService.first_chunk`'s `on_wait`): the first beat sends the head (200: any later
+    failure is an error event), each beat an SSE comment."""
+
+    __slots__ = ("_headers", "_send", "started")
+
+    def __init__(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        self._send = send
+        self._headers = headers
+        self.started = False
+
+    async def beat(self) -> None:
+        if not self.started:
+            await self._send({"type": "http.response.start", "status": 200, "headers": self._headers})
+            self.started = True
+        await self._send({"type": "http.response.body", "body": SSE_KEEPALIVE, "more_body": True})
 
 
 def _hot_completion(kind: Kind) -> HotRoute:
@@ -73,14 +94,24 @@ async def _complete(
     active = await service.start(body, kind=kind, caller=caller, request_id=scope["state"]["request_id"])
     watch = DisconnectWatch(scope, receive)
     try:
-        first, rest = await service.first_chunk(active)
         extra = [(name.encode(), value.encode()) for name, value in active.headers().items()]
+        keepalive = None
+        if body.stream and active.job.start_by is not None:  # queued for a model with no live worker
+            keepalive = StreamKeepAlive(send, _SSE_HEADERS + extra)
+        try:
+            first, rest = await service.first_chunk(active, on_wait=keepalive.beat if keepalive else None)
+        except AxonError as exc:
+            if keepalive is None or not keepalive.started:
+                raise
+            watch.stop()
+            await send({"type": "http.response.body", "body": sse_error(exc), "more_body": False})
+            return 200
         if not body.stream:
             answer = await service.collect(active, first, rest)
             watch.stop()
             await send_json(send, 200, orjson.dumps(answer), extra)
             return 200
-        started = False
+        started = keepalive is not None and keepalive.started
         async for piece in service.sse(active, first, rest):
             if not started:  # the head goes out right before the first piece: the gateway reads them together
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + extra})
@@ -92,6 +123,11 @@ async def _complete(
         return 200
     finally:
         watch.stop()
+
+
+def sse_error(exc: AxonError) -> bytes:
+    """The end of a stream whose head has gone out: the error as an event, then `[DONE]`."""
+    return b"data: " + orjson.dumps(exc.body()) + b"\n\n" + SSE_END
 
 
 HOT_ROUTES = [_hot_completion("chat"), _hot_completion("completion")]
