@@ -36,3 +36,9 @@ def eks_manifests(helm_home: Path) -> list[dict]:
 @pytest.fixture(scope="session", params=["default", "eks"])
 def manifests(request: pytest.FixtureRequest) -> list[dict]:
     return request.getfixturevalue(f"{request.param}_manifests")
+
+
+@pytest.fixture(scope="session")
+def multinode_manifests(helm_home: Path) -> list[dict]:
+    """examples/multinode-405b.yaml: one pool as a LeaderWorkerSet of two 8-GPU nodes per replica."""
+    return _render(helm_home, "-f", str(CHART / "examples" / "multinode-405b.yaml"))

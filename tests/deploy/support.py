@@ -159,6 +159,48 @@ def load_manifests(text: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
+# --- rendered manifests ------------------------------------------------------------------------------
+
+
+def of_kind(manifests: list[dict], kind: str) -> list[dict]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+def named(manifests: list[dict], kind: str, name: str) -> dict:
+    found = [m for m in of_kind(manifests, kind) if m["metadata"]["name"] == name]
+    assert len(found) == 1, (
+        f"expected one {kind} {name}, got {[m['metadata']['name'] for m in of_kind(manifests, kind)]}"
+    )
+    return found[0]
+
+
+def component(manifests: list[dict], kind: str, name: str) -> list[dict]:
+    return [m for m in of_kind(manifests, kind) if m["metadata"]["labels"].get("app.kubernetes.io/component") == name]
+
+
+def workloads(manifests: list[dict]) -> list[dict]:
+    return of_kind(manifests, "Deployment") + of_kind(manifests, "Job")
+
+
+def env_of(container: dict) -> dict[str, object]:
+    """name -> literal value, or ("secret", name, key), or ("field", path)."""
+    out: dict[str, object] = {}
+    for item in container.get("env", []):
+        assert item["name"] not in out, f"{item['name']} is set twice in {container['name']}"
+        if "value" in item:
+            out[item["name"]] = item["value"]
+        elif "secretKeyRef" in item.get("valueFrom", {}):
+            ref = item["valueFrom"]["secretKeyRef"]
+            out[item["name"]] = ("secret", ref["name"], ref["key"])
+        else:
+            out[item["name"]] = ("field", item["valueFrom"]["fieldRef"]["fieldPath"])
+    return out
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
 # --- docker build, modelled --------------------------------------------------------------------------
 
 

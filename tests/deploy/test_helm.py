@@ -20,14 +20,20 @@ from tests.deploy.support import (
     KUBERNETES_VERSION,
     REQUIRED_SECRETS,
     axon_names_in_text,
+    component,
     console_scripts,
+    env_of,
     exported_metric_names,
     helm,
     load_manifests,
     metric_names_in_promql,
+    named,
+    of_kind,
+    selects,
     set_args,
     setting_default,
     settings_env_names,
+    workloads,
 )
 
 # Kinds of custom resources the chart renders; kubernetes-validate has no schema for them.
@@ -40,45 +46,6 @@ CUSTOM_KINDS = {
 
 
 # --- helpers -----------------------------------------------------------------------------------
-
-
-def of_kind(manifests: list[dict], kind: str) -> list[dict]:
-    return [m for m in manifests if m["kind"] == kind]
-
-
-def named(manifests: list[dict], kind: str, name: str) -> dict:
-    found = [m for m in of_kind(manifests, kind) if m["metadata"]["name"] == name]
-    assert len(found) == 1, (
-        f"expected one {kind} {name}, got {[m['metadata']['name'] for m in of_kind(manifests, kind)]}"
-    )
-    return found[0]
-
-
-def component(manifests: list[dict], kind: str, name: str) -> list[dict]:
-    return [m for m in of_kind(manifests, kind) if m["metadata"]["labels"].get("app.kubernetes.io/component") == name]
-
-
-def workloads(manifests: list[dict]) -> list[dict]:
-    return of_kind(manifests, "Deployment") + of_kind(manifests, "Job")
-
-
-def env_of(container: dict) -> dict[str, object]:
-    """name -> literal value, or ("secret", name, key), or ("field", path)."""
-    out: dict[str, object] = {}
-    for item in container.get("env", []):
-        assert item["name"] not in out, f"{item['name']} is set twice in {container['name']}"
-        if "value" in item:
-            out[item["name"]] = item["value"]
-        elif "secretKeyRef" in item.get("valueFrom", {}):
-            ref = item["valueFrom"]["secretKeyRef"]
-            out[item["name"]] = ("secret", ref["name"], ref["key"])
-        else:
-            out[item["name"]] = ("field", item["valueFrom"]["fieldRef"]["fieldPath"])
-    return out
-
-
-def selects(selector: dict, labels: dict) -> bool:
-    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
 
 
 def pod_labels(deployment: dict) -> dict:
@@ -324,7 +291,7 @@ def test_workers_get_their_identity_from_the_pod_name(manifests: list[dict]) -> 
 # --- GPUs and tensor parallelism ---------------------------------------------------------------------
 
 
-def test_gpu_workers_request_one_gpu_per_tensor_parallel_rank(manifests: list[dict]) -> None:
+def test_gpu_workers_request_one_gpu_per_rank(manifests: list[dict]) -> None:
     gpu_workers = 0
     for worker in worker_deployments(manifests):
         pod = worker["spec"]["template"]["spec"]
@@ -334,11 +301,11 @@ def test_gpu_workers_request_one_gpu_per_tensor_parallel_rank(manifests: list[di
             assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
             continue
         gpu_workers += 1
-        tp = int(env["AXON_TENSOR_PARALLEL_SIZE"])
-        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == tp
+        gpus = int(env["AXON_TENSOR_PARALLEL_SIZE"]) * int(env["AXON_PIPELINE_PARALLEL_SIZE"])
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == gpus
         assert (
             "nvidia.com/gpu" not in container["resources"].get("requests", {})
-            or int(container["resources"]["requests"]["nvidia.com/gpu"]) == tp
+            or int(container["resources"]["requests"]["nvidia.com/gpu"]) == gpus
         )
         # NCCL's shared memory: a memory-backed emptyDir on /dev/shm.
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
