@@ -125,7 +125,7 @@ class ResponseLeases:
         """Whether `response_id`'s relay was cancelled because the response was finished elsewhere."""
         return response_id in self._abandoned
 
-    async def run(self, take_over: Callable[[str], Coroutine[Any, Any, None]]) -> None:
+    async def run(self, take_over: Callable[[str], Coroutine[Any, Any, object]]) -> None:
         """Every third of the lease: renew the leases held, then claim the expired ones."""
         while True:
             try:

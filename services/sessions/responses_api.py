@@ -21,6 +21,7 @@ follow from the response id and output index), so any replica can replay and fol
 import asyncio
 import contextlib
 import datetime as dt
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -680,8 +681,9 @@ class ResponsesService:
         )
 
     async def _budget(self, body: ResponseCreate) -> int:
-        """The prompt tokens the model's context leaves beside the answer."""
-        _, live = await self._catalog.require(body.model)
+        """The prompt tokens the model's context leaves beside the answer (with no live worker, its
+        last-seen context: whether the request may wait for one is `start`'s to say)."""
+        _, live, _ = await self._catalog.require_or_wait(body.model, wait_s=math.inf)
         return live.context_tokens - (body.max_output_tokens or self._settings.default_max_tokens)
 
     async def start(self, prepared: Prepared, *, caller: Caller, request_id: str) -> ActiveRequest:
@@ -703,6 +705,9 @@ class ResponsesService:
                 request_id=request_id,
                 resumable=target.stored,
                 timeout_s=timeout_s,
+                # A background response waits for a worker of a model with none (scale to zero)
+                # until its deadline; any other waits its model's cold-start wait.
+                cold_start_wait_s=math.inf if prepared.body.background else None,
             )
         except InvalidRequest as exc:
             raise as_response_error(exc) from None
@@ -757,7 +762,7 @@ class ResponsesService:
         """
         chunks = active.chunks()
         try:
-            choice, chunk = first if first is not None else await anext(chunks)
+            choice, chunk = first if first is not None else await self.completions.first_of(active, chunks)
             while True:
                 if chunk.finish_reason == "error":
                     raise chunk_error(chunk)
@@ -772,6 +777,11 @@ class ResponsesService:
                 await asyncio.shield(self.completions.finish(active, outcome="disconnected"))
             raise
         except AxonError as exc:
+            if active.lost and target.stored:
+                final = await self._relay_lost(target, active)
+                if final is not None:
+                    return final
+                raise
             await self.completions.finish(active, outcome="error")
             await self._keep_failed(target, active, events, exc)
             raise
@@ -782,6 +792,15 @@ class ResponsesService:
         return await self.keep(
             target, answer_message(choice.answer), response, job_id=active.job.job_id, last_seq=events.last_seq
         )
+
+    async def _relay_lost(self, target: Target, active: ActiveRequest) -> dict[str, Any] | None:
+        """A stored response whose chunks stopped arriving (the relay's Redis connection dropped,
+        a slow reader's buffer overflowed, or the stop's deadline passed): its job runs on (its
+        worker records its usage, as nobody receives its final chunk), and it is followed to its
+        end in its chunk log, as a takeover does."""
+        log.warning("response_relay_lost", response_id=target.response_id)
+        await active.stream.close()
+        return await self.take_over(target.response_id)
 
     async def _keep_failed(
         self, target: Target, active: ActiveRequest, events: ResponseEvents, exc: AxonError
@@ -830,6 +849,16 @@ class ResponsesService:
             raise _not_stored(exc) from exc
         return response
 
+    def failure(self, prepared: Prepared, exc: AxonError) -> bytes:
+        """The whole event stream of a response that failed before its first chunk once its head had
+        gone out (it waited for a worker of its model to start): `response.created`,
+        `response.in_progress`, `response.failed` with `exc`'s message."""
+        target = prepared.target
+        events = ResponseEvents(skeleton_of(target.initial))
+        error = {"code": "server_error", "message": exc.message}
+        failed = finished_response(target.initial, status="failed", output=[], usage=None, error=error)
+        return b"".join([*events.opening(), *events.closing(failed)])
+
     async def stream(
         self, prepared: Prepared, active: ActiveRequest, first: tuple[Choice, TokenChunk], rest: AsyncIterator[Any]
     ) -> AsyncGenerator[bytes]:
@@ -865,6 +894,11 @@ class ResponsesService:
                 )
                 yield b"".join([*pieces, *events.closing(response)])
             except AxonError as exc:
+                if active.lost and target.stored:  # its end is followed in its log; the client may resume
+                    outcome = "lost"
+                    self.leases.hold(target.response_id, self._relay_lost(target, active))
+                    yield b"".join(pieces)
+                    return
                 outcome = "error"
                 log.warning("stream_failed", error=exc.message)
                 await self.completions.finish(active, outcome=outcome)
@@ -1026,15 +1060,16 @@ class ResponsesService:
             await asyncio.sleep(0.05)
         return None
 
-    async def take_over(self, response_id: str) -> None:
+    async def take_over(self, response_id: str) -> dict[str, Any] | None:
         """Finish a stored response whose relay was lost (its session manager died): rebuild it
         from its job's chunk log, follow the log to the final chunk (the job runs on, or is taken
-        over by another worker) and keep it, failed if its job never ended before its deadline.
-        Its usage was recorded by its worker (nobody received the final chunk)."""
+        over by another worker) and keep it, failed if its job never ended before its deadline;
+        returns it (None: deleted or finished meanwhile). Its usage was recorded by its worker
+        (nobody received the final chunk)."""
         stored = await self.store.get_any(response_id)
         if stored is None or stored.pending is None or stored.job_id is None:
             await self.store.drop_lease(response_id)  # deleted, or finished meanwhile
-            return
+            return None
         target = await self._target_of(stored)
         events = ResponseEvents(skeleton_of(stored.response), quiet=True)
         idle_s = max(0.0, stored.pending.deadline - time.time()) + _DEADLINE_GRACE_S
@@ -1055,11 +1090,10 @@ class ResponsesService:
                 usage=events.usage,
                 error={"code": "server_error", "message": events.error},
             )
-            await self.keep(target, None, response, job_id=stored.job_id, last_seq=events.last_seq)
-            return
+            return await self.keep(target, None, response, job_id=stored.job_id, last_seq=events.last_seq)
         status = status_of(events.finish_reason)
         response = finished_response(stored.response, status=status, output=events.output(status), usage=events.usage)
-        await self.keep(target, events.reply(), response, job_id=stored.job_id, last_seq=events.last_seq)
+        return await self.keep(target, events.reply(), response, job_id=stored.job_id, last_seq=events.last_seq)
 
     async def _target_of(self, stored: StoredResponse) -> Target:
         """The target of an unfinished stored response, as its record keeps it."""
