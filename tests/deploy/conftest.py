@@ -42,3 +42,9 @@ def manifests(request: pytest.FixtureRequest) -> list[dict]:
 def multinode_manifests(helm_home: Path) -> list[dict]:
     """examples/multinode-405b.yaml: one pool as a LeaderWorkerSet of two 8-GPU nodes per replica."""
     return _render(helm_home, "-f", str(CHART / "examples" / "multinode-405b.yaml"))
+
+
+@pytest.fixture(scope="session")
+def economy_manifests(helm_home: Path) -> list[dict]:
+    """values-eks.yaml with examples/gpu-economy.yaml: a pool that scales to zero beside the EKS pools."""
+    return _render(helm_home, "-f", str(CHART / "values-eks.yaml"), "-f", str(CHART / "examples" / "gpu-economy.yaml"))

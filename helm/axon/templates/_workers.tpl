@@ -142,3 +142,18 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 {{- end -}}
+
+
+{{/* AXON_COLD_START_WAITS as JSON: model -> seconds for each pool that KEDA may scale to zero
+     (keda.enabled, keda.minReplicas 0); {} when none does. The session manager queues a
+     request for such a model for that long instead of answering 503 at once. */}}
+{{- define "axon.coldStartWaits" -}}
+{{- $waits := dict -}}
+{{- range $poolName := keys .Values.worker.pools | sortAlpha -}}
+{{- $p := include "axon.workerPool" (dict "ctx" $ "name" $poolName) | fromYaml -}}
+{{- if and $p.keda.enabled (eq (int $p.keda.minReplicas) 0) -}}
+{{- $_ := set $waits $p.model (int $p.coldStartWaitSeconds) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $waits -}}
+{{- end -}}

@@ -1,0 +1,124 @@
+"""GPU economy in the chart (helm/axon/examples/gpu-economy.yaml): a pool that KEDA scales to zero,
+and the cold-start waits the session manager reads for it, rendered and checked offline."""
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.conftest import RELEASE
+from tests.deploy.support import (
+    CHART,
+    KUBERNETES_VERSION,
+    REQUIRED_SECRETS,
+    component,
+    env_of,
+    helm,
+    of_kind,
+    set_args,
+    setting_default,
+)
+
+EXAMPLE = CHART / "examples" / "gpu-economy.yaml"
+POOLS = yaml.safe_load(EXAMPLE.read_text())["worker"]["pools"]
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "TriggerAuthentication"}
+
+
+def sessions_env(manifests: list[dict]) -> dict[str, object]:
+    (deployment,) = component(manifests, "Deployment", "sessions")
+    return env_of(deployment["spec"]["template"]["spec"]["containers"][0])
+
+
+def scaled_object(manifests: list[dict], pool: str) -> dict:
+    (found,) = [s for s in of_kind(manifests, "ScaledObject") if s["metadata"]["labels"]["axon.io/pool"] == pool]
+    return found
+
+
+def test_the_example_is_valid_for_the_pinned_kubernetes(economy_manifests: list[dict]) -> None:
+    for manifest in economy_manifests:
+        if manifest["kind"] in CUSTOM_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{manifest['kind']}/{manifest['metadata']['name']}: {exc.message} at {list(exc.path)}")
+
+
+def test_helm_lint_gpu_economy_example(helm_home: Path) -> None:
+    result = helm(
+        "lint", "--strict", str(CHART), "-f", str(CHART / "values-eks.yaml"), "-f", str(EXAMPLE), tmp_home=helm_home
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_pool_scales_to_zero_and_wakes_on_one_queued_job(economy_manifests: list[dict]) -> None:
+    from shared.names import Names
+
+    spec = scaled_object(economy_manifests, "qwen-32b")["spec"]
+    assert spec["minReplicaCount"] == 0
+    assert spec["cooldownPeriod"] == POOLS["qwen-32b"]["keda"]["cooldownPeriod"]
+    (trigger,) = spec["triggers"]
+    metadata = trigger["metadata"]
+    assert (trigger["type"], metadata["mode"]) == ("rabbitmq", "QueueLength")
+    # KEDA activates (0 -> 1) while the queue length is above the activation value.
+    assert metadata["activationValue"] == "0"
+    assert metadata["queueName"] == Names("axon").jobs_queue(POOLS["qwen-32b"]["model"])
+    (deployment,) = [
+        d for d in of_kind(economy_manifests, "Deployment") if d["metadata"]["name"] == spec["scaleTargetRef"]["name"]
+    ]
+    assert "replicas" not in deployment["spec"], "replicas would fight KEDA"
+    # Pools that keep a pod never wait for one: no activation threshold of their own.
+    for other in of_kind(economy_manifests, "ScaledObject"):
+        if other["spec"]["minReplicaCount"] >= 1:
+            assert "activationValue" not in other["spec"]["triggers"][0]["metadata"]
+
+
+def test_the_session_manager_waits_for_exactly_the_pools_at_zero(
+    economy_manifests: list[dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.sessions.settings import SessionsSettings
+
+    env = sessions_env(economy_manifests)
+    monkeypatch.setenv("AXON_COLD_START_WAITS", str(env["AXON_COLD_START_WAITS"]))
+    monkeypatch.setenv("AXON_COLD_START_WAIT_S", str(env["AXON_COLD_START_WAIT_S"]))
+    settings = SessionsSettings()
+    assert settings.cold_start_waits == {"Qwen2.5-32B-Instruct": 240.0}
+    assert settings.cold_start_wait_s == 0
+    # A request's wait ends with its deadline; the ALB must not cut a silent non-streaming one first.
+    wait = max(settings.cold_start_waits.values())
+    assert wait < setting_default("SessionsSettings", "request_timeout_s")
+    (ingress,) = of_kind(economy_manifests, "Ingress")
+    idle = int(ingress["metadata"]["annotations"]["alb.ingress.kubernetes.io/load-balancer-attributes"].split("=")[1])
+    assert wait < idle
+
+
+def test_without_a_pool_at_zero_the_session_manager_waits_for_none(default_manifests: list[dict]) -> None:
+    assert "AXON_COLD_START_WAITS" not in sessions_env(default_manifests)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {
+                "worker.defaults.keda.enabled": "true",
+                "secrets.rabbitmqManagementUrl.name": "m",
+                "worker.defaults.keda.minReplicas": "0",
+                "worker.defaults.coldStartWaitSeconds": "400",
+                "ingress.enabled": "true",
+                "ingress.certificateArn": "arn:aws:acm:eu-west-1:123456789012:certificate/x",
+            },
+            "coldStartWaitSeconds (400) must be below ingress.idleTimeoutSeconds (360)",
+        ),
+        ({"worker.defaults.coldStartWaitSeconds": "-5"}, "coldStartWaitSeconds"),
+    ],
+)
+def test_a_cold_start_wait_the_load_balancer_would_cut_is_refused(helm_home: Path, values: dict, message: str) -> None:
+    args = set_args(REQUIRED_SECRETS)
+    for key, value in values.items():
+        flag = "--set" if value.lstrip("-").isdigit() or value in ("true", "false") else "--set-string"
+        args += [flag, f"{key}={value}"]
+    result = helm("template", RELEASE, str(CHART), *args, tmp_home=helm_home)
+    assert result.returncode != 0, f"rendered despite {values}"
+    assert message in result.stderr, result.stderr
