@@ -431,10 +431,7 @@ class CompletionService:
         """
         chunks = active.chunks()
         try:
-            if active.job.start_by is None:
-                first = await anext(chunks)
-            else:
-                first = await first_after_cold_start(active, chunks, on_wait=on_wait, metrics=self._metrics)
+            first = await self.first_of(active, chunks, on_wait=on_wait)
             if first[1].finish_reason == "error":
                 raise chunk_error(first[1])
         except asyncio.CancelledError:
@@ -445,6 +442,24 @@ class CompletionService:
             raise
         self._metrics.ttft.labels(active.job.model).observe(time.perf_counter() - active.started)
         return first, chunks
+
+    async def first_of(
+        self,
+        active: ActiveRequest,
+        chunks: AsyncIterator[tuple[Choice, TokenChunk]],
+        *,
+        on_wait: Callable[[], Awaitable[None]] | None = None,
+    ) -> tuple[Choice, TokenChunk]:
+        """The first of `active`'s `chunks`; for a request queued while its model had no live worker,
+        waited for only until its job's `start_by` (`first_after_cold_start`).
+
+        Raises:
+            Unavailable: `no_worker`, the request's cold-start wait passed first.
+            DeadlineExceeded, UpstreamError: as `ActiveRequest.chunks`.
+        """
+        if active.job.start_by is None:
+            return await anext(chunks)
+        return await first_after_cold_start(active, chunks, on_wait=on_wait, metrics=self._metrics)
 
     async def collect(
         self, active: ActiveRequest, first: tuple[Choice, TokenChunk], rest: AsyncIterator[tuple[Choice, TokenChunk]]

@@ -24,7 +24,7 @@ from tests.e2e.test_workers import metric, sim_worker
 pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "user", "content": "are you awake?"}]
-WAITS = {"cold-sim": 60, "late-sim": 2, "zero-sim": 0}
+WAITS = {"cold-sim": 60, "warm-sim": 60, "late-sim": 2, "zero-sim": 0}
 
 
 @dataclass
@@ -153,3 +153,29 @@ def test_past_the_wait_503_with_retry_after_and_the_late_worker_skips_the_job(co
         time.sleep(0.2)
     assert metric(worker, "axon_worker_jobs_total", model="late-sim", outcome="completed") == 0
     assert _queued(cold.namespace, cold.stack.amqp_url, "late-sim") == 0
+
+
+def test_responses_wait_too_and_a_background_one_waits_past_a_wait_of_zero(cold: Cold) -> None:
+    client = cold.client()
+
+    def streamed() -> list[str]:
+        events = client.responses.create(model="warm-sim", input="hi", max_output_tokens=4, stream=True)
+        return [event.type for event in events]
+
+    # zero-sim's wait is 0: a request is refused at once, a background response waits anyway.
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.responses.create(model="zero-sim", input="hi", max_output_tokens=4)
+    assert refused.value.status_code == 503
+    background = client.responses.create(model="zero-sim", input="hi", max_output_tokens=4, background=True)
+    assert background.status == "queued"
+    events = _in_thread(streamed)
+    time.sleep(5)
+    cold.worker("warm-sim")
+    cold.worker("zero-sim")
+    types = events()
+    assert types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete"), types
+    deadline = time.monotonic() + 30
+    while (done := client.responses.retrieve(background.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, done.status
+        time.sleep(0.2)
+    assert done.status in ("completed", "incomplete") and done.output_text

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from services.sessions.api.deps import CallerDep, caller_from
-from services.sessions.api.routes import MAX_BODY_BYTES
+from services.sessions.api.routes import MAX_BODY_BYTES, StreamKeepAlive
 from services.sessions.conversations import item_list
 from services.sessions.responses_api import ResponsesService, StoredResponse, response_not_found
 from services.sessions.service import Caller
@@ -88,21 +88,33 @@ async def _respond(
     prepared = await service.prepare(body, caller=caller)
     active = await service.start(prepared, caller=caller, request_id=request_id)
     watch = DisconnectWatch(scope, receive)
+    keepalive = None
+    if active.job.start_by is not None:  # queued for a model with no live worker
+        keepalive = StreamKeepAlive(send, _SSE_HEADERS)
     try:
-        first, rest = await service.completions.first_chunk(active)  # failures before any token get a real status
+        # Failures before any token get a real status, unless the head went out with a keep-alive.
+        first, rest = await service.completions.first_chunk(active, on_wait=keepalive.beat if keepalive else None)
+    except AxonError as exc:
+        if keepalive is None or not keepalive.started:
+            raise
+        await send({"type": "http.response.body", "body": service.failure(prepared, exc), "more_body": False})
+        return 200
     finally:
         watch.stop()
-    await _send_events(service.stream(prepared, active, first, rest), scope, receive, send)
+    started = keepalive is not None and keepalive.started
+    await _send_events(service.stream(prepared, active, first, rest), scope, receive, send, started=started)
     return 200
 
 
-async def _send_events(events: AsyncGenerator[bytes], scope: Scope, receive: Receive, send: Send) -> None:
-    """Send `events` as an SSE body (the head goes out right before the first piece: the gateway
-    reads them together); a client that leaves cancels the sending, and `events` is closed at once."""
+async def _send_events(
+    events: AsyncGenerator[bytes], scope: Scope, receive: Receive, send: Send, *, started: bool = False
+) -> None:
+    """Send `events` as an SSE body (the head goes out right before the first piece, unless it was
+    `started` already: the gateway reads them together); a client that leaves cancels the sending,
+    and `events` is closed at once."""
     watch = DisconnectWatch(scope, receive)
     try:
         async with contextlib.aclosing(events):
-            started = False
             async for piece in events:
                 if not started:
                     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
