@@ -90,6 +90,11 @@ class Names:
         """Set of every model a worker has ever served in this namespace (known models)."""
         return f"{self.namespace}:models"
 
+    @property
+    def adapters_key(self) -> str:
+        """Hash: every LoRA adapter a worker has ever announced -> the base model it runs on (its queue)."""
+        return f"{self.namespace}:adapters"
+
     def key_cache(self, key_hash_hex: str) -> str:
         """Cached lookup of an API key by its hash ("-" caches "no such key")."""
         return f"{self.namespace}:key:{key_hash_hex}"

@@ -7,6 +7,9 @@ last heartbeat expires. Every model ever served is also remembered, which tells
 
 What a model's live workers offered (context, supported parameters) is remembered too, for requests
 that wait for a worker of a model whose pool has scaled to zero (`remember_profiles`).
+
+A worker may also serve LoRA adapters of its model: each is a model of its own here (its
+`LiveModel.parent` is the base model, whose queue its jobs go to), remembered with its base.
 """
 
 import time
@@ -36,12 +39,23 @@ class LiveModel:
     context_tokens: int
     supports: frozenset[str] = frozenset()
     homes: frozenset[str] = frozenset()
+    # A LoRA adapter's base model (the queue its jobs go to); None for a base model.
+    parent: str | None = None
 
     def joined(self, *, context_tokens: int, supports: frozenset[str], homes: frozenset[str]) -> "LiveModel":
         """This model with one more live worker."""
         return LiveModel(
-            self.workers + 1, min(self.context_tokens, context_tokens), self.supports & supports, self.homes | homes
+            self.workers + 1,
+            min(self.context_tokens, context_tokens),
+            self.supports & supports,
+            self.homes | homes,
+            self.parent,
         )
+
+    def route(self, name: str) -> tuple[str, str | None]:
+        """Where a job for this model, called `name`, goes: the model whose queue takes it, and
+        the adapter the job names (None: the model itself)."""
+        return (self.parent, name) if self.parent is not None else (name, None)
 
 
 class WorkerRegistry:
@@ -61,9 +75,12 @@ class WorkerRegistry:
         context_tokens: int,
         supports: Iterable[str] = (),
         draining: bool = False,
+        adapters: Iterable[str] = (),
     ) -> None:
-        """Announce that `worker_id` serves `model` for the next `ttl_s` seconds, honouring the
-        request parameters `supports`; a `draining` worker is no session's home any more."""
+        """Announce that `worker_id` serves `model`, and its LoRA `adapters`, for the next `ttl_s`
+        seconds, honouring the request parameters `supports`; a `draining` worker is no session's
+        home any more."""
+        served_adapters = sorted(adapters)
         entry = {
             "model": model,
             "expires_at": time.time() + ttl_s,
@@ -71,10 +88,13 @@ class WorkerRegistry:
             "context_tokens": context_tokens,
             "supports": sorted(supports),
             "draining": draining,
+            "adapters": served_adapters,
         }
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(self._names.workers_key, worker_id, orjson.dumps(entry))
             pipe.sadd(self._names.models_key, model)
+            if served_adapters:
+                pipe.hset(self._names.adapters_key, mapping=dict.fromkeys(served_adapters, model))
             await pipe.execute()
 
     async def remove(self, worker_id: str) -> None:
@@ -94,22 +114,25 @@ class WorkerRegistry:
                 expired.append(worker_id)
             if entry["expires_at"] < now:
                 continue
-            known = live.get(entry["model"])
             context = entry["context_tokens"]
             supports = frozenset(entry.get("supports", ()))
             homes = frozenset() if entry.get("draining") else frozenset((worker_id.decode(),))
-            live[entry["model"]] = (
-                known.joined(context_tokens=context, supports=supports, homes=homes)
-                if known
-                else LiveModel(1, context, supports, homes)
-            )
+            for name, parent in _served(entry):
+                known = live.get(name)
+                live[name] = (
+                    known.joined(context_tokens=context, supports=supports, homes=homes)
+                    if known
+                    else LiveModel(1, context, supports, homes, parent)
+                )
         if expired:
             await self._redis.hdel(self._names.workers_key, *expired)
         return live
 
     async def is_known(self, model: str) -> bool:
-        """True if any worker has ever served `model` in this namespace."""
-        return bool(await self._redis.sismember(self._names.models_key, model))
+        """True if any worker has ever served `model` (or announced it as an adapter) in this namespace."""
+        if await self._redis.sismember(self._names.models_key, model):
+            return True
+        return bool(await self._redis.hexists(self._names.adapters_key, model))
 
     async def aliases(self) -> dict[str, str]:
         """Public model name -> the served model it points at."""
@@ -156,3 +179,10 @@ class WorkerRegistry:
             return None
         profile = orjson.loads(raw)
         return LiveModel(0, profile["context_tokens"], frozenset(profile["supports"]))
+
+
+def _served(entry: dict[str, object]) -> list[tuple[str, str | None]]:
+    """The models a heartbeat entry serves, each with its parent: its base model, then its adapters."""
+    model = str(entry["model"])
+    adapters = cast(list[str], entry.get("adapters", ()))
+    return [(model, None), *((adapter, model) for adapter in adapters)]

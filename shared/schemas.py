@@ -114,7 +114,10 @@ class Job(BaseModel):
     """
 
     job_id: str
+    # The served model whose queue the job goes to (a pool's base model when it names an adapter).
     model: str
+    # A LoRA adapter of `model` the answer comes from (its public model name); None: the base model.
+    adapter: str | None = None
     messages: list[Message] | None = None
     prompt: str | None = None
     sampling: Sampling = Field(default_factory=Sampling)

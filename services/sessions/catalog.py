@@ -159,13 +159,15 @@ def no_worker(model: str) -> Unavailable:
 
 def _entry(name: str, model: str, live: LiveModel) -> dict[str, Any]:
     """OpenAI's Model object (`id`, `object`, `created`, `owned_by`), plus the model an alias points
-    at (`root`), the context its live workers have and the request parameters they all honour."""
+    at (`root`), a LoRA adapter's base model (`parent`, as vLLM lists adapters; null for a base
+    model), the context its live workers have and the request parameters they all honour."""
     return {
         "id": name,
         "object": "model",
         "created": 0,
         "owned_by": "axon",
         "root": model,
+        "parent": live.parent,
         "context_length": live.context_tokens,
         "capabilities": sorted(live.supports),
     }

@@ -259,7 +259,7 @@ class CompletionService:
                 messages = turn.prompt
             job = self._job(
                 body,
-                model,
+                *live.route(model),
                 messages=messages,
                 prompt=prompt,
                 sampling=sampling,
@@ -290,7 +290,7 @@ class CompletionService:
             raise
         if turn is not None:
             await self._record_question(turn, stream)
-        self._metrics.jobs_published.labels(model).inc(n)
+        self._metrics.jobs_published.labels(job.model).inc(n)
         self._metrics.active_streams.inc()
         builder = ResponseBuilder(
             kind=kind,
@@ -330,6 +330,7 @@ class CompletionService:
         self,
         body: ChatCompletionRequest | CompletionRequest,
         model: str,
+        adapter: str | None,
         *,
         messages: list[Message] | None,
         prompt: str | None,
@@ -338,7 +339,8 @@ class CompletionService:
         turn: Turn | None,
         caller: Caller,
     ) -> Job:
-        """The job of the request's first choice, answered on `stream`'s channel."""
+        """The job of the request's first choice for `model`'s queue (naming `adapter`, a LoRA
+        adapter of it, if set), answered on `stream`'s channel."""
         features: dict[str, Any] = {}
         if isinstance(body, ChatCompletionRequest):
             if body.tools is not None:  # tool_choice `none`: no tools
@@ -352,6 +354,7 @@ class CompletionService:
         return Job(
             job_id=stream.job_id,
             model=model,
+            adapter=adapter,
             messages=messages,
             prompt=prompt,
             sampling=sampling,
@@ -674,7 +677,7 @@ class CompletionService:
                 job_id=job.job_id,
                 tenant=caller.tenant,
                 key_id=caller.key_id,
-                model=job.model,
+                model=job.adapter or job.model,
                 prompt_tokens=usage.prompt_tokens,
                 completion_tokens=usage.completion_tokens,
                 latency_ms=int((time.perf_counter() - active.started) * 1000),

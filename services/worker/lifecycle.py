@@ -102,7 +102,12 @@ class Worker:
         ]
         self._heartbeat = heartbeat
         self.not_ready_reason = None
-        log.info("worker_ready", model=self.engine.model_name, max_seqs=self.engine.max_seqs)
+        log.info(
+            "worker_ready",
+            model=self.engine.model_name,
+            max_seqs=self.engine.max_seqs,
+            adapters=sorted(self.engine.adapters),
+        )
 
     def fail(self, reason: str) -> None:
         """Stop serving and exit non-zero: the engine cannot be trusted any more."""

@@ -133,8 +133,9 @@ FinishRule = Callable[[FinishReason, bool], FinishReason]
 
 @dataclass(frozen=True, slots=True)
 class UsageOwner:
-    """Whom a job's usage row names (its job's tenant, API key and model), for the row its worker
-    records when nobody receives its final chunk."""
+    """Whom a job's usage row names (its job's tenant, API key and model: the adapter a job names,
+    as the session manager's row does), for the row its worker records when nobody receives its
+    final chunk."""
 
     tenant: str
     key_id: str | None
@@ -142,7 +143,7 @@ class UsageOwner:
 
     @classmethod
     def of(cls, job: Job) -> "UsageOwner":
-        return cls(tenant=job.tenant, key_id=job.key_id, model=job.model)
+        return cls(tenant=job.tenant, key_id=job.key_id, model=job.adapter or job.model)
 
 
 class ChunkPublisher:

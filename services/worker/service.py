@@ -204,6 +204,14 @@ class JobRunner:
                 f"{unsupported[0]} is not supported by the engine serving model {job.model}.", "invalid_request_error"
             )
             return "invalid"
+        if job.adapter is not None and job.adapter not in self._engine.adapters:
+            # Every worker of a pool serves the same adapters; only a rollout that adds one mixes them.
+            await publisher.finish_with_error(
+                f"The worker that took this request does not serve the adapter '{job.adapter}' of model "
+                f"{job.model}; try again.",
+                "server_error",
+            )
+            return "failed"
         try:
             async with asyncio.timeout(remaining_s):
                 return await self._generate(job, publisher, resume)
@@ -245,6 +253,7 @@ class JobRunner:
             guide=guide,
             logprobs=job.logprobs,
             echo=job.echo and resume is None,  # a resumed job's prompt was echoed already
+            adapter=job.adapter,
         )
         model = job.model
         started = time.perf_counter()
@@ -357,6 +366,7 @@ class Heartbeat:
                 context_tokens=self._engine.context_tokens,
                 supports=self._engine.supports,
                 draining=self._draining,
+                adapters=self._engine.adapters,
             )
         except Exception as exc:  # noqa: BLE001 - a failed beat must not end the loop
             log.warning("heartbeat_failed", error=repr(exc))

@@ -77,6 +77,17 @@ class WorkerSettings(CommonSettings):
     # many seconds after start (0: never).
     sim_fail_after_s: float = Field(0.0, ge=0)
 
+    # LoRA adapters (every engine; the simulator takes the names only)
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "LoRA adapters served beside the model, as a JSON object: adapter name (a model name of its own "
+            "in /v1/models) -> path of a peft adapter directory (vLLM: or a hub id, where downloads are allowed)"
+        ),
+    )
+    max_loras: int = Field(4, ge=1, description="vLLM: adapters in one batch at once (its max_loras)")
+    max_lora_rank: int = Field(16, ge=1, description="vLLM: the largest adapter rank it makes room for (max_lora_rank)")
+
     heartbeat_interval_s: float = Field(3.0, gt=0)
     heartbeat_ttl_s: float = Field(10.0, gt=0)
     # A job redelivered more often than this (it keeps killing workers) is dead-lettered.
@@ -89,4 +100,15 @@ class WorkerSettings(CommonSettings):
                 f"AXON_PIPELINE_PARALLEL_SIZE={self.pipeline_parallel_size} needs AXON_ENGINE=vllm: "
                 f"the {self.engine} engine runs the whole model in one process"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _adapter_names(self) -> "WorkerSettings":
+        for name, path in self.lora_adapters.items():
+            if not name.strip() or name != name.strip() or name == self.model:
+                raise ValueError(
+                    f"AXON_LORA_ADAPTERS: {name!r} is not a usable adapter name (empty, padded, or the model's own)"
+                )
+            if not path:
+                raise ValueError(f"AXON_LORA_ADAPTERS: adapter {name!r} has no path")
         return self

@@ -1,12 +1,13 @@
 """services.sessions.catalog against the real Redis: `/v1/models` entries and `/v1/models/{id}`
-from worker heartbeats (context length, what every live worker supports) and aliases."""
+from worker heartbeats (context length, what every live worker supports, LoRA adapters) and aliases."""
 
+import asyncio
 import uuid
 
 import pytest
 
 from services.sessions.catalog import ModelCatalog
-from shared.errors import ModelNotFound
+from shared.errors import ModelNotFound, Unavailable
 from shared.names import Names
 from shared.registry import WorkerRegistry
 
@@ -32,6 +33,7 @@ async def test_entries_carry_context_length_and_the_capabilities_all_workers_sha
             "created": 0,
             "owned_by": "axon",
             "root": "m",
+            "parent": None,
             "context_length": 4096,
             "capabilities": ["seed", "stop"],
         }
@@ -48,3 +50,52 @@ async def test_entries_carry_context_length_and_the_capabilities_all_workers_sha
             assert info.value.status_code == 404 and info.value.code == "model_not_found"
     finally:
         await redis_client.delete(names.workers_key, names.models_key, names.aliases_key)
+
+
+async def test_adapters_are_models_of_their_own_routed_to_their_base_models_queue(redis_client, namespace) -> None:
+    names = Names(f"{namespace}-cat-{uuid.uuid4().hex[:6]}")
+    registry = WorkerRegistry(redis_client, names)
+    catalog = ModelCatalog(registry, cache_ttl_s=0)
+    try:
+        for worker_id, context in (("w1", 8192), ("w2", 4096)):
+            await registry.heartbeat(
+                worker_id=worker_id,
+                model="base",
+                ttl_s=0.5,
+                max_seqs=4,
+                context_tokens=context,
+                supports={"seed"},
+                adapters=["sql", "fr"],
+            )
+        await registry.set_alias("sql-prod", "sql")
+
+        listed = {entry["id"]: entry for entry in await catalog.listing()}
+        assert sorted(listed) == ["base", "fr", "sql", "sql-prod"]
+        assert listed["base"]["parent"] is None
+        assert listed["sql"] == {
+            "id": "sql",
+            "object": "model",
+            "created": 0,
+            "owned_by": "axon",
+            "root": "sql",
+            "parent": "base",
+            "context_length": 4096,
+            "capabilities": ["seed"],
+        }
+        assert listed["sql-prod"] == {**listed["sql"], "id": "sql-prod"}
+
+        model, live = await catalog.require("sql-prod")
+        assert model == "sql" and live.workers == 2 and live.homes == {"w1", "w2"}
+        assert live.route(model) == ("base", "sql")  # the base model's queue, the job naming the adapter
+        base, base_live = await catalog.require("base")
+        assert base_live.route(base) == ("base", None)
+
+        with pytest.raises(ModelNotFound) as unknown:
+            await catalog.require("sql-v2")
+        assert unknown.value.code == "model_not_found"
+        await asyncio.sleep(0.7)  # every worker's heartbeat expires: a known adapter is unavailable, not unknown
+        with pytest.raises(Unavailable) as gone:
+            await catalog.require("sql")
+        assert gone.value.code == "no_worker"
+    finally:
+        await redis_client.delete(names.workers_key, names.models_key, names.adapters_key, names.aliases_key)

@@ -71,6 +71,8 @@ class GenerationRequest:
     logprobs: int | None = None
     # Completions with `echo` and `logprobs`: the first output also carries the prompt's logprobs.
     echo: bool = False
+    # One of the engine's `adapters` (a LoRA adapter's name) the answer comes from; None: the base model.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,8 @@ class Engine(ABC):
     supports: ClassVar[frozenset[Capability]] = frozenset()
     # Prompt plus answer tokens one sequence may hold; known once `start` returned.
     context_tokens: int
+    # The names of the LoRA adapters of the model this engine serves too (`GenerationRequest.adapter`).
+    adapters: frozenset[str] = frozenset()
 
     @abstractmethod
     async def start(self) -> None:

@@ -21,6 +21,7 @@ def create_engine(settings: WorkerSettings) -> Engine:
             fail_after_s=settings.sim_fail_after_s,
             kv_blocks=settings.sim_kv_blocks,
             prefill_us_per_token=settings.sim_prefill_us_per_token,
+            adapters=settings.lora_adapters,
         )
     max_seqs = settings.max_seqs or _DEFAULT_MAX_SEQS[settings.engine]
     if settings.engine == "vllm":
@@ -37,6 +38,9 @@ def create_engine(settings: WorkerSettings) -> Engine:
             max_model_len=settings.max_model_len,
             structured_outputs_backend=settings.structured_outputs_backend,
             tool_parser=settings.tool_parser,
+            lora_adapters=settings.lora_adapters,
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
         )
     from services.worker.engines.grammar import GrammarLimits
     from services.worker.engines.transformers_engine import TransformersEngine, bundled_gguf_path

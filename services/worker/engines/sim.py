@@ -11,7 +11,9 @@ to it). Such answers come in short pieces, one per "token", and end `stop` once 
 completion's `echo`).
 
 Token `i` depends only on the prompt, the seed, the guide and `i`, so a resumed job continues
-exactly where it stopped.
+exactly where it stopped. The simulator serves LoRA adapters by name only (`adapters`): a request
+for one gets other words than the base model's (they depend on the adapter's name too), so tests
+can see which the answer came from.
 
 Each worker's simulator models a prefix cache as vLLM's automatic prefix caching works (and as
 llm-d's inference simulator does): a prompt's tokens (its whitespace-separated words, the same
@@ -40,7 +42,7 @@ import time
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, ClassVar
 
 from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest, Guide, InvalidPrompt
@@ -416,10 +418,12 @@ class SimEngine(Engine):
         fail_after_s: float = 0.0,
         kv_blocks: int = 0,
         prefill_us_per_token: float = 0.0,
+        adapters: Iterable[str] = (),
     ) -> None:
         self.model_name = model_name
         self.max_seqs = max_seqs
         self.context_tokens = context_tokens
+        self.adapters = frozenset(adapters)
         self._ttft_s = ttft_ms / 1000
         self._itl_s = itl_ms / 1000
         self._running_ids: set[str] = set()
@@ -472,6 +476,7 @@ class SimEngine(Engine):
             return
         self._running_ids.add(request.request_id)
         answer = [request.resume.text] if request.resume else []
+        voice = prompt if request.adapter is None else f"{request.adapter}|{prompt}"
         try:
             for count in range(total):
                 due = started + ttft_s + count * self._itl_s
@@ -485,7 +490,7 @@ class SimEngine(Engine):
                     return
                 index = offset + count
                 if pieces is None:
-                    word = sim_word(prompt, sampling.seed, index)
+                    word = sim_word(voice, sampling.seed, index)
                     token = word if index == 0 else " " + word
                 else:
                     token = pieces[index]

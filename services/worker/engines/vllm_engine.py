@@ -12,7 +12,10 @@ request asks for is mapped onto vLLM's own machinery, written against its public
 - tools: the model's chat template gets `tools=`, history keeps `tool_calls` (arguments as parsed
   JSON, as vLLM passes them) and `tool_call_id`; under `tool_choice: auto` the answer is parsed by
   vLLM's tool parser `AXON_TOOL_PARSER` (`vllm_tools.py`);
-- logprobs: vLLM's `Logprob`s converted as its OpenAI server converts them.
+- logprobs: vLLM's `Logprob`s converted as its OpenAI server converts them;
+- LoRA adapters (`AXON_LORA_ADAPTERS`): the engine starts with `enable_lora`, `max_loras` and
+  `max_lora_rank`, and a request for an adapter carries its `LoRARequest` (name, a fixed id per
+  adapter, path), which vLLM loads on first use and batches with the others.
 
 A resumed constrained answer cannot continue its grammar from the text already sent (vLLM has no
 way to start a structured-output request in a given state), so it is generated again from the
@@ -90,6 +93,24 @@ def structured_outputs_kwargs(guide: Guide) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise InvalidPrompt(f"The answer's JSON schema is not JSON: {exc}") from exc
     return {"json": schema}
+
+
+def lora_engine_kwargs(adapters: Mapping[str, str], *, max_loras: int, max_lora_rank: int) -> dict[str, Any]:
+    """`AsyncEngineArgs` keyword arguments for serving `adapters` (none without adapters: LoRA
+    support costs GPU memory)."""
+    if not adapters:
+        return {}
+    return {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": max_lora_rank}
+
+
+def lora_request_kwargs(adapters: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Each adapter's `vllm.lora.request.LoRARequest` keyword arguments: its name, its path and an
+    id of its own (vLLM keys its adapter cache by the id, which must be positive), fixed by the
+    names' order."""
+    return {
+        name: {"lora_name": name, "lora_int_id": number, "lora_path": adapters[name]}
+        for number, name in enumerate(sorted(adapters), start=1)
+    }
 
 
 def finish_reason(vllm_reason: str | None) -> FinishReason | None:
@@ -347,9 +368,14 @@ class VllmEngine(Engine):
         tool_parser: str = "hermes",
         pipeline_parallel_size: int = 1,
         distributed_executor: str | None = None,
+        lora_adapters: Mapping[str, str] | None = None,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
     ) -> None:
         self.model_name = model_name
         self.max_seqs = max_seqs
+        self._lora_adapters = dict(lora_adapters or {})
+        self.adapters = frozenset(self._lora_adapters)
         self._engine_kwargs = {
             "model": model_path,
             "served_model_name": [model_name],
@@ -360,10 +386,12 @@ class VllmEngine(Engine):
             "pipeline_parallel_size": pipeline_parallel_size,
             # None (left out below): vLLM picks mp when the GPUs are on this node.
             "distributed_executor_backend": distributed_executor,
-        }
+        } | lora_engine_kwargs(self._lora_adapters, max_loras=max_loras, max_lora_rank=max_lora_rank)
         self._structured_outputs_backend = structured_outputs_backend
         self._tool_parser_name = tool_parser
         self._engine: Any = None
+        # Each adapter's `LoRARequest`, made at start.
+        self._lora_requests: dict[str, Any] = {}
         self._tokenizer: Any = None
         self._tool_parser: Any = None
         self._request_class: Any = None
@@ -382,6 +410,7 @@ class VllmEngine(Engine):
         except ImportError as exc:
             raise EngineError("AXON_ENGINE=vllm needs vLLM installed (the GPU image has it).") from exc
         self._tool_parser = tool_parser_class(self._tool_parser_name)  # a wrong name fails before loading
+        self._lora_requests = self._make_lora_requests()
         self._request_class = _chat_request_class()
         args = AsyncEngineArgs(
             **{k: v for k, v in self._engine_kwargs.items() if v is not None},
@@ -399,6 +428,13 @@ class VllmEngine(Engine):
             tool_parser=self._tool_parser_name,
             generation_defaults=self._defaults,
         )
+
+    def _make_lora_requests(self) -> dict[str, Any]:
+        if not self._lora_adapters:
+            return {}
+        from vllm.lora.request import LoRARequest
+
+        return {name: LoRARequest(**kwargs) for name, kwargs in lora_request_kwargs(self._lora_adapters).items()}
 
     async def stop(self) -> None:
         if self._engine is not None:
@@ -519,7 +555,12 @@ class VllmEngine(Engine):
             if request.guide is not None:
                 kwargs["structured_outputs"] = StructuredOutputsParams(**structured_outputs_kwargs(request.guide))
             params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
-            outputs = self._engine.generate({"prompt_token_ids": prompt_ids}, params, request.request_id)
+            outputs = self._engine.generate(
+                {"prompt_token_ids": prompt_ids},
+                params,
+                request.request_id,
+                lora_request=self._lora_request(request.adapter),
+            )
             first = await anext(outputs)
         except ValueError as exc:  # vLLM refuses what it cannot take (too long, a bad schema or bias)
             raise InvalidPrompt(str(exc)) from exc
@@ -546,6 +587,15 @@ class VllmEngine(Engine):
             ) from exc
         finally:
             await outputs.aclose()
+
+    def _lora_request(self, adapter: str | None) -> Any:
+        """The `LoRARequest` of `adapter` (None for the base model)."""
+        if adapter is None:
+            return None
+        try:
+            return self._lora_requests[adapter]
+        except KeyError:
+            raise EngineError(f"This worker does not serve the adapter '{adapter}'.") from None
 
 
 async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

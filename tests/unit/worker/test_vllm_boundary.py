@@ -4,7 +4,7 @@ vLLM is not installed here (and needs a GPU): the tests put small fakes of the v
 engine imports into `sys.modules` for the duration of a test, shaped after vLLM's public API
 (`AsyncLLM`, `AsyncEngineArgs`, `StructuredOutputsConfig`, `SamplingParams`,
 `StructuredOutputsParams`, `RequestOutputKind`, `ToolParserManager`, `ChatCompletionRequest`,
-`Logprob`), and check what the engine hands them and what it makes of their answers.
+`Logprob`, `LoRARequest`), and check what the engine hands them and what it makes of their answers.
 """
 
 import enum
@@ -127,6 +127,15 @@ class FakeEngineArgs:
     kwargs: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class FakeLoRARequest:
+    """vllm.lora.request.LoRARequest (its keyword arguments)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+
 @dataclass
 class FakeStructuredOutputsConfig:
     backend: str = "auto"
@@ -176,6 +185,7 @@ class FakeAsyncLLM:
     refuse: str | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
     calls: list[tuple[dict[str, Any], FakeSamplingParams, str]] = field(default_factory=list)
+    lora_requests: list[FakeLoRARequest | None] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     closed: int = 0
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
@@ -188,9 +198,15 @@ class FakeAsyncLLM:
         return self.tokenizer
 
     async def generate(
-        self, prompt: dict[str, Any], params: FakeSamplingParams, request_id: str
+        self,
+        prompt: dict[str, Any],
+        params: FakeSamplingParams,
+        request_id: str,
+        *,
+        lora_request: FakeLoRARequest | None = None,
     ) -> AsyncIterator[Output]:
         self.calls.append((prompt, params, request_id))
+        self.lora_requests.append(lora_request)
         if self.refuse is not None:
             raise ValueError(self.refuse)
         answer = self.answers.pop(0)
@@ -357,6 +373,8 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
             "RequestOutputKind": RequestOutputKind,
         },
         "vllm.tool_parsers": {"ToolParserManager": FakeToolParserManager},
+        "vllm.lora": {},
+        "vllm.lora.request": {"LoRARequest": FakeLoRARequest},
         "vllm.entrypoints": {},
         "vllm.entrypoints.openai": {},
         "vllm.entrypoints.openai.chat_completion": {},
@@ -721,6 +739,57 @@ async def test_start_configures_vllm(fake_vllm: dict[str, Any]) -> None:
     assert kwargs["served_model_name"] == ["m"]
     assert kwargs["max_model_len"] == 2048
     assert engine.context_tokens == 4096  # what vLLM settled on
+
+
+async def test_without_adapters_lora_stays_off(fake_vllm: dict[str, Any]) -> None:
+    engine, llm = await started(fake_vllm)
+    assert not {"enable_lora", "max_loras", "max_lora_rank"} & set(llm.args.kwargs)
+    assert engine.adapters == frozenset()
+    llm.answers = [steps("Hi")]
+    await run(engine, GenerationRequest(request_id="r", sampling=Sampling(), prompt="x"))
+    assert llm.lora_requests == [None]
+
+
+async def test_adapters_enable_lora_and_each_request_names_its_own(fake_vllm: dict[str, Any]) -> None:
+    adapters = {"sql": "/adapters/sql", "chat-fr": "org/chat-fr-lora"}
+    engine, llm = await started(fake_vllm, lora_adapters=adapters, max_loras=2, max_lora_rank=64)
+    kwargs = llm.args.kwargs
+    assert (kwargs["enable_lora"], kwargs["max_loras"], kwargs["max_lora_rank"]) == (True, 2, 64)
+    assert engine.adapters == {"sql", "chat-fr"}
+    llm.answers = [steps("a"), steps("b"), steps("c")]
+    for adapter in ("sql", None, "chat-fr"):
+        request = GenerationRequest(request_id=f"r-{adapter}", sampling=Sampling(), prompt="x", adapter=adapter)
+        await run(engine, request)
+    # ids are positive, one per adapter, fixed by the names' order
+    assert llm.lora_requests == [
+        FakeLoRARequest("sql", 2, "/adapters/sql"),
+        None,
+        FakeLoRARequest("chat-fr", 1, "org/chat-fr-lora"),
+    ]
+
+
+async def test_an_adapter_the_engine_lacks_is_an_engine_error(fake_vllm: dict[str, Any]) -> None:
+    engine, llm = await started(fake_vllm, lora_adapters={"sql": "/adapters/sql"})
+    with pytest.raises(EngineError, match="adapter 'other'"):
+        await run(engine, GenerationRequest(request_id="r", sampling=Sampling(), prompt="x", adapter="other"))
+    assert llm.calls == []
+
+
+async def test_the_adapter_settings_reach_vllm(fake_vllm: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AXON_LORA_ADAPTERS", '{"sql": "/adapters/sql"}')
+    settings = WorkerSettings(engine="vllm", model="base", max_loras=3, max_lora_rank=8)
+    engine = create_engine(settings)
+    await engine.start()
+    kwargs = fake_vllm["engine"].args.kwargs
+    assert (kwargs["enable_lora"], kwargs["max_loras"], kwargs["max_lora_rank"]) == (True, 3, 8)
+    assert engine.adapters == {"sql"}
+
+
+@pytest.mark.parametrize("adapters", ['{"base": "/a"}', '{"": "/a"}', '{"sql": ""}', '["sql"]'])
+def test_unusable_adapter_settings_are_refused(adapters: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AXON_LORA_ADAPTERS", adapters)
+    with pytest.raises(ValueError, match=r"lora_adapters|AXON_LORA_ADAPTERS"):
+        WorkerSettings(model="base")
 
 
 async def test_an_unknown_tool_parser_fails_before_loading(fake_vllm: dict[str, Any]) -> None:
