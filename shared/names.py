@@ -65,6 +65,11 @@ class Names:
         for a client that reconnects when its job asks for it (`Job.chunk_log_ttl_s`)."""
         return f"{self.namespace}:chunks:{job_id}"
 
+    def chunk_log_meta(self, job_id: str) -> str:
+        """A resumable chat stream's meta (JSON: its tenant, the fields its events repeat), kept
+        as long as its chunk log can be."""
+        return f"{self.namespace}:chunks-meta:{job_id}"
+
     def job_deliveries(self, job_id: str) -> str:
         """How many times a job was redelivered (poison-job detection)."""
         return f"{self.namespace}:deliveries:{job_id}"

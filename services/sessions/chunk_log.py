@@ -7,14 +7,20 @@ The log outlives the session manager that relayed the job, and a worker that tak
 continues it, so any replica can replay the whole answer in order, and follow it live until its
 final chunk.
 
+A stream a client resumes through the chat API also has its meta (`StreamMeta`, `Names.chunk_log_meta`):
+whose it is and what its events carry besides the chunks, written by the session manager that
+started its job.
+
 Reads go through the redis-py client, never the hot path's pipe: a page of a thousand chunks, or
 an `XREAD BLOCK` holding its connection, must not delay the commands pipelined behind them.
 """
 
 import time
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
+import orjson
 import redis.asyncio as redis
 from pydantic import ValidationError
 
@@ -26,6 +32,27 @@ log = get_logger(__name__)
 
 # Chunks one read asks Redis for: replay costs one round trip per page.
 PAGE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class StreamMeta:
+    """What a resumed chat stream needs besides its chunks: the tenant it belongs to, and the
+    fields its events repeat (`model`, `created`), whether it ends with a usage event and carries
+    logprobs, and its job's deadline (no chunk comes after it)."""
+
+    tenant: str
+    model: str
+    created: int
+    include_usage: bool
+    logprobs: bool
+    deadline: float
+
+    def dumps(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> "StreamMeta":
+        return cls(**orjson.loads(raw))
 
 
 class ChunkLog:
@@ -49,6 +76,25 @@ class ChunkLog:
         entries = await self._client.xrange(self._names.chunk_log(job_id), min=_after(after_seq), count=count)
         return _chunks(entries or [])
 
+    async def last(self, job_id: str) -> TokenChunk | None:
+        """The job's last logged chunk; None when there is none (or no log).
+
+        Raises:
+            redis.exceptions.RedisError: Redis is unreachable.
+        """
+        entries = await self._client.xrevrange(self._names.chunk_log(job_id), count=1)
+        chunks = _chunks(entries or [])
+        return chunks[0] if chunks else None
+
+    async def meta(self, job_id: str) -> StreamMeta | None:
+        """The job's stream meta; None when there is none (not a resumable chat stream, or expired).
+
+        Raises:
+            redis.exceptions.RedisError: Redis is unreachable.
+        """
+        raw = await self._client.get(self._names.chunk_log_meta(job_id))
+        return StreamMeta.loads(raw) if raw is not None else None
+
     async def follow(self, job_id: str, after_seq: int, *, idle_timeout_s: float) -> AsyncIterator[TokenChunk]:
         """The job's chunks with seq > `after_seq` (-1: from the first), in order: those logged,
         then each as its worker publishes it, ending after the final one (`finish_reason` set).
@@ -58,22 +104,37 @@ class ChunkLog:
                 its log expired or never existed).
             redis.exceptions.RedisError: Redis is unreachable.
         """
+        async for page in self.pages(job_id, after_seq, idle_timeout_s=idle_timeout_s):
+            for chunk in page:
+                yield chunk
+
+    async def pages(self, job_id: str, after_seq: int, *, idle_timeout_s: float) -> AsyncIterator[list[TokenChunk]]:
+        """`follow`'s chunks as Redis returns them, up to `PAGE` at a time (a replay writes each
+        page at once); the last page ends with the final chunk.
+
+        Raises:
+            TimeoutError, redis.exceptions.RedisError: as `follow`.
+        """
         key = self._names.chunk_log(job_id)
-        last = after_seq
+        position: str | bytes = _id(after_seq)
         idle_until = time.monotonic() + idle_timeout_s
         while True:
             wait_ms = int((idle_until - time.monotonic()) * 1000)
             if wait_ms <= 0:
                 raise TimeoutError(f"No chunk of job {job_id} was logged for {idle_timeout_s} s.")
             # RESP2's reply: [[key, [(id, fields), ...]]], or None when the wait ended empty.
-            reply: Any = await self._client.xread({key: _id(last)}, count=PAGE, block=min(wait_ms, self._block_ms))
+            reply: Any = await self._client.xread({key: position}, count=PAGE, block=min(wait_ms, self._block_ms))
             if not reply:
                 continue
-            for chunk in _chunks(reply[0][1]):
-                yield chunk
+            entries = reply[0][1]
+            position = entries[-1][0]
+            page = _chunks(entries)
+            for end, chunk in enumerate(page, 1):
                 if chunk.finish_reason is not None:
+                    yield page[:end]
                     return
-                last = chunk.seq
+            if page:
+                yield page
             idle_until = time.monotonic() + idle_timeout_s
 
 

@@ -4,12 +4,21 @@ Every body validates against OpenAI's published schemas (`openai/openai-openapi`
 `CreateChatCompletionResponse`, `CreateChatCompletionStreamResponse`, `CreateCompletionResponse`;
 tests/contract). A request that did not ask for a feature (logprobs, echo, tools) costs no work for
 it: each is looked at only when the request or the chunk carries it.
+
+Every streamed event has an SSE `id:` (an Axon extension; OpenAI's chat streams have none). With
+one choice it is the chunk's `seq`, and the usage event's is the final chunk's `seq` + 1: a client
+that reconnects sends the last one it received as `Last-Event-ID` to
+`GET /v1/chat/completions/{id}/stream` and gets the events after it (`stream_resume.py`). With `n`
+choices an event's id is `<seq>.<choice index>` and the usage event's `usage`: they name the event
+(such streams are not resumable: only a session turn's are, which has one choice).
 """
 
 import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
+
+import orjson
 
 from shared.schemas import (
     FinishReason,
@@ -28,6 +37,26 @@ Kind = Literal["chat", "completion"]
 def openai_finish_reason(reason: FinishReason | None) -> str | None:
     """Axon's finish reasons as OpenAI's: a cancelled answer simply stopped."""
     return "stop" if reason == "cancelled" else reason
+
+
+# The usage event's id in a stream of several choices.
+USAGE_EVENT_ID = b"usage"
+
+
+def sse_event(seq: int, payload: dict[str, Any]) -> bytes:
+    """One server-sent event whose id is a number (a stream of one choice)."""
+    return b"id: %d\ndata: " % seq + orjson.dumps(payload) + b"\n\n"
+
+
+def sse_named_event(event_id: bytes, payload: dict[str, Any]) -> bytes:
+    """One server-sent event with its id."""
+    return b"id: %b\ndata: " % event_id + orjson.dumps(payload) + b"\n\n"
+
+
+def has_event(chunk: TokenChunk, first: bool) -> bool:
+    """Whether a chunk is streamed as an event: anything but a later chunk with nothing to say
+    (no text, no tool call, not the end). `first`: its choice's first chunk, which opens it."""
+    return bool(chunk.text or chunk.finish_reason is not None or first or chunk.tool_calls)
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -191,13 +220,15 @@ class ResponseBuilder:
         model: str,
         include_usage: bool = False,
         logprobs: bool = False,
+        created: int | None = None,
     ) -> None:
         self.kind = kind
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + job_id
         self.model = model
-        self.created = int(time.time())
+        # Unix time (s) of the response: now, or a resumed stream's original one.
+        self.created = int(time.time()) if created is None else created
         self.include_usage = include_usage
-        self._logprobs = logprobs
+        self.logprobs = logprobs
         # Completions with logprobs: per choice, where the next token starts in its text.
         self._offsets: dict[int, int] = {}
 
@@ -220,7 +251,7 @@ class ResponseBuilder:
             delta = {"content": text} if text or (chunk.finish_reason is None and not calls) else {}
         if calls:
             delta["tool_calls"] = _tool_call_deltas(calls)
-        logprobs = _chat_logprobs(chunk.logprobs) if self._logprobs and chunk.logprobs else None
+        logprobs = _chat_logprobs(chunk.logprobs) if self.logprobs and chunk.logprobs else None
         return {
             "index": index,
             "delta": delta,
@@ -231,7 +262,7 @@ class ResponseBuilder:
     def _text_choice(self, index: int, chunk: TokenChunk) -> dict[str, Any]:
         text = chunk.text
         logprobs = None
-        if self._logprobs:
+        if self.logprobs:
             offset = self._offsets.get(index, 0)
             logprobs = _legacy_logprobs(chunk.logprobs or (), offset)
             self._offsets[index] = offset + len(text)
@@ -272,7 +303,7 @@ class ResponseBuilder:
         return {
             "index": answer.index,
             "message": message,
-            "logprobs": _chat_logprobs(answer.logprobs) if self._logprobs else None,
+            "logprobs": _chat_logprobs(answer.logprobs) if self.logprobs else None,
             "finish_reason": openai_finish_reason(answer.finish_reason or "stop"),
         }
 
@@ -280,6 +311,6 @@ class ResponseBuilder:
         return {
             "index": answer.index,
             "text": answer.content,
-            "logprobs": _legacy_logprobs(answer.logprobs, 0) if self._logprobs else None,
+            "logprobs": _legacy_logprobs(answer.logprobs, 0) if self.logprobs else None,
             "finish_reason": openai_finish_reason(answer.finish_reason or "stop"),
         }

@@ -8,6 +8,7 @@ Order matters:
 """
 
 import asyncio
+import contextlib
 import datetime as dt
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,11 +20,21 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from services.sessions.catalog import NO_WORKER_RETRY_AFTER_S, ModelCatalog, require_supported
+from services.sessions.chunk_log import StreamMeta
 from services.sessions.jobs import JobPublisher, conversation_home
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox, UsageRow
 from services.sessions.relay import STREAM_LOST, MergedStream, TokenRelay, TokenStream
-from services.sessions.responses import Answer, ResponseBuilder, request_usage, work_usage
+from services.sessions.responses import (
+    USAGE_EVENT_ID,
+    Answer,
+    ResponseBuilder,
+    has_event,
+    request_usage,
+    sse_event,
+    sse_named_event,
+    work_usage,
+)
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import Turn, Turns
 from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
@@ -238,6 +249,8 @@ class CompletionService:
         sampling = self._sampling(body, live)
         messages, prompt = self._input(body)
         session_id = body.session_id if isinstance(body, ChatCompletionRequest) else None
+        # A session turn's stream can be resumed (`GET /v1/chat/completions/{id}/stream`).
+        resumable = resumable or (session_id is not None and bool(body.stream))
         n = body.choices
         if n > 1 and session_id is not None:  # refused by the request's check already
             raise InvalidRequest("A session turn has one answer: n must be 1 with session_id.", param="n")
@@ -299,8 +312,26 @@ class CompletionService:
             include_usage=body.include_usage,
             logprobs=body.logprob_count is not None,
         )
+        if resumable:
+            self._keep_stream_meta(jobs[0], builder, caller)
         choices = [Choice(i, j) for i, j in enumerate(jobs)]
         return ActiveRequest(choices=choices, caller=caller, stream=stream, builder=builder, started=started, turn=turn)
+
+    def _keep_stream_meta(self, job: Job, builder: ResponseBuilder, caller: Caller) -> None:
+        """Record who may resume the job's stream and what its events repeat (`StreamMeta`), as
+        long as its chunk log may be kept. Not awaited: it goes out on the pipe before the job's
+        first chunk can reach the client, who learns the stream's id from it."""
+        meta = StreamMeta(
+            tenant=caller.tenant,
+            model=builder.model,
+            created=builder.created,
+            include_usage=builder.include_usage,
+            logprobs=builder.logprobs,
+            deadline=job.deadline,
+        )
+        ttl_s = max(1, int(job.deadline - time.time())) + self._settings.stream_log_ttl_s
+        written = self._pipe.submit("SET", self._names.chunk_log_meta(job.job_id), meta.dumps(), "EX", ttl_s)
+        written.add_done_callback(_stream_meta_written)
 
     async def _open_streams(self, n: int) -> list[TokenStream]:
         """`n` confirmed subscriptions, or none (those opened are closed if one fails).
@@ -494,9 +525,12 @@ class CompletionService:
         `data: [DONE]`.
 
         Events of chunks that arrived together go out as one piece (one socket write), and the
-        last chunk's event, the usage event and `[DONE]` as one.
+        last chunk's event, the usage event and `[DONE]` as one. Each event has its `id:`
+        (`responses.py`). A resumable session turn whose client leaves goes on to its end
+        (`_relay_detached`); any other request is called off.
         """
         builder = active.builder
+        several = len(active.choices) > 1
         inter_token = self._metrics.inter_token.labels(active.job.model)
         outcome = "disconnected"
         last_at = time.perf_counter()
@@ -510,8 +544,12 @@ class CompletionService:
                     if not active.unfinished:
                         outcome = chunk.finish_reason
                         await self.finish(active, outcome=outcome)  # stored before the client sees the end
-                if chunk.text or chunk.finish_reason is not None or not choice.sent or chunk.tool_calls:
-                    events.append(_sse(builder.chunk(choice.index, chunk, first=not choice.sent)))
+                if has_event(chunk, not choice.sent):
+                    payload = builder.chunk(choice.index, chunk, first=not choice.sent)
+                    if several:
+                        events.append(sse_named_event(b"%d.%d" % (chunk.seq, choice.index), payload))
+                    else:
+                        events.append(sse_event(chunk.seq, payload))
                     choice.sent = True
                 if not active.unfinished:
                     break
@@ -523,7 +561,11 @@ class CompletionService:
                 inter_token.observe(now - last_at)
                 last_at = now
             if builder.include_usage and active.usage is not None:
-                events.append(_sse(builder.usage_chunk(active.usage)))
+                usage = builder.usage_chunk(active.usage)
+                if several:
+                    events.append(sse_named_event(USAGE_EVENT_ID, usage))
+                else:
+                    events.append(sse_event(active.choices[0].next_seq, usage))
             events.append(SSE_END)
             yield b"".join(events)
         except AxonError as exc:
@@ -535,7 +577,32 @@ class CompletionService:
             if outcome == "disconnected":
                 # In its own task: this one may itself be cancelled (client gone), and the
                 # cancel notice must still go out.
-                self._background.spawn(self.finish(active, outcome=outcome))
+                if active.turn is not None and active.job.chunk_log_ttl_s is not None:
+                    self._background.spawn(self._relay_detached(active))
+                else:
+                    self._background.spawn(self.finish(active, outcome=outcome))
+
+    async def _relay_detached(self, active: ActiveRequest) -> None:
+        """Relay a resumable session turn whose client left to its end, and finish it as if the
+        client had stayed: its whole answer is stored in the session's history and its usage
+        charged, and the client can come back for the rest of its stream (its chunk log). Its
+        deadline bounds the wait."""
+        if active.closed:
+            return
+        log.info("stream_detached")
+        outcome = "disconnected"
+        try:
+            async for _choice, chunk in active.chunks():
+                if chunk.finish_reason is not None and not active.unfinished:
+                    outcome = chunk.finish_reason
+        except AxonError as exc:
+            log.warning("stream_failed", error=exc.message)
+            outcome = "error"
+        except asyncio.CancelledError:
+            await asyncio.shield(self.finish(active, outcome="disconnected"))
+            raise
+        with contextlib.suppress(Unavailable):  # not stored: `finish` logged it
+            await self.finish(active, outcome=outcome)
 
     async def finish(self, active: ActiveRequest, *, outcome: str) -> None:
         """Stop relaying (once): store the answer, tell the workers to stop generating every choice
@@ -803,6 +870,12 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
     """A best-effort write's outcome: an error is only logged."""
     if not future.cancelled() and future.exception() is not None:
         log.warning("cancel_publish_failed", error=repr(future.exception()))
+
+
+def _stream_meta_written(future: asyncio.Future[Any]) -> None:
+    """A stream meta's write's outcome: a failure only makes the stream not resumable."""
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("stream_meta_failed", error=repr(future.exception()))
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -8,11 +8,12 @@ import asyncio
 
 import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from services.sessions.api.deps import caller_from
+from services.sessions.api.deps import CallerDep, caller_from
 from services.sessions.service import Caller, CompletionService
+from services.sessions.stream_resume import open_chat_stream
 from shared.disconnects import DisconnectWatch
 from shared.errors import AxonError, ModelNotFound
 from shared.hot_routes import HotRoute, read_body, send_json
@@ -144,3 +145,20 @@ async def list_models(request: Request) -> Response:
 async def get_model(model_id: str, request: Request) -> Response:
     """One live model (or alias): its context length and the parameters its workers honour."""
     return ORJSONResponse(await request.app.state.catalog.entry(model_id))
+
+
+@router.get("/v1/chat/completions/{completion_id}/stream")
+async def resume_chat_stream(
+    completion_id: str, request: Request, caller: CallerDep, starting_after: str | None = None
+) -> Response:
+    """The rest of a session turn's streamed chat completion after the event `starting_after` (or
+    the `Last-Event-ID` header; neither: from the start), live until it ends, from any replica."""
+    events = await open_chat_stream(
+        request.app.state.chunk_log,
+        completion_id,
+        tenant=caller.tenant,
+        starting_after=starting_after,
+        last_event_id=request.headers.get("last-event-id"),
+    )
+    headers = {name.decode(): value.decode() for name, value in _SSE_HEADERS if name != b"content-type"}
+    return StreamingResponse(events, headers=headers, media_type="text/event-stream")

@@ -37,6 +37,7 @@ def all_names(names: Names) -> dict[str, str]:
         "job_progress_tokens": names.job_progress_tokens("j1"),
         "job_deliveries": names.job_deliveries("j1"),
         "chunk_log": names.chunk_log("j1"),
+        "chunk_log_meta": names.chunk_log_meta("j1"),
         "aliases_key": names.aliases_key,
         "outbox_group": names.outbox_group,
     }

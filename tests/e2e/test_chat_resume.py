@@ -1,0 +1,130 @@
+"""Resumable chat streams through real processes: every event has an `id:`, a session turn's client
+that drops its stream gets the rest from `GET /v1/chat/completions/{id}/stream` with
+`Last-Event-ID`, and the answer its events add up to is the one the session's history stored."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from services.cli.launcher import Service
+from shared.keys import KeyLimits
+from tests.conftest import create_key
+from tests.e2e.conftest import SIM_MODEL
+
+pytestmark = pytest.mark.e2e
+
+
+class Event:
+    """One server-sent event: its id (None without one) and its data."""
+
+    def __init__(self, event_id: str | None, data: str) -> None:
+        self.id = event_id
+        self.data = data
+
+    @property
+    def done(self) -> bool:
+        return self.data == "[DONE]"
+
+    @property
+    def delta(self) -> str:
+        body = json.loads(self.data)
+        return "".join(choice["delta"].get("content") or "" for choice in body["choices"])
+
+
+def events_of(response: httpx.Response, *, stop_after: int | None = None) -> list[Event]:
+    """The response's events, up to `[DONE]` (or the first `stop_after`)."""
+    events: list[Event] = []
+    event_id, data = None, []
+    for line in response.iter_lines():
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data.append(line[6:])
+        elif not line and data:
+            events.append(Event(event_id, "\n".join(data)))
+            event_id, data = None, []
+            if events[-1].done or len(events) == stop_after:
+                break
+    return events
+
+
+@pytest.fixture(scope="module")
+def http(gateway: Service, api_key: str) -> httpx.Client:
+    return httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def other_tenant(gateway: Service, database_url: str) -> httpx.Client:
+    key = asyncio.run(create_key(database_url, name="resume-other", limits=KeyLimits(), tenant="resume-other"))
+    return httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def chat_body(**extra: object) -> dict[str, object]:
+    return {"model": SIM_MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "stream": True, **extra}
+
+
+def resume(http: httpx.Client, completion_id: str, last_event_id: str | None = None, **params: str) -> httpx.Response:
+    headers = {"Last-Event-ID": last_event_id} if last_event_id is not None else {}
+    return http.get(f"/v1/chat/completions/{completion_id}/stream", headers=headers, params=params)
+
+
+def stored_answer(http: httpx.Client, session_id: str, timeout_s: float = 10) -> dict:
+    """The session's last message once it is a stored answer (the turn goes on without its client)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        messages = http.get(f"/v1/sessions/{session_id}/messages").json()["data"]
+        if messages and messages[-1]["role"] == "assistant":
+            return messages[-1]
+        assert time.monotonic() < deadline, messages
+        time.sleep(0.05)
+
+
+def test_a_dropped_session_stream_resumes_where_it_stopped(http: httpx.Client, other_tenant: httpx.Client) -> None:
+    session_id = http.post("/v1/sessions", json={}).json()["id"]
+    body = chat_body(session_id=session_id, max_tokens=120, stream_options={"include_usage": True})
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        first = events_of(response, stop_after=5)  # then the client drops the connection
+    completion_id = json.loads(first[0].data)["id"]
+    assert [e.id for e in first] == ["0", "1", "2", "3", "4"]
+
+    rest_response = resume(http, completion_id, last_event_id=first[-1].id)  # at once: the answer goes on
+    assert rest_response.status_code == 200
+    assert rest_response.headers["content-type"].startswith("text/event-stream")
+    rest = events_of(rest_response)
+    assert rest[-1].done
+    *chunk_events, usage_event, _ = rest
+    assert [int(e.id or -1) for e in chunk_events] == list(range(5, 5 + len(chunk_events)))
+    assert usage_event.id == str(int(chunk_events[-1].id or 0) + 1)
+    assert '"usage"' in usage_event.data
+    answer = stored_answer(http, session_id)
+    assert answer["status"] == "complete"
+    assert "".join(e.delta for e in first + chunk_events) == answer["content"]
+
+    # A replay from the start gives the very events the first connection got.
+    replayed = events_of(resume(http, completion_id))
+    assert [(e.id, e.data) for e in replayed[:5]] == [(e.id, e.data) for e in first]
+    assert [(e.id, e.data) for e in replayed[5:]] == [(e.id, e.data) for e in rest]
+    # After the usage event only [DONE] is left; past it there is nothing to resume.
+    tail = resume(http, completion_id, starting_after=usage_event.id or "")
+    assert [e.data for e in events_of(tail)] == ["[DONE]"]
+    past = resume(http, completion_id, last_event_id=str(int(usage_event.id or 0) + 1))
+    assert past.status_code == 400 and past.json()["error"]["param"] == "Last-Event-ID"
+    assert resume(http, completion_id, last_event_id="five").status_code == 400
+    # Another tenant, or an id no stream has: not found.
+    for client, stream_id in ((other_tenant, completion_id), (http, "chatcmpl-unknown"), (http, "resp_1")):
+        missing = resume(client, stream_id)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_every_event_has_an_id_and_a_sessionless_stream_is_not_resumable(http: httpx.Client) -> None:
+    with http.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=4, n=2)) as response:
+        events = events_of(response)
+    assert events[-1].done and events[-1].id is None
+    ids = [e.id for e in events[:-1]]
+    assert all(i is not None and i.split(".")[1] in {"0", "1"} for i in ids), ids
+    completion_id = json.loads(events[0].data)["id"]
+    assert resume(http, completion_id).status_code == 404
