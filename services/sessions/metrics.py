@@ -129,6 +129,13 @@ class SessionsMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.cold_start_wait = Gauge(
+            "axon_sessions_cold_start_wait_seconds",
+            "How long a request for the model waits for a worker to start when none is live (0: 503 at"
+            " once), for every model polled; above 0 its pool may scale to zero.",
+            ["model"],
+            registry=self.registry,
+        )
         self.queue_poll_errors = Counter(
             "axon_sessions_queue_poll_errors_total",
             "Queue depth polls that failed (RabbitMQ or Redis unreachable).",

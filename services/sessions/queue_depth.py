@@ -1,4 +1,5 @@
-"""Polls, every few seconds, how many jobs wait in each model's queue and how many workers serve it.
+"""Polls, every few seconds, how many jobs wait in each model's queue and how many workers serve it
+(and exports each model's cold-start wait beside them, for alerts on pools that may be at zero).
 
 RabbitMQ reports a queue's ready messages and consumers in the answer to a passive declare,
 which needs no management plugin (Amazon MQ has no Prometheus endpoint). Every session manager
@@ -71,6 +72,7 @@ class QueueDepthPoller:
         models = known | {model for model, state in live.items() if state.parent is None}
         for model in models:
             self._metrics.live_workers.labels(model).set(live[model].workers if model in live else 0)
+            self._metrics.cold_start_wait.labels(model).set(self._catalog.cold_start_wait(model))
         for model in sorted(models):
             await self._poll_queue(model)
         for gone in self._reported - models:
@@ -96,7 +98,13 @@ class QueueDepthPoller:
         self._metrics.queue_consumers.labels(model).set(result.consumer_count or 0)
 
     def _forget(self, model: str) -> None:
-        for gauge in (self._metrics.queue_depth, self._metrics.queue_consumers, self._metrics.live_workers):
+        gauges = (
+            self._metrics.queue_depth,
+            self._metrics.queue_consumers,
+            self._metrics.live_workers,
+            self._metrics.cold_start_wait,
+        )
+        for gauge in gauges:
             with contextlib.suppress(KeyError):
                 gauge.remove(model)
 
