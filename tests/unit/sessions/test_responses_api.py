@@ -415,3 +415,23 @@ def test_a_cancelled_or_failed_stream_ends_with_response_failed() -> None:
         end = finished_response(initial, status=status, output=events.output("incomplete"), usage=None)
         parsed = _parse([*pieces, *events.closing(end)])
         assert parsed[-1]["type"] == "response.failed" and parsed[-1]["response"]["status"] == status
+
+
+def test_a_text_delta_is_the_bytes_the_generic_event_makes() -> None:
+    initial = response_object(
+        _body(), response_id="resp_ab", created_at=1.0, status="in_progress", output=[], usage=None, conversation=None
+    )
+    events = ResponseEvents(skeleton_of(initial))
+    events.opening()
+    for text in ("Hi", ' "quoted"\n', "é \u2028 \x00 ☃"):
+        fast = events.chunk(TokenChunk(seq=events.last_seq + 1, text=text))[-1]
+        events.seq -= 1
+        generic = events._event(
+            "response.output_text.delta",
+            item_id="msg_ab_0",
+            output_index=0,
+            content_index=0,
+            delta=text,
+            logprobs=[],
+        )
+        assert fast == generic
