@@ -149,6 +149,19 @@ def test_a_group_holds_the_engines_tensor_times_pipeline_gpus(lws: dict) -> None
     assert leader_env["AXON_ENGINE"] == "vllm"
 
 
+def test_the_leaders_settings_give_vllm_the_groups_shape(lws: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rendered environment, read by the worker's own settings, as the engine hands it to vLLM."""
+    from services.worker.settings import WorkerSettings
+
+    for name, value in env_of(pods(lws)["leader"]["containers"][0]).items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    settings = WorkerSettings()
+    assert (settings.engine, settings.tensor_parallel_size, settings.pipeline_parallel_size) == ("vllm", 8, 2)
+    assert settings.distributed_executor == "ray"
+    assert settings.model_path == POOL["modelPath"]
+
+
 def test_the_group_restarts_whole_and_its_followers_start_with_the_leader(lws: dict) -> None:
     assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
     # LeaderReady would deadlock: the leader is ready only once its engine has the followers' GPUs.
