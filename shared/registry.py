@@ -163,10 +163,12 @@ class WorkerRegistry:
 
     async def remember_profiles(self, live: dict[str, LiveModel]) -> None:
         """Keep what the live workers of each model in `live` offer (its context and supported
-        parameters), replacing what was remembered of it."""
+        parameters) and, for an adapter, its base model, replacing what was remembered of it."""
         if live:
             profiles: dict[FieldT, EncodableT] = {
-                model: orjson.dumps({"context_tokens": state.context_tokens, "supports": sorted(state.supports)})
+                model: orjson.dumps(
+                    {"context_tokens": state.context_tokens, "supports": sorted(state.supports), "parent": state.parent}
+                )
                 for model, state in live.items()
             }
             await self._redis.hset(self._names.model_profiles_key, mapping=profiles)
@@ -178,7 +180,12 @@ class WorkerRegistry:
         if raw is None:
             return None
         profile = orjson.loads(raw)
-        return LiveModel(0, profile["context_tokens"], frozenset(profile["supports"]))
+        return LiveModel(0, profile["context_tokens"], frozenset(profile["supports"]), parent=profile.get("parent"))
+
+    async def adapter_base(self, model: str) -> str | None:
+        """The base model of `model` if some worker ever announced it as a LoRA adapter (None: not one)."""
+        base = cast(bytes | None, await self._redis.hget(self._names.adapters_key, model))  # bytes: see live_models
+        return base.decode() if base is not None else None
 
 
 def _served(entry: dict[str, object]) -> list[tuple[str, str | None]]:

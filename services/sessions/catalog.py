@@ -2,6 +2,7 @@
 support; and how long a request may wait for a worker of a model that has none (scale to zero)."""
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any, get_args
@@ -62,7 +63,7 @@ class ModelCatalog:
             model: state
             for model, state in live.items()
             if (seen := self._remembered.get(model)) is None
-            or (seen.context_tokens, seen.supports) != (state.context_tokens, state.supports)
+            or (seen.context_tokens, seen.supports, seen.parent) != (state.context_tokens, state.supports, state.parent)
         }
         if changed:
             await self._registry.remember_profiles(changed)
@@ -106,7 +107,7 @@ class ModelCatalog:
         a worker: 0 when a live worker serves it. When none does and the wait is above 0 (`wait_s`,
         else the model's `cold_start_wait`), the state is what its workers offered when last seen
         (`UNSEEN_MODEL` for a model never seen live, known from `AXON_COLD_START_WAITS` or the
-        registry), with no worker and no home.
+        registry, with its base model if it is a known adapter), with no worker and no home.
 
         Raises:
             ModelNotFound: no worker has ever served it and `AXON_COLD_START_WAITS` does not list it.
@@ -122,6 +123,9 @@ class ModelCatalog:
             profile = await self._registry.profile(model)
             if profile is not None:
                 return model, profile, wait
+            base = await self._registry.adapter_base(model)
+            if base is not None:  # an adapter: its jobs go to its base model's queue
+                return model, dataclasses.replace(UNSEEN_MODEL, parent=base), wait
             if listed or await self._registry.is_known(model):
                 return model, UNSEEN_MODEL, wait
         elif listed:

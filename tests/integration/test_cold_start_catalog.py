@@ -60,3 +60,24 @@ async def test_a_model_with_no_live_worker_waits_with_its_last_seen_profile(redi
         assert (cold.context_tokens, cold.supports) == (2048, frozenset())
     finally:
         await redis_client.delete(names.workers_key, names.models_key, names.aliases_key, names.model_profiles_key)
+
+
+async def test_an_adapter_with_no_live_worker_waits_in_its_base_models_queue(redis_client, namespace) -> None:
+    names = Names(f"{namespace}-cold-{uuid.uuid4().hex[:6]}")
+    registry = WorkerRegistry(redis_client, names)
+    catalog = ModelCatalog(registry, cache_ttl_s=0, cold_start_wait_s=30)
+    try:
+        await registry.heartbeat(
+            worker_id="w1", model="base", ttl_s=30, max_seqs=4, context_tokens=4096, adapters=["tuned"]
+        )
+        assert (await catalog.require_or_wait("tuned"))[1].route("tuned") == ("base", "tuned")
+        await registry.remove("w1")
+        _, cold, wait_s = await catalog.require_or_wait("tuned")
+        assert (cold.route("tuned"), cold.context_tokens, wait_s) == (("base", "tuned"), 4096, 30)
+
+        # An adapter some worker announced but no session manager saw live: its base from the registry.
+        await redis_client.hset(names.adapters_key, "other", "base")
+        _, cold, _ = await catalog.require_or_wait("other")
+        assert cold.route("other") == ("base", "other") and cold.supports == UNSEEN_MODEL.supports
+    finally:
+        await redis_client.delete(names.workers_key, names.models_key, names.adapters_key, names.model_profiles_key)
