@@ -12,7 +12,6 @@ from services.sessions.api import conversations as conversations_api
 from services.sessions.api import responses as responses_api
 from services.sessions.api import sessions as sessions_api
 from services.sessions.api.routes import HOT_ROUTES, router
-from services.sessions.chunk_log import ChunkLog
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.resources import SessionsResources, open_resources
 from services.sessions.response_runs import ResponseLeases
@@ -79,8 +78,7 @@ def _attach_services(
     app.state.database_seen = False
     app.state.sessions = opened.store
     app.state.names = opened.names
-    # Replay of resumable streams; its XREAD BLOCK waits stay below the client's command timeout.
-    app.state.chunk_log = ChunkLog(opened.redis, opened.names, block_s=settings.connect_timeout_s / 2)
+    app.state.chunk_log = opened.chunk_log
     app.state.completions = CompletionService(
         settings=settings,
         catalog=opened.catalog,

@@ -13,6 +13,7 @@ import redis.asyncio as redis
 from aio_pika.abc import AbstractRobustConnection
 
 from services.sessions.catalog import ModelCatalog
+from services.sessions.chunk_log import ChunkLog
 from services.sessions.history import SessionStore
 from services.sessions.jobs import JobPublisher
 from services.sessions.metrics import SessionsMetrics
@@ -60,6 +61,7 @@ class SessionsResources:
     store: SessionStore
     catalog: ModelCatalog
     instance_id: str
+    chunk_log: ChunkLog
 
 
 @asynccontextmanager
@@ -68,6 +70,9 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
     beat, queue-depth poller); on the way out, let the persister finish and close everything."""
     names = Names(settings.namespace)
     client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
+    # Chunk log reads (replays, and XREAD BLOCK waits that hold a connection each) on a pool of
+    # their own: many followers must not starve the session store of connections.
+    log_client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
     # The hot path's commands (usage records, token charges, cancel notices), batched per loop iteration.
     pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
     connection = await connect_amqp(settings.amqp_url, timeout_s=settings.connect_timeout_s)
@@ -140,6 +145,7 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
             store=store,
             catalog=catalog,
             instance_id=instance_id,
+            chunk_log=ChunkLog(log_client, names, block_s=settings.connect_timeout_s / 2),
         )
     finally:
         persister.stop()  # batches being committed finish; what is left stays pending, for a live persister
@@ -154,4 +160,5 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
             await connection.close()
         await pipe.aclose()
         await client.aclose()
+        await log_client.aclose()
         await db.close()
