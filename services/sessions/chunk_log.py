@@ -11,8 +11,9 @@ A stream a client resumes through the chat API also has its meta (`StreamMeta`, 
 whose it is and what its events carry besides the chunks, written by the session manager that
 started its job.
 
-Reads go through the redis-py client, never the hot path's pipe: a page of a thousand chunks, or
-an `XREAD BLOCK` holding its connection, must not delay the commands pipelined behind them.
+Reads go through a redis-py client of their own (`resources.py`), never the hot path's pipe: a
+page of a thousand chunks, or an `XREAD BLOCK` holding its connection, must not delay the commands
+pipelined behind them, nor take the session store's pooled connections.
 """
 
 import time
