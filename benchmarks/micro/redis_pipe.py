@@ -10,7 +10,8 @@ The commands are the two the hot path sends most, with their real scripts and ar
   script by `EVALSHA`: 3 keys, 7 arguments, a 6-element reply). The key's limits are far above the
   load and it has no concurrency limit, so every call is admitted and no lease piles up.
 - `publish`: the worker's per-chunk script, once per chunk of every answer
-  (`services.worker.publisher`: `PUBLISH` of the chunk plus its progress record, 3 keys, 9 arguments).
+  (`services.worker.publisher`: `PUBLISH` of the chunk plus its progress record, 3 keys, 11 arguments;
+  a job without a chunk log).
 
 Each of the 100 coroutines uses keys of its own (as 100 API keys or 100 jobs would), and the
 arguments are built before the clock starts, so what is measured is the client's work: packing,
@@ -80,7 +81,8 @@ def command_arguments(command: str, namespace: str, lanes: int) -> tuple[PipeScr
                 f"{namespace}progress-text:job{lane}",
                 f"{namespace}progress-tokens:job{lane}",
             ],
-            [f"{namespace}tokens:job{lane}", chunk, 0, 8, 8, 40, " token", 0, 1234],
+            # No chunk log (0, 0), as for most jobs; then the chunk's token id.
+            [f"{namespace}tokens:job{lane}", chunk, 0, 8, 8, 40, " token", 0, 0, 0, 1234],
         )
         for lane in range(lanes)
     ]
