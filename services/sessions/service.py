@@ -465,7 +465,10 @@ class CompletionService:
         """
         chunks = active.chunks()
         try:
-            first = await self.first_of(active, chunks, on_wait=on_wait)
+            # Inline for the hot path; a request queued for a cold pool waits in `first_of`.
+            first = await (
+                anext(chunks) if active.job.start_by is None else self.first_of(active, chunks, on_wait=on_wait)
+            )
             if first[1].finish_reason == "error":
                 raise chunk_error(first[1])
         except asyncio.CancelledError:
