@@ -261,6 +261,15 @@ def test_every_deployment_probes_health_and_readiness(manifests: list[dict]) -> 
             assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
 
 
+def test_workers_are_not_killed_while_their_model_loads(manifests: list[dict]) -> None:
+    for worker in worker_deployments(manifests):
+        (container,) = worker["spec"]["template"]["spec"]["containers"]
+        startup = container["startupProbe"]
+        assert startup["httpGet"] == {"path": "/health", "port": "http"}
+        # Liveness waits for the first answer, for as long as the rollout waits for the pod.
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= worker["spec"]["progressDeadlineSeconds"]
+
+
 def test_worker_grace_period_outlasts_the_drain(manifests: list[dict]) -> None:
     for worker in worker_deployments(manifests):
         pod = worker["spec"]["template"]["spec"]

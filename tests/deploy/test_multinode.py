@@ -168,6 +168,9 @@ def test_the_group_restarts_whole_and_its_followers_start_with_the_leader(lws: d
     assert lws["spec"]["startupPolicy"] == "LeaderCreated"
     leader = pods(lws)["leader"]["containers"][0]
     assert leader["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    # Loading 810 GB over two nodes: liveness waits for the first answer, up to the pool's deadline.
+    startup = leader["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= POOL["progressDeadlineSeconds"]
 
 
 def test_the_leader_runs_a_ray_head_then_the_worker_and_followers_join_it(lws: dict) -> None:

@@ -80,6 +80,15 @@ spec:
         {{- end }}
       {{- if ne .role "follower" }}
       {{- include "axon.probes" $p.readinessProbe | nindent 6 }}
+      # Liveness starts once /health has answered: a worker loading a large model may not answer
+      # for minutes (vLLM's engine start holds the process's event loop), up to progressDeadlineSeconds.
+      startupProbe:
+        httpGet:
+          path: /health
+          port: http
+        periodSeconds: 10
+        timeoutSeconds: 5
+        failureThreshold: {{ div (int $p.progressDeadlineSeconds) 10 }}
       {{- else }}
       lifecycle:
         # Ray stays up on this node while the leader drains its jobs.
