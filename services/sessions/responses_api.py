@@ -24,7 +24,7 @@ import datetime as dt
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -807,6 +807,45 @@ class ResponsesService:
         return await self.keep(
             target, answer_message(choice.answer), response, job_id=active.job.job_id, last_seq=events.last_seq
         )
+
+    async def first_chunk(
+        self, prepared: Prepared, active: ActiveRequest, *, on_wait: Callable[[], Awaitable[None]] | None = None
+    ) -> tuple[tuple[Choice, TokenChunk], AsyncIterator[tuple[Choice, TokenChunk]]]:
+        """Wait for the answer's first chunk (`CompletionService.first_chunk`, `on_wait` its
+        keep-alive: a failure before any token is still an HTTP status). A stored response's
+        lease is renewed meanwhile, and if its client leaves, a task waits on and relays it to its
+        end; one that fails is kept failed.
+
+        Raises:
+            AxonError: the answer failed before its first chunk.
+        """
+        target = prepared.target
+        if not target.stored:
+            return await self.completions.first_chunk(active, on_wait=on_wait)
+        waiting = asyncio.ensure_future(self.completions.first_chunk(active, on_wait=on_wait))
+        with self.leases.attached(target.response_id):
+            try:
+                return await asyncio.shield(waiting)
+            except asyncio.CancelledError:
+                self.leases.hold(target.response_id, self._relay_after(target, active, waiting))
+                raise
+            except AxonError as exc:
+                await self._keep_failed(target, active, ResponseEvents(skeleton_of(target.initial), quiet=True), exc)
+                raise
+
+    async def _relay_after(
+        self,
+        target: Target,
+        active: ActiveRequest,
+        waiting: "asyncio.Future[tuple[tuple[Choice, TokenChunk], AsyncIterator[tuple[Choice, TokenChunk]]]]",
+    ) -> dict[str, Any]:
+        """Relay a stored response whose client left before its first chunk, once it comes."""
+        events = ResponseEvents(skeleton_of(target.initial), quiet=True)
+        try:
+            first, _ = await waiting
+        except AxonError as exc:
+            return await self._keep_failed(target, active, events, exc)
+        return await self._relay(target, active, events, first=first)
 
     async def _relay_lost(self, target: Target, active: ActiveRequest) -> dict[str, Any] | None:
         """A stored response whose chunks stopped arriving (the relay's Redis connection dropped,

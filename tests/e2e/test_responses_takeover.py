@@ -1,6 +1,7 @@
 """Background responses survive kill -9 of the session manager relaying them (another one takes
 the response over once its lease expires, and stores it and appends it to its conversation) and
-of the worker generating them (failover), each ending `completed` with the full text.
+of the worker generating them (failover), each ending `completed` with the full text; a stored
+stream whose client leaves before its first token runs on.
 
 The answers are JSON (`text.format`), which the simulator ends with `stop` once complete, at one
 short piece per 40 ms: long enough to kill a process mid-answer. The full text is that of the
@@ -9,7 +10,10 @@ same request answered undisturbed (the simulator's answer depends only on the pr
 import time
 from typing import Any
 
+import httpx
+import orjson
 import pytest
+import redis
 from openai import OpenAI
 from openai.types.responses import Response
 
@@ -29,6 +33,18 @@ TEXT = {"format": {"type": "json_schema", "name": "story", "schema": SCHEMA}}
 
 def _ask(client: OpenAI, model: str, prompt: str, **fields: Any) -> Response:
     return client.responses.create(model=model, input=prompt, text=TEXT, **fields)  # type: ignore[arg-type]
+
+
+def _stored_of(stack: Stack, model: str) -> str:
+    """The id of the one stored response of `model` (its client never saw it)."""
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        for key in client.scan_iter(match=f"{stack.namespace}:response:*", count=1000):
+            if orjson.loads(client.get(key) or b"{}").get("response", {}).get("model") == model:
+                return key.decode().rsplit(":", 1)[1]
+    finally:
+        client.close()
+    raise AssertionError(f"no stored response of {model}")
 
 
 def _wait(client: OpenAI, response_id: str, statuses: set[str], timeout_s: float = 30) -> Response:
@@ -84,3 +100,17 @@ def test_killing_the_worker_another_finishes_the_response(stack: Stack, gateway:
     assert len(done.output_text) > len(running.output_text)
     survivor = next(w for w in workers if w.process.poll() is None)
     assert metric(survivor, "axon_worker_jobs_total", model=model, outcome="resumed") == 1
+
+
+def test_a_stored_stream_left_before_its_first_token_runs_on(
+    stack: Stack, gateway: Service, api_key: str, auth: dict
+) -> None:
+    model = "slow-start-sim"
+    sim_worker(stack, "slow-start", model, AXON_SIM_TTFT_MS="1500", AXON_SIM_ITL_MS="5")
+    client = client_for(gateway, api_key)
+    wait_listed(client, model)
+    body = {"model": model, "input": "Wait for it.", "max_output_tokens": 20, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):  # nothing comes before the first token: the client gives up
+        httpx.post(f"{gateway.url}/v1/responses", json=body, headers=auth, timeout=0.5)
+    done = _wait(client, _stored_of(stack, model), {"completed", "incomplete", "failed"})
+    assert done.status == "incomplete" and done.usage is not None and done.usage.output_tokens == 20

@@ -93,7 +93,7 @@ async def _respond(
         keepalive = StreamKeepAlive(send, _SSE_HEADERS)
     try:
         # Failures before any token get a real status, unless the head went out with a keep-alive.
-        first, rest = await service.completions.first_chunk(active, on_wait=keepalive.beat if keepalive else None)
+        first, rest = await service.first_chunk(prepared, active, on_wait=keepalive.beat if keepalive else None)
     except AxonError as exc:
         if keepalive is None or not keepalive.started:
             raise
