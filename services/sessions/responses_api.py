@@ -786,10 +786,12 @@ class ResponsesService:
                     break
                 choice, chunk = await anext(chunks)
         except asyncio.CancelledError:
-            if target.stored and not self.leases.abandoned(target.response_id):
-                await active.stream.close()  # the job runs on, for whoever takes the response over
-            else:
+            if not target.stored:
                 await asyncio.shield(self.completions.finish(active, outcome="disconnected"))
+            elif self.leases.abandoned(target.response_id):  # cancelled or deleted: its job stops
+                await asyncio.shield(self.completions.finish(active, outcome="cancelled"))
+            else:
+                await active.stream.close()  # the job runs on, for whoever takes the response over
             raise
         except AxonError as exc:
             if active.lost and target.stored:
