@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import aio_pika
 import httpx
@@ -23,8 +24,10 @@ from tests.e2e.test_workers import metric, sim_worker
 
 pytestmark = pytest.mark.e2e
 
+T = TypeVar("T")
+
 MESSAGES = [{"role": "user", "content": "are you awake?"}]
-WAITS = {"cold-sim": 60, "warm-sim": 60, "late-sim": 2, "zero-sim": 0}
+WAITS = {"cold-sim": 60, "warm-sim": 60, "late-sim": 2, "slow-sim": 6, "zero-sim": 0}
 
 
 @dataclass
@@ -56,9 +59,9 @@ def cold(stack: Stack, api_key: str) -> Cold:
     return Cold(stack, namespace, sessions, gateway, api_key)
 
 
-def _in_thread(target: Callable[[], object]) -> Callable[[], object]:
+def _in_thread(target: Callable[[], T]) -> Callable[[], T]:
     """Run `target` in a thread now; the returned call joins it and gives its result (or raises)."""
-    outcome: dict[str, object] = {}
+    outcome: dict[str, Any] = {}
 
     def run() -> None:
         try:
@@ -69,11 +72,11 @@ def _in_thread(target: Callable[[], object]) -> Callable[[], object]:
     thread = threading.Thread(target=run)
     thread.start()
 
-    def join() -> object:
+    def join() -> T:
         thread.join(timeout=90)
         assert not thread.is_alive(), "the request never ended"
         if "error" in outcome:
-            raise outcome["error"]  # type: ignore[misc]
+            raise outcome["error"]
         return outcome["value"]
 
     return join
@@ -123,7 +126,7 @@ def test_requests_wait_with_keepalives_for_a_worker_that_starts_5_s_later(cold: 
     sdk, raw, refused = _in_thread(sdk_stream), _in_thread(raw_stream), _in_thread(unsupported)
     time.sleep(5)
     cold.worker("cold-sim")
-    text, finish_reason = sdk()  # type: ignore[misc]
+    text, finish_reason = sdk()
     lines = raw()
     assert time.monotonic() - started > 5
     assert text and finish_reason == "length"
@@ -131,12 +134,20 @@ def test_requests_wait_with_keepalives_for_a_worker_that_starts_5_s_later(cold: 
     assert lines[:first_event] and all(line == b": keep-alive" for line in lines[:first_event]), lines[:3]
     assert lines[-1] == b"data: [DONE]"
     response = refused()
-    assert response.status_code == 400, response.text  # type: ignore[attr-defined]
-    assert "presence_penalty is not supported" in response.json()["error"]["message"]  # type: ignore[attr-defined]
+    assert response.status_code == 400, response.text
+    assert "presence_penalty is not supported" in response.json()["error"]["message"]
     assert metric(cold.sessions, "axon_sessions_cold_start_waits_total", model="cold-sim", outcome="served") == 3
 
 
 def test_past_the_wait_503_with_retry_after_and_the_late_worker_skips_the_job(cold: Cold) -> None:
+    def raw(path: str, body: dict) -> list[bytes]:
+        # slow-sim waits 6 s: its stream's head went out with the keep-alive at 5 s, so no 503.
+        with cold.http() as http, http.stream("POST", path, json={**body, "model": "slow-sim", "stream": True}) as r:
+            assert r.status_code == 200
+            return [line.encode() for line in r.iter_lines() if line]
+
+    chat = _in_thread(lambda: raw("/v1/chat/completions", {"messages": MESSAGES}))
+    response = _in_thread(lambda: raw("/v1/responses", {"input": "hi"}))
     started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as refused:
         cold.client().chat.completions.create(model="late-sim", messages=MESSAGES, max_tokens=4)
@@ -145,6 +156,11 @@ def test_past_the_wait_503_with_retry_after_and_the_late_worker_skips_the_job(co
     assert refused.value.response.headers["retry-after"] == "5"
     assert refused.value.code == "no_worker"
     assert _queued(cold.namespace, cold.stack.amqp_url, "late-sim") == 1  # it waits for the pool to wake
+    lines = chat()
+    assert lines[0] == b": keep-alive" and lines[-1] == b"data: [DONE]", lines
+    assert json.loads(lines[-2].removeprefix(b"data: "))["error"]["code"] == "no_worker"
+    events = [line.removeprefix(b"event: ") for line in response() if line.startswith(b"event: ")]
+    assert events == [b"response.created", b"response.in_progress", b"response.failed"]
 
     worker = cold.worker("late-sim")
     deadline = time.monotonic() + 15
