@@ -102,7 +102,12 @@ def _attach_services(
         catalog=opened.catalog,
         sessions=opened.store,
         store=ResponseStore(
-            opened.redis, opened.db, opened.outbox, namespace=settings.namespace, ttl_s=settings.response_ttl_s
+            opened.redis,
+            opened.db,
+            opened.outbox,
+            namespace=settings.namespace,
+            ttl_s=settings.response_ttl_s,
+            pipe=opened.pipe,
         ),
         chunk_log=app.state.chunk_log,
         leases=ResponseLeases(

@@ -53,6 +53,7 @@ from shared.errors import AxonError, InvalidRequest, NotFound, Unavailable
 from shared.logging import get_logger
 from shared.names import Names
 from shared.openai_requests import ChatCompletionRequest
+from shared.redis_pipe import PipeScript, RedisPipe
 from shared.responses_requests import ResponseCreate, as_response_error
 from shared.schemas import FunctionCall, Message, TokenChunk, ToolCall, Usage
 
@@ -258,8 +259,12 @@ class ResponseStore:
     the outbox once finished, by tenant. A read that misses Redis (evicted, or Redis lost it)
     reads PostgreSQL. An unfinished one is leased (`response_runs.py`)."""
 
-    def __init__(self, redis: Redis, db: asyncpg.Pool, outbox: Outbox, *, namespace: str, ttl_s: int) -> None:
+    def __init__(
+        self, redis: Redis, db: asyncpg.Pool, outbox: Outbox, *, namespace: str, ttl_s: int, pipe: RedisPipe
+    ) -> None:
         self._redis = redis
+        # Each response's two writes (`open`, `finish`) go through the hot path's pipe.
+        self._pipe = pipe
         self._db = db
         self._outbox = outbox
         self._namespace = namespace
@@ -267,7 +272,6 @@ class ResponseStore:
         self._running = running_key(namespace)
         self._owners = owners_key(namespace)
         self._cancel_channel = Names(namespace).cancel_channel
-        self._finish = redis.register_script(_FINISH)
 
     def key(self, response_id: str) -> str:
         return f"{self._namespace}:response:{response_id}"
@@ -291,20 +295,21 @@ class ResponseStore:
 
     async def open(self, response_id: str, stored: StoredResponse, *, owner: str, lease_expiry_ms: int) -> None:
         """Keep unfinished `stored` in Redis (not yet in PostgreSQL) and lease it to `owner`, in one
-        transaction."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.key(response_id), stored.model_dump_json(exclude_none=True), ex=self._ttl_s)
-            pipe.zadd(self._running, {response_id: lease_expiry_ms})
-            pipe.hset(self._owners, response_id, owner)
-            await pipe.execute()
+        script call."""
+        await self._pipe.submit_script(
+            _OPEN,
+            [self.key(response_id), self._running, self._owners],
+            [stored.model_dump_json(exclude_none=True), self._ttl_s, lease_expiry_ms, response_id, owner],
+        )
 
     async def finish(self, response_id: str, stored: StoredResponse) -> bool:
         """Store finished `stored` and queue its row for PostgreSQL, if the response is still
         unfinished (running), in one script: False when another finisher was first."""
         _, outbox, _, *fields = self._outbox.append_command("response", self._row(response_id, stored))
-        result = await self._finish(
-            keys=[self.key(response_id), self._running, self._owners, str(outbox)],
-            args=[response_id, stored.model_dump_json(exclude_none=True), self._ttl_s, *fields],
+        result = await self._pipe.submit_script(
+            _FINISH,
+            [self.key(response_id), self._running, self._owners, outbox],
+            [response_id, stored.model_dump_json(exclude_none=True), self._ttl_s, *fields],
         )
         return bool(result)
 
@@ -360,15 +365,23 @@ _TOMBSTONE = """
 INSERT INTO responses (id, tenant, body, created_at, expires_at) VALUES ($1, $2, NULL, now(), $3)
 ON CONFLICT (id) DO UPDATE SET body = NULL
 """
+# KEYS: the response, running set, owners hash. ARGV: record, ttl (s), lease expiry (ms), id, owner.
+# Stores an unfinished response and leases it to its relay.
+_OPEN = PipeScript("""
+redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+redis.call('HSET', KEYS[3], ARGV[4], ARGV[5])
+return 1
+""")
 # KEYS: the response, running set, owners hash, outbox. ARGV: id, record, ttl (s), outbox fields...
 # The first finisher of a running response stores it; 0 for any later one.
-_FINISH = """
+_FINISH = PipeScript("""
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('SET', KEYS[1], ARGV[2], 'EX', tonumber(ARGV[3]))
 redis.call('XADD', KEYS[4], '*', unpack(ARGV, 4))
 return 1
-"""
+""")
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,21 +21,26 @@ from services.sessions.responses_api import (
     finished_response,
 )
 from shared.names import Names
+from shared.redis_pipe import RedisPipe
 from shared.schemas import Message
 
 INITIAL = {"object": "response", "status": "queued", "background": True, "output": [], "usage": None}
 
 
 @pytest.fixture
-async def setup(database_url, redis_client, namespace):
+async def setup(database_url, redis_client, namespace, service_urls):
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
     names = Names(f"{namespace}-leases-{uuid.uuid4().hex[:6]}")
-    store = ResponseStore(redis_client, pool, Outbox(redis_client, names), namespace=names.namespace, ttl_s=3600)
+    pipe = RedisPipe(service_urls.redis, timeout_s=5)
+    store = ResponseStore(
+        redis_client, pool, Outbox(redis_client, names), namespace=names.namespace, ttl_s=3600, pipe=pipe
+    )
     yield names, store
     await redis_client.delete(
         names.outbox, f"{names.namespace}:responses:running", f"{names.namespace}:responses:owners"
     )
     await pool.close()
+    await pipe.aclose()
 
 
 def _leases(redis_client, names: Names, owner: str, lease_s: float = 1.0) -> ResponseLeases:

@@ -12,17 +12,22 @@ from services.sessions.outbox import Outbox
 from services.sessions.persister import Persister
 from services.sessions.responses_api import ResponseStore, StoredResponse
 from shared.names import Names
+from shared.redis_pipe import RedisPipe
 from shared.schemas import Message
 
 
 @pytest.fixture
-async def setup(database_url, redis_client, namespace):
+async def setup(database_url, redis_client, namespace, service_urls):
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
     names = Names(f"{namespace}-responses-{uuid.uuid4().hex[:6]}")
-    store = ResponseStore(redis_client, pool, Outbox(redis_client, names), namespace=names.namespace, ttl_s=3600)
+    pipe = RedisPipe(service_urls.redis, timeout_s=5)
+    store = ResponseStore(
+        redis_client, pool, Outbox(redis_client, names), namespace=names.namespace, ttl_s=3600, pipe=pipe
+    )
     yield pool, names, store
     await redis_client.delete(names.outbox)
     await pool.close()
+    await pipe.aclose()
 
 
 async def _drain(redis_client, pool, names: Names) -> None:
