@@ -7,10 +7,15 @@ import time
 from collections.abc import Mapping
 from typing import Any, get_args
 
+from redis.exceptions import RedisError
+
 from shared.errors import InvalidRequest, ModelNotFound, Unavailable
+from shared.logging import get_logger
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.registry import LiveModel, WorkerRegistry
 from shared.schemas import Capability
+
+log = get_logger(__name__)
 
 # Suggested wait before retrying a model that has no live worker.
 NO_WORKER_RETRY_AFTER_S = 5
@@ -58,7 +63,8 @@ class ModelCatalog:
 
     async def _remember(self, live: dict[str, LiveModel]) -> None:
         """Remember the profile of each live model whose profile changed since this process last did,
-        for requests that will wait for one of its workers once it has none."""
+        for requests that will wait for one of its workers once it has none. Best effort: a failed
+        write only delays it to the next refresh, and never fails the refresh itself."""
         changed = {
             model: state
             for model, state in live.items()
@@ -66,7 +72,11 @@ class ModelCatalog:
             or (seen.context_tokens, seen.supports, seen.parent) != (state.context_tokens, state.supports, state.parent)
         }
         if changed:
-            await self._registry.remember_profiles(changed)
+            try:
+                await self._registry.remember_profiles(changed)
+            except (RedisError, ConnectionError, TimeoutError) as exc:
+                log.warning("model_profiles_not_remembered", error=repr(exc))
+                return
             self._remembered.update(changed)
 
     def _fetched(self, fetch: asyncio.Future[None]) -> None:

@@ -7,14 +7,17 @@ import time
 
 import orjson
 import pytest
+from redis.exceptions import RedisError
 
 from services.sessions import service
+from services.sessions.catalog import ModelCatalog
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.relay import TokenStream
 from services.sessions.responses import ResponseBuilder
 from services.sessions.service import ActiveRequest, Caller, Choice, _cold_start, first_after_cold_start
 from shared.errors import Unavailable
 from shared.openai_requests import RequestLimits, parse_request
+from shared.registry import LiveModel, WorkerRegistry
 from shared.schemas import Job, TokenChunk
 
 MODEL = "cold-model"
@@ -124,3 +127,28 @@ async def test_a_client_that_leaves_while_waiting_is_counted_and_stops_waiting()
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert (_waits(metrics, "disconnected"), _waiting(metrics)) == (1, 0)
+
+
+class _ReadOnlyRegistry(WorkerRegistry):
+    """Live models can be read, profiles cannot be written (a Redis that refuses writes)."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    async def live_models(self) -> dict[str, LiveModel]:
+        return {MODEL: LiveModel(1, 4096)}
+
+    async def aliases(self) -> dict[str, str]:
+        return {}
+
+    async def remember_profiles(self, live: dict[str, LiveModel]) -> None:
+        self.writes += 1
+        raise RedisError("READONLY You can't write against a read only replica.")
+
+
+async def test_a_profile_that_cannot_be_remembered_fails_no_refresh_and_is_tried_again() -> None:
+    registry = _ReadOnlyRegistry()
+    catalog = ModelCatalog(registry, cache_ttl_s=0)
+    assert (await catalog.live())[MODEL].workers == 1
+    assert (await catalog.live())[MODEL].workers == 1
+    assert registry.writes == 2
