@@ -27,7 +27,8 @@ def _list(_args: argparse.Namespace) -> int:
     async def action(registry: WorkerRegistry) -> None:
         live = await registry.live_models()
         for model, state in sorted(live.items()):
-            print(f"{model:<40} workers={state.workers} context={state.context_tokens}")
+            adapter = f" adapter of {state.parent}" if state.parent is not None else ""
+            print(f"{model:<40} workers={state.workers} context={state.context_tokens}{adapter}")
         for alias, target in sorted((await registry.aliases()).items()):
             print(f"{alias:<40} -> {target}{'' if target in live else '  (no live worker)'}")
 

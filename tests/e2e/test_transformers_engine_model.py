@@ -172,7 +172,7 @@ async def test_echo_with_logprobs_scores_the_prompt_as_generation_scores_its_tok
     # The prompt's scores come from another forward pass than generation's: the same model, the same
     # numbers. Scored as a prompt, the generated tokens get the logprobs generation gave them.
     ids = [t for out in generated for t in out.token_ids]
-    rescored = engine._scorer.score(prompt_ids + ids, 2)[len(prompt_ids) - 1 :]  # type: ignore[union-attr]
+    rescored = engine._lanes[None].scorer.score(prompt_ids + ids, 2)[len(prompt_ids) - 1 :]
     generation = [lp.logprob for out in generated for lp in out.logprobs]
     assert [token for token, _, _ in rescored][: len(generation)] == ids[: len(generation)]
     assert [logprob for _, logprob, _ in rescored][: len(generation)] == pytest.approx(generation, abs=1e-3)

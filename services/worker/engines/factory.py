@@ -58,4 +58,5 @@ def create_engine(settings: WorkerSettings) -> Engine:
             cache_mb=settings.grammar_cache_mb,
             compile_memory_mb=settings.grammar_compile_memory_mb,
         ),
+        lora_adapters={name: Path(path) for name, path in settings.lora_adapters.items()},
     )

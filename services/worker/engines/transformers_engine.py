@@ -9,6 +9,16 @@ unset take the model's generation config where it sets them, else OpenAI's defau
 Tools are written into the prompt by `tools.tool_prompt_messages` (the bundled model's chat
 template knows nothing of tools). Completions' `echo` with `logprobs` scores the prompt with
 `PromptScorer`. Stop strings are cut here.
+
+LoRA adapters (`lora_adapters`) are served through peft, each in a lane of its own: a second
+instance of the model that shares every base weight (`sharing_weights`), with the adapter's LoRA
+layers injected by `PeftModel.from_pretrained` (unmerged, as peft's own generate runs them), and
+its own batching manager, sampling extension and prompt scorer. Requests of one adapter batch
+together; different adapters (and the base model) run side by side in their own generation
+threads. A lane costs the adapter's weights, one KV cache of `kv_cache_blocks` and one thread,
+and each LoRA layer adds two small matrix products per step. Prefix sharing stays within a lane,
+where it is correct: an adapter on the attention's projections changes the keys and values a
+prompt leaves in the cache.
 """
 
 import asyncio
@@ -76,12 +86,49 @@ def bundled_gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
 
 
+def sharing_weights(model: Any) -> Any:
+    """A second instance of `model` that shares its weights: `deepcopy` with the parameters and
+    buffers in the memo, so only the modules and the config are new."""
+    import copy
+
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, shared)
+
+
+def with_adapter(model: Any, name: str, path: Path) -> Any:
+    """A second instance of `model` (sharing its weights) with the peft LoRA adapter at `path`
+    injected and active.
+
+    Raises:
+        EngineError: the adapter is missing or does not fit the model.
+    """
+    from peft import PeftModel
+
+    if not (path / "adapter_config.json").is_file():
+        raise EngineError(f"LoRA adapter {name!r}: no peft adapter (adapter_config.json) in {path}")
+    instance = sharing_weights(model)
+    try:
+        PeftModel.from_pretrained(instance, str(path), adapter_name=name, is_trainable=False)
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        raise EngineError(f"LoRA adapter {name!r} at {path} does not fit the model: {exc}") from exc
+    return instance
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Lane:
+    """One generation loop: the base model's, or one adapter's (`with_adapter`)."""
+
+    manager: Any  # transformers' ContinuousBatchingManager
+    # A cb_extension.SamplingExtension: it holds the rows of its manager's current batch.
+    extension: Any
+    scorer: "PromptScorer"
+
+
 class PromptScorer:
     """The log probabilities of a prompt's tokens (completions' `echo` with `logprobs`).
 
     A forward pass of the prompt through a second instance of the model that shares its weights
-    (`deepcopy` with the parameters and buffers in the memo: only the modules and the config are
-    new), made before the batching manager changes anything of the model. It runs on a worker
+    (`sharing_weights`), made before the batching manager changes anything of the model. It runs on a worker
     thread beside the generation thread; both only read the weights, and one prompt is scored at
     a time. The logits are computed 256 positions at a time, so a long prompt does not hold a
     positions x vocabulary matrix.
@@ -90,10 +137,7 @@ class PromptScorer:
     _CHUNK = 256
 
     def __init__(self, model: Any) -> None:
-        import copy
-
-        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-        self._model = copy.deepcopy(model, shared)
+        self._model = sharing_weights(model)
         self._lock = threading.Lock()
 
     def score(self, token_ids: Sequence[int], top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
@@ -135,26 +179,29 @@ class TransformersEngine(Engine):
         max_batch_tokens: int,
         threads: int | None,
         grammar_limits: GrammarLimits | None = None,
+        lora_adapters: dict[str, Path] | None = None,
     ) -> None:
         self.model_name = model_name
         self.max_seqs = max_seqs
+        self._lora_adapters = dict(lora_adapters or {})
+        self.adapters = frozenset(self._lora_adapters)
         self._gguf_path = gguf_path
         self._kv_cache_blocks = kv_cache_blocks
         self._max_batch_tokens = max_batch_tokens
         self._threads = threads
         self._grammar_limits = grammar_limits or GrammarLimits()
-        self._manager: Any = None
+        # The base model's lane (key None) and each adapter's, once loaded.
+        self._lanes: dict[str | None, _Lane] = {}
         self._grammars: Any = None  # grammar.Grammars, once loaded
-        self._extension: Any = None  # cb_extension.SamplingExtension, once loaded
         self._token_bytes: list[bytes] = []
-        self._scorer: PromptScorer | None = None
         self._defaults = SamplingDefaults()
         self._tokenizer: Any = None
         self._eos_ids: set[int] = set()
         self._vocab_size = 0
         self.context_tokens = 0
-        # Per request: transformers' outputs (untyped), or `_CANCELLED`.
+        # Per request: transformers' outputs (untyped), or `_CANCELLED`; and the lane it runs in.
         self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._lane_of: dict[str, _Lane] = {}
         # Prompt tokens each request found in transformers' prefix cache (`cb_extension.prefix_hits`).
         self._prefix_hits: dict[str, int] = {}
         # Set by `stop()`: requests still running fail with `EngineStopped`, not as engine errors.
@@ -165,9 +212,9 @@ class TransformersEngine(Engine):
 
     def _load(self) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from services.worker.engines.cb_extension import SamplingExtension, manager_generation_config, prefix_hits
+        from services.worker.engines.cb_extension import prefix_hits
         from services.worker.engines.grammar import Grammars
 
         if not self._gguf_path.is_file():
@@ -187,7 +234,29 @@ class TransformersEngine(Engine):
             self._tokenizer, vocab_size=self._vocab_size, eos_ids=self._eos_ids, limits=self._grammar_limits
         )
         self._token_bytes = self._grammars.token_bytes
-        self._extension = SamplingExtension(
+        # Every instance of the model is made before a batching manager changes anything of it.
+        instances = {None: model} | {
+            name: with_adapter(model, name, path) for name, path in self._lora_adapters.items()
+        }
+        scorers = {adapter: PromptScorer(instance) for adapter, instance in instances.items()}
+        self._prefix_hits = prefix_hits
+        for adapter, instance in instances.items():
+            self._lanes[adapter] = self._start_lane(instance, scorers[adapter], eos)
+        self._grammars.wait_ready()  # started with the grammars: the first new schema need not wait for it
+        log.info(
+            "model_loaded",
+            model=self.model_name,
+            context_tokens=self.context_tokens,
+            adapters=sorted(self.adapters),
+        )
+
+    def _start_lane(self, model: Any, scorer: PromptScorer, eos: Any) -> _Lane:
+        """Start a batching manager on `model` with a sampling extension of its own."""
+        from transformers import ContinuousBatchingConfig
+
+        from services.worker.engines.cb_extension import SamplingExtension, manager_generation_config
+
+        extension = SamplingExtension(
             self._vocab_size, sorted(self._eos_ids), blocked_in_grammar=self._grammars.blocked_ids
         )
         # transformers' own sampler only ever sees the extension's one-hot rows.
@@ -205,22 +274,19 @@ class TransformersEngine(Engine):
             # (transformers' default, named because `cached_tokens` reports it).
             allow_block_sharing=True,
         )
-        self._scorer = PromptScorer(model)  # before the manager changes anything of the model
         manager = model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=cb_config
         )
-        self._extension.install(manager)  # between init_continuous_batching and start
-        self._prefix_hits = prefix_hits
+        extension.install(manager)  # between init_continuous_batching and start
         manager.start()
-        self._grammars.wait_ready()  # started with the grammars: the first new schema need not wait for it
-        self._manager = manager
-        log.info("model_loaded", model=self.model_name, context_tokens=self.context_tokens)
+        return _Lane(manager, extension, scorer)
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._manager is not None:
-            manager, self._manager = self._manager, None
-            await asyncio.to_thread(manager.stop, block=True, timeout=10, hard_stop=True)
+        lanes, self._lanes = list(self._lanes.values()), {}
+        await asyncio.gather(
+            *(asyncio.to_thread(lane.manager.stop, block=True, timeout=10, hard_stop=True) for lane in lanes)
+        )
         for queue in list(self._queues.values()):  # requests the stopped loop left unanswered
             queue.put_nowait(_STOPPED)
         if self._grammars is not None:
@@ -228,22 +294,29 @@ class TransformersEngine(Engine):
             await asyncio.to_thread(grammars.close)
 
     async def check_health(self) -> None:
-        if self._manager is None or not self._manager.is_running():
+        if not self._lanes:
             raise EngineError("The generation loop is not running.")
+        for adapter, lane in self._lanes.items():
+            if not lane.manager.is_running():
+                which = "" if adapter is None else f" of adapter {adapter!r}"
+                raise EngineError(f"The generation loop{which} is not running.")
 
     reports_kv_cache = True
 
     def kv_cache_usage(self) -> float | None:
-        processor = getattr(self._manager, "batch_processor", None)
-        cache = getattr(processor, "cache", None)
-        if cache is None:
-            return None
-        return 1.0 - float(cache.compute_free_capacity(relative=True))
+        """The fullest lane's (the first to refuse work)."""
+        usages = []
+        for lane in self._lanes.values():
+            cache = getattr(lane.manager.batch_processor, "cache", None)
+            if cache is not None:
+                usages.append(1.0 - float(cache.compute_free_capacity(relative=True)))
+        return max(usages, default=None)
 
     async def abort(self, request_id: str) -> None:
         queue = self._queues.get(request_id)
-        if queue is not None:
-            self._manager.cancel_request(request_id)
+        lane = self._lane_of.get(request_id)
+        if queue is not None and lane is not None:
+            lane.manager.cancel_request(request_id)
             queue.put_nowait(_CANCELLED)
 
     def _encode(self, request: GenerationRequest) -> list[int]:
@@ -299,12 +372,15 @@ class TransformersEngine(Engine):
         return list(self._tokenizer.encode(resume.text, add_special_tokens=False)) if resume.text else []
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
-        if self._manager is None:
+        if not self._lanes:
             raise (
                 EngineStopped("The engine was stopped.")
                 if self._stopping
                 else EngineError("The engine is not started.")
             )
+        lane = self._lanes.get(request.adapter)
+        if lane is None:
+            raise EngineError(f"This worker does not serve the adapter '{request.adapter}'.")
         prompt_ids = self._encode(request)
         resumed = self._resumed_ids(request)
         max_tokens = min(request.sampling.max_tokens, self.context_tokens - len(prompt_ids) - len(resumed))
@@ -315,16 +391,17 @@ class TransformersEngine(Engine):
             )
         controls = await self._controls(request, prompt_ids, resumed)
         echoed: tuple[TokenLogprob, ...] = ()
-        if request.echo and request.logprobs is not None and self._scorer is not None:
-            scores = await asyncio.to_thread(self._scorer.score, prompt_ids, request.logprobs)
+        if request.echo and request.logprobs is not None:
+            scores = await asyncio.to_thread(lane.scorer.score, prompt_ids, request.logprobs)
             echoed = tuple(self._token_logprob(score) for score in scores)
         rid = request.request_id
-        slot = self._extension.register(rid, controls)
+        slot = lane.extension.register(rid, controls)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[rid] = queue
+        self._lane_of[rid] = lane
         try:
-            self._manager.register_result_handler(rid, queue.put_nowait)
-            added = self._manager.add_request(
+            lane.manager.register_result_handler(rid, queue.put_nowait)
+            added = lane.manager.add_request(
                 prompt_ids + resumed,
                 request_id=rid,
                 max_new_tokens=max_tokens,
@@ -338,9 +415,10 @@ class TransformersEngine(Engine):
                 yield output
         finally:
             self._queues.pop(rid, None)
+            self._lane_of.pop(rid, None)
             self._prefix_hits.pop(rid, None)
-            self._extension.release(rid)
-            self._forget_handler(rid)
+            lane.extension.release(rid)
+            _forget_handler(lane.manager, rid)
 
     async def _outputs(
         self,
@@ -373,7 +451,7 @@ class TransformersEngine(Engine):
             new_ids = tuple(tokens[sent:])
             reason: FinishReason | None = None
             if stops.stopped:
-                self._manager.cancel_request(rid)
+                self._lane_of[rid].manager.cancel_request(rid)
                 reason = "stop"
             elif finished:
                 text += stops.flush()
@@ -421,10 +499,11 @@ class TransformersEngine(Engine):
         raw = self._token_bytes[token] if 0 <= token < len(self._token_bytes) else b""
         return raw.decode("utf-8", errors="replace"), list(raw)
 
-    def _forget_handler(self, rid: str) -> None:
-        # transformers drops a result handler only when its request finishes; a cancelled
-        # request's handler would stay registered forever.
-        router = self._manager.output_router if self._manager is not None else None
-        if router is not None:
-            with router._lock:
-                router.result_handlers.pop(rid, None)
+
+def _forget_handler(manager: Any, rid: str) -> None:
+    # transformers drops a result handler only when its request finishes; a cancelled
+    # request's handler would stay registered forever.
+    router = getattr(manager, "output_router", None)
+    if router is not None:
+        with router._lock:
+            router.result_handlers.pop(rid, None)

@@ -1,0 +1,113 @@
+"""A peft LoRA adapter of the bundled SmolLM2 served end to end by the CPU engine: the test makes a
+tiny adapter (rank 4 on q_proj and v_proj, random non-zero B so it changes the answers), asks peft's
+own `generate` what it and the base model answer (greedy), then serves both from one worker and
+compares through the official client."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from services.cli.launcher import Service
+from services.worker.engines.transformers_engine import bundled_gguf_path
+from tests.e2e.stack import Stack
+from tests.e2e.test_workers import wait_listed
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(600)]
+
+# A model name of this module's own: no other worker of the run consumes its queue.
+BASE = "smollm2-lora-base"
+ADAPTER = "smollm2-tiny-lora"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 24
+
+
+def make_adapter(folder: Path) -> dict[str, str]:
+    """Save a tiny LoRA adapter of the bundled model in `folder`; return the greedy answers to
+    QUESTION of peft's `generate` with the adapter (`adapter`) and without it (`base`)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = bundled_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, weight in peft_model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: the adapter would change nothing
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.4)
+    peft_model.save_pretrained(folder, save_embedding_layers=False)
+    encoded = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
+    prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def greedy() -> str:
+        out = peft_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        return str(tokenizer.decode(out[0][len(prompt) :], skip_special_tokens=True))
+
+    with torch.no_grad():
+        adapted = greedy()
+        with peft_model.disable_adapter():
+            base = greedy()
+    return {"adapter": adapted, "base": base}
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    folder = tmp_path_factory.mktemp("lora") / ADAPTER
+    answers = make_adapter(folder)
+    assert answers["adapter"] != answers["base"]  # else the test below could not tell them apart
+    return folder, answers
+
+
+@pytest.fixture(scope="module")
+def lora_worker(stack: Stack, expected: tuple[Path, dict[str, str]]) -> Service:
+    folder, _ = expected
+    return stack.start(
+        "worker:smollm2-lora",
+        env={
+            "AXON_ENGINE": "transformers",
+            "AXON_MODEL": BASE,
+            "AXON_MAX_SEQS": "4",
+            "AXON_LORA_ADAPTERS": json.dumps({ADAPTER: str(folder)}),
+        },
+        ready_timeout_s=300,
+    )
+
+
+@pytest.fixture
+def lora_client(lora_worker: Service, client: OpenAI) -> OpenAI:
+    wait_listed(client, ADAPTER)
+    return client
+
+
+def test_the_adapter_is_listed_as_a_model_of_its_base(lora_client: OpenAI) -> None:
+    listed = {m.id: m.model_dump() for m in lora_client.models.list().data}
+    assert listed[ADAPTER]["parent"] == BASE
+    assert listed[BASE]["parent"] is None
+
+
+async def test_adapter_and_base_answer_as_peft_does_side_by_side(
+    lora_client: OpenAI, gateway: Service, api_key: str, expected: tuple[Path, dict[str, str]]
+) -> None:
+    _, answers = expected
+    client = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+    adapted, base = await asyncio.gather(
+        *(
+            client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=MAX_TOKENS)
+            for model in (ADAPTER, BASE)
+        )
+    )
+    assert adapted.model == ADAPTER
+    assert adapted.choices[0].message.content == answers["adapter"]
+    assert base.choices[0].message.content == answers["base"]
+
+
+def test_an_unknown_adapter_is_404(lora_client: OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        lora_client.chat.completions.create(model=f"{ADAPTER}-v2", messages=QUESTION, max_tokens=4)
+    assert info.value.code == "model_not_found"
