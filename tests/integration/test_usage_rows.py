@@ -1,7 +1,8 @@
 """Who records a job's usage row, on the real Redis: its session manager when it receives the final
 chunk; the worker itself when nobody does (the session manager is gone), unless a session manager
 already charged the job from its progress (`billed`). And what a job that ends early charges: an
-engine failure the tokens published before it, a job cancelled while queued nothing."""
+engine failure the tokens published before it, a job cancelled while queued nothing, a job for a
+LoRA adapter its worker does not serve nothing."""
 
 import asyncio
 import time
@@ -139,7 +140,9 @@ class Delivery:
         self.settled.append("nack")
 
 
-async def run_job(pipe: RedisPipe, names: Names, service_urls, *, cancel_first: bool) -> list[TokenChunk]:
+async def run_job(
+    pipe: RedisPipe, names: Names, service_urls, *, cancel_first: bool, adapter: str | None = None
+) -> list[TokenChunk]:
     """Run one job on a JobRunner over the failing simulator; its chunks as published."""
     engine = FailingSim(model_name="sim-model", ttft_ms=0, itl_ms=1, max_seqs=4, context_tokens=4096)
     await engine.start()
@@ -160,6 +163,7 @@ async def run_job(pipe: RedisPipe, names: Names, service_urls, *, cancel_first: 
         deadline=time.time() + 30,
         tenant="acme",
         key_id="key_usage",
+        adapter=adapter,
     )
     if cancel_first:
         await runner.cancel(job_id)  # the client left while the job was queued
@@ -190,3 +194,19 @@ async def test_job_cancelled_while_queued_is_charged_nothing(pipe, names, servic
     assert final.finish_reason == "cancelled"
     assert final.usage is not None
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (0, 0)
+
+
+async def test_job_for_an_adapter_its_worker_lacks_fails_naming_it_and_is_charged_nothing(
+    pipe, names, service_urls
+) -> None:
+    [final] = await run_job(pipe, names, service_urls, cancel_first=False, adapter="sql")
+    assert final.finish_reason == "error"
+    assert final.error is not None and final.error.type == "server_error"
+    assert "adapter 'sql' of model sim-model" in final.error.message
+    assert final.usage is not None
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (0, 0)
+
+
+def test_an_adapters_usage_is_owned_by_the_adapter() -> None:
+    job = Job(job_id="j", model="base", adapter="sql", channel="c", deadline=0, tenant="acme", key_id="k")
+    assert UsageOwner.of(job) == UsageOwner(tenant="acme", key_id="k", model="sql")
