@@ -1,6 +1,8 @@
 """GPU economy in the chart (helm/axon/examples/gpu-economy.yaml): a pool that KEDA scales to zero,
-and the cold-start waits the session manager reads for it, rendered and checked offline."""
+the cold-start waits the session manager reads for it, and a pool serving LoRA adapters, rendered
+and checked offline (the rendered settings read back through the settings classes)."""
 
+import json
 from pathlib import Path
 
 import kubernetes_validate
@@ -15,6 +17,7 @@ from tests.deploy.support import (
     component,
     env_of,
     helm,
+    load_manifests,
     of_kind,
     set_args,
     setting_default,
@@ -121,4 +124,73 @@ def test_a_cold_start_wait_the_load_balancer_would_cut_is_refused(helm_home: Pat
         args += [flag, f"{key}={value}"]
     result = helm("template", RELEASE, str(CHART), *args, tmp_home=helm_home)
     assert result.returncode != 0, f"rendered despite {values}"
+    assert message in result.stderr, result.stderr
+
+
+# --- LoRA adapters ----------------------------------------------------------------------------------
+
+
+def worker_env(manifests: list[dict], pool: str) -> dict[str, object]:
+    (deployment,) = [
+        d for d in component(manifests, "Deployment", "worker") if d["metadata"]["labels"]["axon.io/pool"] == pool
+    ]
+    return env_of(deployment["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_a_lora_pool_hands_its_adapters_to_the_worker(
+    economy_manifests: list[dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.worker.settings import WorkerSettings
+
+    env = worker_env(economy_manifests, "qwen-7b")
+    for name in ("AXON_MODEL", "AXON_ENGINE", "AXON_LORA_ADAPTERS", "AXON_MAX_LORAS", "AXON_MAX_LORA_RANK"):
+        monkeypatch.setenv(name, str(env[name]))
+    settings = WorkerSettings()
+    assert settings.lora_adapters == {
+        a["path"].rsplit("/", 1)[1]: a["path"] for a in POOLS["qwen-7b"]["lora"]["adapters"]
+    }
+    assert (settings.max_loras, settings.max_lora_rank) == (2, 64)
+    assert "AXON_LORA_ADAPTERS" not in worker_env(economy_manifests, "qwen-72b")
+
+
+def test_a_pool_at_zero_lets_requests_for_its_adapters_wait_too(helm_home: Path) -> None:
+    result = helm(
+        "template",
+        RELEASE,
+        str(CHART),
+        "-f",
+        str(CHART / "values-eks.yaml"),
+        "-f",
+        str(EXAMPLE),
+        "--set-json",
+        'worker.pools.qwen-32b.lora.adapters=[{"name": "qwen-32b-legal", "path": "/cache/adapters/legal"}]',
+        tmp_home=helm_home,
+    )
+    assert result.returncode == 0, result.stderr
+    waits = json.loads(str(sessions_env(load_manifests(result.stdout))["AXON_COLD_START_WAITS"]))
+    assert waits == {"Qwen2.5-32B-Instruct": 240, "qwen-32b-legal": 240}
+
+
+@pytest.mark.parametrize(
+    ("adapters", "message"),
+    [
+        ('[{"name": "Qwen2.5-7B-Instruct", "path": "/a"}]', "is used twice, or is the pool's model"),
+        ('[{"name": "sql", "path": "/a"}, {"name": "sql", "path": "/b"}]', "is used twice"),
+        ('[{"name": "has space", "path": "/a"}]', "name"),
+        ('[{"name": "sql", "path": ""}]', "path"),
+    ],
+)
+def test_unusable_adapters_are_refused(helm_home: Path, adapters: str, message: str) -> None:
+    result = helm(
+        "template",
+        RELEASE,
+        str(CHART),
+        *set_args(REQUIRED_SECRETS),
+        "--set-string",
+        "worker.pools.default.model=Qwen2.5-7B-Instruct",
+        "--set-json",
+        f"worker.pools.default.lora.adapters={adapters}",
+        tmp_home=helm_home,
+    )
+    assert result.returncode != 0, f"rendered despite {adapters}"
     assert message in result.stderr, result.stderr

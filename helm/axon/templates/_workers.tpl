@@ -154,14 +154,15 @@ spec:
 
 
 {{/* AXON_COLD_START_WAITS as JSON: model -> seconds for each pool that KEDA may scale to zero
-     (keda.enabled, keda.minReplicas 0); {} when none does. The session manager queues a
-     request for such a model for that long instead of answering 503 at once. */}}
+     (keda.enabled, keda.minReplicas 0), its LoRA adapters included; {} when none does. The
+     session manager queues a request for such a model for that long instead of answering 503. */}}
 {{- define "axon.coldStartWaits" -}}
 {{- $waits := dict -}}
 {{- range $poolName := keys .Values.worker.pools | sortAlpha -}}
 {{- $p := include "axon.workerPool" (dict "ctx" $ "name" $poolName) | fromYaml -}}
 {{- if and $p.keda.enabled (eq (int $p.keda.minReplicas) 0) -}}
 {{- $_ := set $waits $p.model (int $p.coldStartWaitSeconds) -}}
+{{- range $p.lora.adapters }}{{- $_ := set $waits .name (int $p.coldStartWaitSeconds) -}}{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- toJson $waits -}}
