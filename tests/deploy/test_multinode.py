@@ -260,6 +260,15 @@ def test_keda_scales_whole_groups(multinode_manifests: list[dict], lws: dict) ->
 # --- refusals --------------------------------------------------------------------------------------------
 
 
+def test_same_zone_groups_need_an_api_server_that_keeps_match_label_keys(helm_home: Path) -> None:
+    example = str(CHART / "examples" / "multinode-405b.yaml")
+    older = helm("template", RELEASE, str(CHART), "-f", example, "--kube-version", "1.30.0", tmp_home=helm_home)
+    assert older.returncode != 0
+    assert "multiNode.sameZone needs Kubernetes 1.31" in older.stderr
+    args = ("-f", example, "--kube-version", "1.30.0", "--set", "worker.pools.llama-405b.multiNode.sameZone=false")
+    assert helm("template", RELEASE, str(CHART), *args, tmp_home=helm_home).returncode == 0
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
