@@ -49,7 +49,7 @@ from services.sessions.responses import Answer
 from services.sessions.service import ActiveRequest, Caller, Choice, CompletionService, chunk_error
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import build_prompt, fit_history
-from shared.errors import AxonError, InvalidRequest, NotFound, Unavailable
+from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, NotFound, Unavailable
 from shared.logging import get_logger
 from shared.names import Names
 from shared.openai_requests import ChatCompletionRequest
@@ -64,6 +64,8 @@ RESPONSE_PREFIX = "resp_"
 FINISHED = frozenset({"completed", "incomplete", "failed", "cancelled"})
 # The status a job's finish reason gives (any other: `completed`).
 _STATUS_OF = {"length": "incomplete", "cancelled": "cancelled", "error": "failed"}
+# The error of a response whose job no worker took before its deadline.
+_NEVER_STARTED = "The response's job did not start before its deadline (no worker took it)."
 # How long a follower past a job's deadline waits for its last chunk (a worker's error chunk).
 _DEADLINE_GRACE_S = 5.0
 # A text delta event's fixed bytes (`ResponseEvents._text_delta`: what `_event` makes of it).
@@ -874,15 +876,17 @@ class ResponsesService:
     async def _keep_failed(
         self, target: Target, active: ActiveRequest, events: ResponseEvents, exc: AxonError
     ) -> dict[str, Any]:
-        """Keep the response as `failed` with `exc`'s message (a storage failure is only logged:
+        """Keep the response as `failed` with `exc`'s message, or, for a deadline that passed
+        before any chunk, one that says its job never started (a storage failure is only logged:
         the failure itself is what its client gets)."""
         log.warning("response_failed", response_id=target.response_id, error=exc.message)
+        never_started = isinstance(exc, DeadlineExceeded) and events.last_seq < 0
         failed = finished_response(
             target.initial,
             status="failed",
             output=events.output("incomplete"),
             usage=active.usage,
-            error={"code": "server_error", "message": exc.message},
+            error={"code": "server_error", "message": _NEVER_STARTED if never_started else exc.message},
         )
         with contextlib.suppress(Unavailable):
             failed = await self.keep(target, None, failed, job_id=active.job.job_id, last_seq=events.last_seq)
@@ -1147,9 +1151,7 @@ class ResponsesService:
                 events.chunk(chunk)
         except TimeoutError:
             events.error = (
-                "The response's job did not start before its deadline (no worker took it)."
-                if events.last_seq < 0
-                else "The response's job did not finish before its deadline."
+                _NEVER_STARTED if events.last_seq < 0 else "The response's job did not finish before its deadline."
             )
         if events.error is not None:
             response = finished_response(
