@@ -1,13 +1,15 @@
-"""The CPU engine's request mapping, without loading the model: defaults, sampling, refusals, logprobs."""
+"""The CPU engine's request mapping, without loading the model: defaults, sampling, refusals, logprobs;
+LoRA adapters on a tiny randomly initialised model."""
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from transformers import GenerationConfig
 
-from services.worker.engines.base import GenerationRequest, InvalidPrompt
-from services.worker.engines.transformers_engine import SamplingDefaults, TransformersEngine
+from services.worker.engines.base import EngineError, GenerationRequest, InvalidPrompt
+from services.worker.engines.transformers_engine import SamplingDefaults, TransformersEngine, with_adapter
 from shared.schemas import Sampling
 
 
@@ -75,3 +77,57 @@ def test_the_engine_declares_what_it_honours() -> None:
         "stop",
         "echo",
     } <= TransformersEngine.supports
+
+
+def tiny_model() -> Any:
+    """A randomly initialised two-layer Llama (SmolLM2's architecture), built from its config."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_an_adapter_is_injected_into_an_instance_sharing_the_base_weights(tmp_path: Path) -> None:
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    trained = get_peft_model(tiny_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, weight in trained.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(std=0.5)
+    trained.save_pretrained(tmp_path / "a")
+
+    base = tiny_model()
+    adapted = with_adapter(base, "a", tmp_path / "a")
+    assert not any("lora" in name for name, _ in base.named_parameters())  # the base model is untouched
+    attention = adapted.model.layers[0].self_attn
+    assert attention.q_proj.base_layer.weight is base.model.layers[0].self_attn.q_proj.weight
+    assert adapted.model.embed_tokens.weight is base.model.embed_tokens.weight
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(tiny_model(), tmp_path / "a").eval()(ids).logits
+        assert torch.allclose(adapted(ids).logits, expected)
+        assert not torch.allclose(base(ids).logits, expected)
+
+
+def test_a_missing_adapter_fails_the_start_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match=r"LoRA adapter 'sql': no peft adapter"):
+        with_adapter(object(), "sql", tmp_path)
+
+
+async def test_a_request_for_an_adapter_the_engine_lacks_is_an_engine_error() -> None:
+    e = engine()
+    e._lanes = {None: SimpleNamespace()}  # type: ignore[dict-item]
+    outputs = e.generate(GenerationRequest(request_id="r", sampling=Sampling(), prompt="x", adapter="sql"))
+    with pytest.raises(EngineError, match="adapter 'sql'"):
+        await anext(outputs)
