@@ -128,10 +128,10 @@ class PromptScorer:
     """The log probabilities of a prompt's tokens (completions' `echo` with `logprobs`).
 
     A forward pass of the prompt through a second instance of the model that shares its weights
-    (`sharing_weights`), made before the batching manager changes anything of the model. It runs on a worker
-    thread beside the generation thread; both only read the weights, and one prompt is scored at
-    a time. The logits are computed 256 positions at a time, so a long prompt does not hold a
-    positions x vocabulary matrix.
+    (`sharing_weights`), made before the batching manager changes anything of the model. It runs
+    on a worker thread beside the generation thread; both only read the weights, and one prompt is
+    scored at a time. The logits are computed 256 positions at a time, so a long prompt does not
+    hold a positions x vocabulary matrix.
     """
 
     _CHUNK = 256
