@@ -68,11 +68,11 @@ class Sessions:
         return bytes(raw).decode()
 
 
-def routed(stack: Stack, route: str) -> float:
-    """The shared session manager's `axon_sessions_jobs_routed_total` for this module's model."""
+def routed(stack: Stack, route: str, model: str = MODEL) -> float:
+    """The shared session manager's `axon_sessions_jobs_routed_total` for `model` (this module's)."""
     manager = next(s for s in stack.services if s.name == "sessions")
     text = httpx.get(f"{manager.url}/metrics", headers=INTERNAL_AUTH, timeout=10).text
-    wanted = f'axon_sessions_jobs_routed_total{{model="{MODEL}",route="{route}"}} '
+    wanted = f'axon_sessions_jobs_routed_total{{model="{model}",route="{route}"}} '
     return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(wanted)), 0.0)
 
 
