@@ -1,12 +1,14 @@
 """Background responses survive kill -9 of the session manager relaying them (another one takes
 the response over once its lease expires, and stores it and appends it to its conversation) and
 of the worker generating them (failover), each ending `completed` with the full text; a stored
-stream whose client leaves before its first token runs on.
+stream whose client leaves before its first token runs on; and a relay that loses its pub/sub
+connection follows the job's chunk log to the end instead.
 
 The answers are JSON (`text.format`), which the simulator ends with `stop` once complete, at one
 short piece per 40 ms: long enough to kill a process mid-answer. The full text is that of the
 same request answered undisturbed (the simulator's answer depends only on the prompt)."""
 
+import subprocess
 import time
 from typing import Any
 
@@ -114,3 +116,49 @@ def test_a_stored_stream_left_before_its_first_token_runs_on(
         httpx.post(f"{gateway.url}/v1/responses", json=body, headers=auth, timeout=0.5)
     done = _wait(client, _stored_of(stack, model), {"completed", "incomplete", "failed"})
     assert done.status == "incomplete" and done.usage is not None and done.usage.output_tokens == 20
+
+
+def _kill_subscribers(redis_url: str, pid: int) -> int:
+    """Close the Redis pub/sub connections of process `pid` (as a Redis failover would); returns
+    how many."""
+    client = redis.Redis.from_url(redis_url)
+    redis_port = client.connection_pool.connection_kwargs["port"]
+    listing = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True, check=True)
+    ports = set()
+    for line in listing.stdout.splitlines():
+        if f"pid={pid}," in line:
+            local, peer = [field for field in line.split() if field.count(":") == 1][:2]
+            if peer.endswith(f":{redis_port}"):
+                ports.add(local.rsplit(":", 1)[1])
+    killed = 0
+    try:
+        for entry in client.client_list(_type="pubsub"):
+            if entry["addr"].rsplit(":", 1)[1] in ports:
+                killed += client.client_kill_filter(_id=entry["id"])
+    finally:
+        client.close()
+    return killed
+
+
+def test_a_relay_that_loses_its_chunks_follows_the_log_to_the_end(stack: Stack, api_key: str, gateway: Service) -> None:
+    model = "lost-relay-sim"
+    sim_worker(stack, "lost-relay", model, AXON_SIM_ITL_MS="40")
+    relaying = stack.start("sessions:lost-relay")
+    client = client_for(stack.start("gateway:lost-relay", env={"AXON_SESSIONS_URL": relaying.url}), api_key)
+    wait_listed(client, model)
+    expected = _ask(client, model, "A lost story.", store=False)
+    queued = _ask(client, model, "A lost story.", background=True)
+    stream = _ask(client, model, "A lost story.", stream=True)
+    seen = [event for _, event in zip(range(8), stream, strict=False)]
+    _wait(client, queued.id, {"in_progress"})
+    assert _kill_subscribers(stack.redis_url, relaying.pid) >= 1
+    seen += list(stream)  # the stream ends where its chunks stopped coming, with no terminal event
+    assert seen[-1].type == "response.output_text.delta"
+    response_id = seen[0].response.id  # type: ignore[union-attr]
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number))
+    text = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    assert text == expected.output_text and rest[-1].type == "response.completed"
+    done = _wait(client, queued.id, {"completed", "incomplete", "failed"})
+    assert done.status == "completed" and done.output_text == expected.output_text
+    lost = [line for line in relaying.log_text().splitlines() if '"event":"response_relay_lost"' in line]
+    assert {queued.id, response_id} <= {orjson.loads(line)["response_id"] for line in lost}
