@@ -80,8 +80,9 @@ spec:
         {{- end }}
       {{- if ne .role "follower" }}
       {{- include "axon.probes" $p.readinessProbe | nindent 6 }}
-      # Liveness starts once /health has answered: a worker loading a large model may not answer
-      # for minutes (vLLM's engine start holds the process's event loop), up to progressDeadlineSeconds.
+      # Liveness starts once /health has answered, up to progressDeadlineSeconds: the model loads
+      # off the worker's event loop, so /health answers meanwhile, but a liveness restart during a
+      # start of minutes would begin the load again (for a multi-node pool, recreate its group).
       startupProbe:
         httpGet:
           path: /health

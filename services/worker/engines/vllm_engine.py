@@ -23,9 +23,11 @@ start with the same seed and the already-sent part is checked and skipped; if it
 different, the job fails rather than send text the constraint never saw (`PrefixReplay`).
 """
 
+import asyncio
 import hashlib
 import json
 import math
+import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, ClassVar, get_args
 
@@ -416,7 +418,12 @@ class VllmEngine(Engine):
             **{k: v for k, v in self._engine_kwargs.items() if v is not None},
             structured_outputs_config=StructuredOutputsConfig(backend=self._structured_outputs_backend),
         )
-        self._engine = AsyncLLM.from_engine_args(args)
+        # The load takes minutes for a large model: it runs on a thread so the worker's event loop
+        # keeps answering /health and /metrics. AsyncLLM is made to be built outside a running
+        # loop (it starts its output handler at the first request); its engine core processes are
+        # spawned rather than forked from this thread, which the loop's thread runs beside.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._tokenizer = await self._engine.get_tokenizer()
         self.context_tokens = int(self._engine.model_config.max_model_len)
         self._defaults = dict(self._engine.model_config.get_diff_sampling_param() or {})

@@ -7,12 +7,15 @@ engine imports into `sys.modules` for the duration of a test, shaped after vLLM'
 `Logprob`, `LoRARequest`), and check what the engine hands them and what it makes of their answers.
 """
 
+import asyncio
 import enum
 import importlib.util
 import json
+import os
 import random
 import re
 import sys
+import time
 import types
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -356,6 +359,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     built: dict[str, Any] = {}
 
     def from_engine_args(args: FakeEngineArgs) -> FakeAsyncLLM:
+        time.sleep(built.get("load_s", 0))  # the model's load, synchronous as vLLM's
         built["engine"] = FakeAsyncLLM(args, tokenizer=built.get("tokenizer") or FakeTokenizer())
         return built["engine"]
 
@@ -739,6 +743,34 @@ async def test_start_configures_vllm(fake_vllm: dict[str, Any]) -> None:
     assert kwargs["served_model_name"] == ["m"]
     assert kwargs["max_model_len"] == 2048
     assert engine.context_tokens == 4096  # what vLLM settled on
+
+
+async def test_the_model_loads_while_the_event_loop_runs_on(
+    fake_vllm: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/health and /metrics answer while vLLM loads a model for minutes: the load is on a thread,
+    and vLLM's engine processes are spawned, not forked from it, unless the operator chose."""
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    fake_vllm["load_s"] = 0.5
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    try:
+        await started(fake_vllm)
+    finally:
+        ticker.cancel()
+    assert ticks >= 10
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    fake_vllm["load_s"] = 0
+    await started(fake_vllm)
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
 
 
 async def test_without_adapters_lora_stays_off(fake_vllm: dict[str, Any]) -> None:
