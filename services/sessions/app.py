@@ -115,6 +115,8 @@ def _attach_services(
             namespace=settings.namespace,
             instance_id=opened.instance_id,
             lease_s=settings.response_lease_s,
+            leased=metrics.responses_leased,
+            taken_over=metrics.responses_taken_over,
         ),
     )
 

@@ -84,6 +84,18 @@ class SessionsMetrics:
             "Jobs whose chunks this process is relaying.",
             registry=self.registry,
         )
+        self.responses_leased = Gauge(
+            "axon_sessions_responses_leased",
+            "Unfinished stored responses this process holds the lease of (relays them).",
+            registry=self.registry,
+        )
+        self.responses_taken_over = Counter(
+            "axon_sessions_responses_taken_over_total",
+            "Unfinished stored responses this process finished from their job's chunk log: `lease_expired` (their"
+            " session manager died or stopped), `stream_lost` (its own relay lost their chunks).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.active_sessions = Gauge(
             "axon_sessions_active_sessions",
             "Sessions with a turn this process is answering now.",

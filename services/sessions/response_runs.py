@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import redis.asyncio as redis
+from prometheus_client import Counter, Gauge
 
 from shared.logging import get_logger
 
@@ -77,8 +78,20 @@ class ResponseLeases:
     says so; one whose lease another instance took is cancelled too (that one finishes it).
     """
 
-    def __init__(self, client: redis.Redis, *, namespace: str, instance_id: str, lease_s: float) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        namespace: str,
+        instance_id: str,
+        lease_s: float,
+        leased: Gauge | None = None,
+        taken_over: Counter | None = None,
+    ) -> None:
         self._client = client
+        # `axon_sessions_responses_leased` and `axon_sessions_responses_taken_over_total`.
+        self._leased = leased
+        self.taken_over = taken_over
         self.running_key = running_key(namespace)
         self.owners_key = owners_key(namespace)
         self.owner = instance_id
@@ -132,12 +145,16 @@ class ResponseLeases:
                 await self._renew_held()
                 for response_id in await self._claim_expired():
                     log.info("response_taken_over", response_id=response_id)
+                    if self.taken_over is not None:
+                        self.taken_over.labels("lease_expired").inc()
                     self.hold(response_id, take_over(response_id))
             except Exception as exc:  # noqa: BLE001 - Redis away: retried on the next beat
                 log.warning("response_lease_sweep_failed", error=repr(exc))
             await asyncio.sleep(self.lease_s / 3)
 
     async def _renew_held(self) -> None:
+        if self._leased is not None:
+            self._leased.set(len(self._tasks))
         ids = list(self._tasks)
         if not ids:
             return

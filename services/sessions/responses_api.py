@@ -870,6 +870,8 @@ class ResponsesService:
         worker records its usage, as nobody receives its final chunk), and it is followed to its
         end in its chunk log, as a takeover does."""
         log.warning("response_relay_lost", response_id=target.response_id)
+        if self.leases.taken_over is not None:
+            self.leases.taken_over.labels("stream_lost").inc()
         await active.stream.close()
         return await self.take_over(target.response_id)
 

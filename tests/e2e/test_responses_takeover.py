@@ -83,6 +83,7 @@ def test_killing_the_relaying_session_manager_another_takes_the_response_over(
     assert items[1].content[0].text == expected.output_text  # type: ignore[union-attr]
     taken = [line for line in sessions.log_text().splitlines() if '"event":"response_taken_over"' in line]
     assert any(queued.id in line for line in taken)  # by the survivor
+    assert metric(sessions, "axon_sessions_responses_taken_over_total", reason="lease_expired") >= 1
     events = list(survivor.responses.retrieve(queued.id, stream=True))
     assert events[-1].response == done  # type: ignore[union-attr]
 
@@ -162,3 +163,4 @@ def test_a_relay_that_loses_its_chunks_follows_the_log_to_the_end(stack: Stack, 
     assert done.status == "completed" and done.output_text == expected.output_text
     lost = [line for line in relaying.log_text().splitlines() if '"event":"response_relay_lost"' in line]
     assert {queued.id, response_id} <= {orjson.loads(line)["response_id"] for line in lost}
+    assert metric(relaying, "axon_sessions_responses_taken_over_total", reason="stream_lost") == 2
