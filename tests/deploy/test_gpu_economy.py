@@ -194,3 +194,51 @@ def test_unusable_adapters_are_refused(helm_home: Path, adapters: str, message: 
     )
     assert result.returncode != 0, f"rendered despite {adapters}"
     assert message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("pools", "message"),
+    [
+        (
+            {"a": {"model": "m-a", "lora": {"adapters": [{"name": "m-b", "path": "/x"}]}}, "b": {"model": "m-b"}},
+            "lora adapter m-b is the model of pool b",
+        ),
+        (
+            {
+                "a": {"model": "m-a", "lora": {"adapters": [{"name": "sql", "path": "/x"}]}},
+                "b": {"model": "m-b", "lora": {"adapters": [{"name": "sql", "path": "/y"}]}},
+            },
+            "lora adapter sql runs on m-b here and on m-a in pool a",
+        ),
+    ],
+)
+def test_an_adapter_name_that_means_two_models_across_pools_is_refused(
+    helm_home: Path, pools: dict, message: str
+) -> None:
+    """The registry would merge them into one model whose jobs go to one pool's queue."""
+    result = helm(
+        "template",
+        RELEASE,
+        str(CHART),
+        *set_args(REQUIRED_SECRETS),
+        "--set-json",
+        f"worker.pools={json.dumps(pools)}",
+        tmp_home=helm_home,
+    )
+    assert result.returncode != 0, "rendered despite an ambiguous adapter name"
+    assert message in result.stderr, result.stderr
+
+
+def test_pools_of_one_model_may_serve_the_same_adapters(helm_home: Path) -> None:
+    adapters = {"lora": {"adapters": [{"name": "sql", "path": "/x"}]}}
+    pools = {"a": {"model": "m", **adapters}, "b": {"model": "m", **adapters}}
+    result = helm(
+        "template",
+        RELEASE,
+        str(CHART),
+        *set_args(REQUIRED_SECRETS),
+        "--set-json",
+        f"worker.pools={json.dumps(pools)}",
+        tmp_home=helm_home,
+    )
+    assert result.returncode == 0, result.stderr

@@ -168,3 +168,29 @@ spec:
 {{- end -}}
 {{- toJson $waits -}}
 {{- end -}}
+
+
+{{/* Fails unless each LoRA adapter name means one model across the pools: an adapter is a model
+     name of its own (in /v1/models, in the registry), so it may not be another pool's model, and
+     pools listing the same adapter must serve the same base model (its jobs go to that model's
+     queue). A pool's own model and adapters are checked with the pool (workers.yaml). */}}
+{{- define "axon.validateAdapters" -}}
+{{- $pools := dict -}}
+{{- range $poolName := keys .Values.worker.pools | sortAlpha -}}
+{{- $_ := set $pools $poolName (include "axon.workerPool" (dict "ctx" $ "name" $poolName) | fromYaml) -}}
+{{- end -}}
+{{- $models := dict -}}
+{{- range $poolName, $p := $pools }}{{- $_ := set $models (toString $p.model) $poolName -}}{{- end -}}
+{{- $bases := dict -}}
+{{- range $poolName, $p := $pools -}}
+{{- range $p.lora.adapters -}}
+{{- if and (hasKey $models .name) (ne (toString $p.model) .name) -}}
+{{- fail (printf "worker pool %s: lora adapter %s is the model of pool %s: each adapter is a model name of its own" $poolName .name (get $models .name)) -}}
+{{- end -}}
+{{- if and (hasKey $bases .name) (ne (index $bases .name 1) (toString $p.model)) -}}
+{{- fail (printf "worker pool %s: lora adapter %s runs on %s here and on %s in pool %s: an adapter name has one base model, whose queue its requests go to" $poolName .name $p.model (index $bases .name 1) (index $bases .name 0)) -}}
+{{- end -}}
+{{- $_ := set $bases .name (list $poolName (toString $p.model)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
