@@ -1,7 +1,8 @@
 """Leases on unfinished stored responses against real Redis and PostgreSQL: one process's expired
 lease is claimed by another exactly once, renewing reports a finished or taken response, the
-first finisher alone stores it, and a response whose job never started is taken over and stored
-`failed` once its deadline passed."""
+first finisher alone stores it, a response whose job never started is taken over and stored
+`failed` once its deadline passed, and deleting an unfinished one drops its lease and cancels
+its job."""
 
 import asyncio
 import time
@@ -110,3 +111,26 @@ async def test_a_response_whose_job_never_started_fails_at_its_deadline(setup, r
     assert stored.response["status"] == "failed"
     assert "did not start before its deadline" in stored.response["error"]["message"]
     assert finished_response(INITIAL, status="failed", output=[], usage=None)["usage"]["total_tokens"] == 0
+
+
+async def test_deleting_an_unfinished_response_drops_its_lease_and_cancels_its_job(setup, redis_client) -> None:
+    names, store = setup
+    response_id = "resp_" + uuid.uuid4().hex
+    stored = _unfinished(response_id, deadline=time.time() + 60)
+    await store.open(response_id, stored, owner="o", lease_expiry_ms=int(time.time() * 1000) + 60_000)
+    pubsub = redis_client.pubsub()
+    await pubsub.subscribe(names.cancel_channel)
+    try:
+        assert await store.delete("t", response_id)
+        notices = []
+        async with asyncio.timeout(5):
+            while not notices:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+                if message is not None:
+                    notices.append(message["data"].decode())
+    finally:
+        await pubsub.aclose()
+    assert notices == [stored.job_id]
+    assert await redis_client.zscore(f"{names.namespace}:responses:running", response_id) is None
+    assert await store.get("t", response_id) is None
+    assert not await store.finish(response_id, stored)  # its relay, finishing later, stores nothing
