@@ -33,11 +33,14 @@ class ModelCatalog:
         cache_ttl_s: float,
         cold_start_wait_s: float = 0.0,
         cold_start_waits: Mapping[str, float] | None = None,
+        cold_start_adapters: Mapping[str, str] | None = None,
     ) -> None:
         self._registry = registry
         self._cache_ttl_s = cache_ttl_s
         self._cold_start_wait_s = cold_start_wait_s
         self._cold_start_waits = dict(cold_start_waits or {})
+        # LoRA adapter -> base model, for adapters of pools at zero that no worker may have announced.
+        self._cold_start_adapters = dict(cold_start_adapters or {})
         # What this process last remembered of each live model (`WorkerRegistry.remember_profiles`).
         self._remembered: dict[str, LiveModel] = {}
         self._live: dict[str, LiveModel] = {}
@@ -117,7 +120,8 @@ class ModelCatalog:
         a worker: 0 when a live worker serves it. When none does and the wait is above 0 (`wait_s`,
         else the model's `cold_start_wait`), the state is what its workers offered when last seen
         (`UNSEEN_MODEL` for a model never seen live, known from `AXON_COLD_START_WAITS` or the
-        registry, with its base model if it is a known adapter), with no worker and no home.
+        registry, with its base model if it is an adapter of `AXON_COLD_START_ADAPTERS` or one a
+        worker announced), with no worker and no home.
 
         Raises:
             ModelNotFound: no worker has ever served it and `AXON_COLD_START_WAITS` does not list it.
@@ -133,7 +137,7 @@ class ModelCatalog:
             profile = await self._registry.profile(model)
             if profile is not None:
                 return model, profile, wait
-            base = await self._registry.adapter_base(model)
+            base = self._cold_start_adapters.get(model) or await self._registry.adapter_base(model)
             if base is not None:  # an adapter: its jobs go to its base model's queue
                 return model, dataclasses.replace(UNSEEN_MODEL, parent=base), wait
             if listed or await self._registry.is_known(model):

@@ -130,6 +130,7 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
             cache_ttl_s=settings.models_cache_ttl_s,
             cold_start_wait_s=settings.cold_start_wait_s,
             cold_start_waits=settings.cold_start_waits,
+            cold_start_adapters=settings.cold_start_adapters,
         )
         poller = QueueDepthPoller(connection=connection, catalog=catalog, client=client, names=names, metrics=metrics)
         polling = asyncio.create_task(poller.run())

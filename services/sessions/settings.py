@@ -40,6 +40,13 @@ class SessionsSettings(CommonSettings):
             " zero, overriding cold_start_wait_s; a model listed is known even if no worker ever served it"
         ),
     )
+    cold_start_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "JSON object LoRA adapter -> its base model, for the adapters of pools that scale to zero: a request"
+            " for one waits in its base model's queue (which wakes the pool) even before any worker announced it"
+        ),
+    )
     subscribe_timeout_s: float = Field(5.0, gt=0)
     # Token channels of new job ids kept subscribed ahead, so a request need not wait for its own.
     subscribe_ahead: int = Field(32, ge=0)

@@ -98,6 +98,7 @@ def test_the_session_manager_waits_for_exactly_the_pools_at_zero(
 
 def test_without_a_pool_at_zero_the_session_manager_waits_for_none(default_manifests: list[dict]) -> None:
     assert "AXON_COLD_START_WAITS" not in sessions_env(default_manifests)
+    assert "AXON_COLD_START_ADAPTERS" not in sessions_env(default_manifests)
 
 
 @pytest.mark.parametrize(
@@ -153,7 +154,12 @@ def test_a_lora_pool_hands_its_adapters_to_the_worker(
     assert "AXON_LORA_ADAPTERS" not in worker_env(economy_manifests, "qwen-72b")
 
 
-def test_a_pool_at_zero_lets_requests_for_its_adapters_wait_too(helm_home: Path) -> None:
+def test_a_pool_at_zero_lets_requests_for_its_adapters_wait_too(
+    helm_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In its base model's queue, which wakes the pool, even before a worker announced them."""
+    from services.sessions.settings import SessionsSettings
+
     result = helm(
         "template",
         RELEASE,
@@ -167,8 +173,12 @@ def test_a_pool_at_zero_lets_requests_for_its_adapters_wait_too(helm_home: Path)
         tmp_home=helm_home,
     )
     assert result.returncode == 0, result.stderr
-    waits = json.loads(str(sessions_env(load_manifests(result.stdout))["AXON_COLD_START_WAITS"]))
-    assert waits == {"Qwen2.5-32B-Instruct": 240, "qwen-32b-legal": 240}
+    env = sessions_env(load_manifests(result.stdout))
+    monkeypatch.setenv("AXON_COLD_START_WAITS", str(env["AXON_COLD_START_WAITS"]))
+    monkeypatch.setenv("AXON_COLD_START_ADAPTERS", str(env["AXON_COLD_START_ADAPTERS"]))
+    settings = SessionsSettings()
+    assert settings.cold_start_waits == {"Qwen2.5-32B-Instruct": 240, "qwen-32b-legal": 240}
+    assert settings.cold_start_adapters == {"qwen-32b-legal": "Qwen2.5-32B-Instruct"}
 
 
 @pytest.mark.parametrize(

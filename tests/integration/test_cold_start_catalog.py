@@ -79,5 +79,13 @@ async def test_an_adapter_with_no_live_worker_waits_in_its_base_models_queue(red
         await redis_client.hset(names.adapters_key, "other", "base")
         _, cold, _ = await catalog.require_or_wait("other")
         assert cold.route("other") == ("base", "other") and cold.supports == UNSEEN_MODEL.supports
+
+        # An adapter of a pool at zero that no worker ever announced: its base from the settings
+        # (the chart's AXON_COLD_START_ADAPTERS), so its job wakes that pool.
+        configured = ModelCatalog(
+            registry, cache_ttl_s=0, cold_start_waits={"fresh": 60}, cold_start_adapters={"fresh": "base"}
+        )
+        _, cold, wait_s = await configured.require_or_wait("fresh")
+        assert (cold.route("fresh"), wait_s) == (("base", "fresh"), 60)
     finally:
         await redis_client.delete(names.workers_key, names.models_key, names.adapters_key, names.model_profiles_key)

@@ -169,6 +169,20 @@ spec:
 {{- toJson $waits -}}
 {{- end -}}
 
+{{/* AXON_COLD_START_ADAPTERS as JSON: adapter -> base model for the LoRA adapters of the pools
+     that KEDA may scale to zero; {} when none. A request for one then waits in its base model's
+     queue, which wakes the pool, even before any of its workers has announced the adapter. */}}
+{{- define "axon.coldStartAdapters" -}}
+{{- $bases := dict -}}
+{{- range $poolName := keys .Values.worker.pools | sortAlpha -}}
+{{- $p := include "axon.workerPool" (dict "ctx" $ "name" $poolName) | fromYaml -}}
+{{- if and $p.keda.enabled (eq (int $p.keda.minReplicas) 0) -}}
+{{- range $p.lora.adapters }}{{- $_ := set $bases .name $p.model -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $bases -}}
+{{- end -}}
+
 
 {{/* Fails unless each LoRA adapter name means one model across the pools: an adapter is a model
      name of its own (in /v1/models, in the registry), so it may not be another pool's model, and
