@@ -63,7 +63,9 @@ async def open_chat_stream(
     if last is None and time.time() > meta.deadline + FINAL_GRACE_S:
         raise NotFound(f"The stream '{completion_id}' is no longer kept.", param="completion_id")
     end = -1 if last is None else last.seq
-    if last is not None and last.is_final and meta.include_usage and last.usage is not None:
+    if last is not None and _ends_in_error(last):
+        end -= 1  # the error event has no id
+    elif last is not None and last.is_final and meta.include_usage and last.usage is not None:
         end += 1  # the usage event's id
     if after > end:
         raise InvalidRequest(
@@ -103,8 +105,9 @@ async def _events(
         async for page in chunk_log.pages(job_id, after, idle_timeout_s=idle_timeout_s):
             events = []
             for chunk in page:
-                if chunk.finish_reason == "error":
-                    events += [_error_event(chunk_error(chunk)), SSE_END]
+                if _ends_in_error(chunk):
+                    error = chunk_error(chunk) if chunk.finish_reason == "error" else _interrupted()
+                    events += [_error_event(error), SSE_END]
                     break
                 first = chunk.seq == 0
                 if has_event(chunk, first):
@@ -115,8 +118,19 @@ async def _events(
                     events.append(SSE_END)
             yield b"".join(events)
     except TimeoutError:
-        error = UpstreamError("The answer's stream ended before its last chunk.", code="stream_interrupted")
-        yield _error_event(error) + SSE_END
+        yield _error_event(_interrupted()) + SSE_END
+
+
+def _ends_in_error(chunk: TokenChunk) -> bool:
+    """Whether a chunk ends its stream with an error event (which has no id) instead of its own:
+    a worker's error, or a cancel. A chat job is cancelled only by its session manager, when the
+    answer could not go on (its deadline passed, its relay lost the stream or stopped), so it ends
+    as that stream did, not as an answer that stopped."""
+    return chunk.finish_reason in ("error", "cancelled")
+
+
+def _interrupted() -> UpstreamError:
+    return UpstreamError("The answer's stream ended before its last chunk.", code="stream_interrupted")
 
 
 def _error_event(error: AxonError) -> bytes:

@@ -13,7 +13,7 @@ from services.sessions import stream_resume
 from services.sessions.chunk_log import ChunkLog, StreamMeta
 from services.sessions.stream_resume import open_chat_stream
 from shared.clients import create_redis
-from shared.errors import NotFound
+from shared.errors import InvalidRequest, NotFound
 from shared.names import Names
 from shared.schemas import ChunkError, TokenChunk, Usage
 
@@ -110,3 +110,28 @@ async def test_a_stream_past_its_deadline_without_a_log_is_not_found(client, nam
     for stream_id, tenant in ((live, "other"), (live.replace("chatcmpl-", "cmpl-"), "t")):
         with pytest.raises(NotFound):
             await open_chat_stream(chunk_log, stream_id, tenant=tenant, starting_after=None, last_event_id=None)
+
+
+@pytest.mark.parametrize("reason", ["cancelled", "error"])
+async def test_a_job_called_off_or_failed_ends_the_replay_with_an_error_and_has_no_event_past_it(
+    client, names, reason
+) -> None:
+    # A chat job is cancelled only by its session manager (its deadline passed, its relay lost the
+    # stream, a detached turn's relay stopped): its stream ended with an error event, not a `stop`.
+    chunk_log = ChunkLog(client, names, block_s=0.2)
+    error = ChunkError(message="The engine failed.", type="server_error") if reason == "error" else None
+    completion_id = await logged_stream(
+        client,
+        names,
+        [
+            TokenChunk(seq=0, text="Hi", n_tokens=1),
+            TokenChunk(seq=1, finish_reason=reason, error=error, usage=Usage(prompt_tokens=3, completion_tokens=1)),
+        ],
+    )
+    (first_id, _), (error_id, body), done = await events(chunk_log, completion_id)
+    assert first_id == "0" and error_id is None and done == (None, "[DONE]")
+    assert body["error"]["code"] == ("stream_interrupted" if reason == "cancelled" else "upstream_error")
+    # The last event with an id was 0: there is nothing after 1 or 2 to resume.
+    for past in ("1", "2"):
+        with pytest.raises(InvalidRequest):
+            await open_chat_stream(chunk_log, completion_id, tenant="t", starting_after=past, last_event_id=None)
