@@ -12,13 +12,17 @@ import time
 from collections.abc import AsyncIterator
 
 import orjson
+from redis.exceptions import RedisError
 
 from services.sessions.chunk_log import ChunkLog, StreamMeta
 from services.sessions.responses import ResponseBuilder, has_event, sse_event
 from services.sessions.service import chunk_error
 from shared.errors import AxonError, InvalidRequest, NotFound, UpstreamError
+from shared.logging import get_logger
 from shared.responses import SSE_END
 from shared.schemas import TokenChunk
+
+log = get_logger(__name__)
 
 # A job's last chunk may come this long after its deadline (the worker's own deadline error).
 FINAL_GRACE_S = 10.0
@@ -99,7 +103,8 @@ async def _events(
 ) -> AsyncIterator[bytes]:
     """The events of the chunks after `after`, a page of the log at a time, live once the log is
     read, up to the final chunk's (then the usage event and `[DONE]`). A job that logs nothing
-    until past its deadline ends the stream with a `stream_interrupted` error."""
+    until past its deadline, or a log Redis fails to give, ends the stream with a
+    `stream_interrupted` error."""
     idle_timeout_s = max(0.0, meta.deadline - time.time()) + FINAL_GRACE_S
     try:
         async for page in chunk_log.pages(job_id, after, idle_timeout_s=idle_timeout_s):
@@ -118,6 +123,9 @@ async def _events(
                     events.append(SSE_END)
             yield b"".join(events)
     except TimeoutError:
+        yield _error_event(_interrupted()) + SSE_END
+    except RedisError as exc:  # the head went out: the client learns it from an event, and resumes
+        log.warning("chunk_log_read_failed", error=repr(exc))
         yield _error_event(_interrupted()) + SSE_END
 
 

@@ -1,6 +1,7 @@
 """A chat stream rebuilt from its chunk log in the real Redis (`stream_resume.py`), for the cases the
 e2e test does not reach: a worker's error ending it, a job that logs nothing more, an expired log."""
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -135,3 +136,18 @@ async def test_a_job_called_off_or_failed_ends_the_replay_with_an_error_and_has_
     for past in ("1", "2"):
         with pytest.raises(InvalidRequest):
             await open_chat_stream(chunk_log, completion_id, tenant="t", starting_after=past, last_event_id=None)
+
+
+async def test_a_redis_failure_during_the_replay_ends_it_with_stream_interrupted(client, names, service_urls) -> None:
+    # Its XREAD BLOCK waits (1 s) outlast the client's command timeout (0.2 s): reading the live
+    # part fails as a Redis that went away would, after the logged part went out.
+    completion_id = await logged_stream(client, names, [TokenChunk(seq=0, text="a", n_tokens=1)])
+    impatient = create_redis(service_urls.redis, timeout_s=0.2)
+    try:
+        async with asyncio.timeout(10):
+            (_, first), (error_id, error), done = await events(ChunkLog(impatient, names, block_s=1), completion_id)
+    finally:
+        await impatient.aclose()
+    assert first["choices"][0]["delta"]["content"] == "a"
+    assert error_id is None and error["error"]["code"] == "stream_interrupted"
+    assert done == (None, "[DONE]")
