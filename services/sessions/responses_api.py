@@ -1108,12 +1108,13 @@ class ResponsesService:
             yield b"".join(pieces[after + 1 :])
         idle_s = max(0.0, stored.pending.deadline - time.time()) + _DEADLINE_GRACE_S
         with contextlib.suppress(TimeoutError):
-            async for chunk in self._log.follow(stored.job_id, events.last_seq, idle_timeout_s=idle_s):
-                first = events.seq
-                new = events.chunk(chunk)
-                skip = max(0, after + 1 - first)
-                if len(new) > skip:
-                    yield b"".join(new[skip:])
+            if events.finish_reason is None:  # the log may hold the final chunk already
+                async for chunk in self._log.follow(stored.job_id, events.last_seq, idle_timeout_s=idle_s):
+                    first = events.seq
+                    new = events.chunk(chunk)
+                    skip = max(0, after + 1 - first)
+                    if len(new) > skip:
+                        yield b"".join(new[skip:])
         final = await self._finished(response_id)
         if final is not None:
             first = events.seq

@@ -16,14 +16,16 @@ from services.sessions.outbox import Outbox
 from services.sessions.response_runs import ResponseLeases
 from services.sessions.responses_api import (
     Pending,
+    ResponseEvents,
     ResponsesService,
     ResponseStore,
     StoredResponse,
     finished_response,
+    skeleton_of,
 )
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
-from shared.schemas import Message
+from shared.schemas import Message, TokenChunk, Usage
 
 INITIAL = {"object": "response", "status": "queued", "background": True, "output": [], "usage": None}
 
@@ -46,6 +48,19 @@ async def setup(database_url, redis_client, namespace, service_urls):
 
 def _leases(redis_client, names: Names, owner: str, lease_s: float = 1.0) -> ResponseLeases:
     return ResponseLeases(redis_client, namespace=names.namespace, instance_id=owner, lease_s=lease_s)
+
+
+def _service(store: ResponseStore, redis_client, names: Names) -> ResponsesService:
+    """The service's replay and takeover (they need neither a model nor a session)."""
+    return ResponsesService(
+        settings=None,  # type: ignore[arg-type]
+        completions=None,  # type: ignore[arg-type]
+        catalog=None,  # type: ignore[arg-type]
+        sessions=None,  # type: ignore[arg-type]
+        store=store,
+        chunk_log=ChunkLog(redis_client, names, block_s=0.5),
+        leases=_leases(redis_client, names, "taker"),
+    )
 
 
 def _unfinished(response_id: str, *, deadline: float) -> StoredResponse:
@@ -91,16 +106,7 @@ async def test_an_expired_lease_is_claimed_once_and_the_first_finisher_alone_sto
 
 async def test_a_response_whose_job_never_started_fails_at_its_deadline(setup, redis_client) -> None:
     names, store = setup
-    leases = _leases(redis_client, names, "taker")
-    service = ResponsesService(
-        settings=None,  # type: ignore[arg-type]
-        completions=None,  # type: ignore[arg-type]
-        catalog=None,  # type: ignore[arg-type]
-        sessions=None,  # type: ignore[arg-type]
-        store=store,
-        chunk_log=ChunkLog(redis_client, names, block_s=0.5),
-        leases=leases,
-    )
+    service = _service(store, redis_client, names)
     response_id = "resp_" + uuid.uuid4().hex
     await store.open(response_id, _unfinished(response_id, deadline=time.time() - 10), owner="dead", lease_expiry_ms=0)
     started = time.monotonic()
@@ -134,3 +140,34 @@ async def test_deleting_an_unfinished_response_drops_its_lease_and_cancels_its_j
     assert await redis_client.zscore(f"{names.namespace}:responses:running", response_id) is None
     assert await store.get("t", response_id) is None
     assert not await store.finish(response_id, stored)  # its relay, finishing later, stores nothing
+
+
+async def test_a_resume_whose_log_is_complete_ends_once_the_response_is_stored(setup, redis_client) -> None:
+    names, store = setup
+    service = _service(store, redis_client, names)
+    response_id = "resp_" + uuid.uuid4().hex
+    stored = _unfinished(response_id, deadline=time.time() + 3600)
+    await store.open(response_id, stored, owner="o", lease_expiry_ms=int(time.time() * 1000) + 60_000)
+    chunks = [TokenChunk(seq=0, text="Hello"), TokenChunk(seq=1, text=" there", finish_reason="stop", usage=Usage())]
+    log_key = names.chunk_log(stored.job_id or "")
+    for chunk in chunks:  # as the worker logs them: the answer is complete, its relay has not stored it yet
+        await redis_client.xadd(log_key, {"c": chunk.model_dump_json(exclude_none=True)}, id=f"0-{chunk.seq + 1}")
+    events = await service.replay("t", response_id, starting_after=3)
+
+    async def store_it_soon() -> None:
+        await asyncio.sleep(0.3)
+        done = ResponseEvents(skeleton_of(stored.response), quiet=True)
+        for chunk in chunks:
+            done.chunk(chunk)
+        response = finished_response(stored.response, status="completed", output=done.output("completed"), usage=None)
+        assert await store.finish(response_id, stored.model_copy(update={"response": response, "pending": None}))
+
+    started = time.monotonic()
+    storing = asyncio.create_task(store_it_soon())
+    pieces = [piece async for piece in events]
+    await storing
+    await redis_client.delete(log_key)
+    assert time.monotonic() - started < 3  # not the job's deadline (an hour) + 5 s
+    text = b"".join(pieces).decode()
+    assert text.startswith("event: response.output_text.delta\nid: 4\n")  # after starting_after
+    assert text.rstrip().split("\n")[-3] == "event: response.completed"
