@@ -575,7 +575,7 @@ class CompletionService:
             outcome = "error"
             log.warning("stream_failed", error=exc.message)
             await self.finish(active, outcome=outcome)
-            yield b"".join([*events, _sse(exc.body()), SSE_END])
+            yield b"".join([*events, sse_error(exc)])
         finally:
             if outcome == "disconnected":
                 # In its own task: this one may itself be cancelled (client gone), and the
@@ -881,5 +881,6 @@ def _stream_meta_written(future: asyncio.Future[Any]) -> None:
         log.warning("stream_meta_failed", error=repr(future.exception()))
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+def sse_error(exc: AxonError) -> bytes:
+    """The end of a stream whose head has gone out: the error as an event, then `[DONE]`."""
+    return b"data: " + orjson.dumps(exc.body()) + b"\n\n" + SSE_END

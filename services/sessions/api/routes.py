@@ -12,7 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from services.sessions.api.deps import CallerDep, caller_from
-from services.sessions.service import Caller, CompletionService
+from services.sessions.service import Caller, CompletionService, sse_error
 from services.sessions.stream_resume import open_chat_stream
 from shared.disconnects import DisconnectWatch
 from shared.errors import AxonError, ModelNotFound
@@ -124,11 +124,6 @@ async def _complete(
         return 200
     finally:
         watch.stop()
-
-
-def sse_error(exc: AxonError) -> bytes:
-    """The end of a stream whose head has gone out: the error as an event, then `[DONE]`."""
-    return b"data: " + orjson.dumps(exc.body()) + b"\n\n" + SSE_END
 
 
 HOT_ROUTES = [_hot_completion("chat"), _hot_completion("completion")]
