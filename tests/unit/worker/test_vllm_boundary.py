@@ -389,6 +389,8 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         module.__dict__.update(attributes)
         monkeypatch.setitem(sys.modules, name, module)
     FakeHermesParser.instances.clear()
+    # The engine's start sets vLLM's environment (VLLM_WORKER_MULTIPROC_METHOD): in a copy, this test's only.
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     yield built
 
 
@@ -745,12 +747,10 @@ async def test_start_configures_vllm(fake_vllm: dict[str, Any]) -> None:
     assert engine.context_tokens == 4096  # what vLLM settled on
 
 
-async def test_the_model_loads_while_the_event_loop_runs_on(
-    fake_vllm: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_the_model_loads_while_the_event_loop_runs_on(fake_vllm: dict[str, Any]) -> None:
     """/health and /metrics answer while vLLM loads a model for minutes: the load is on a thread,
     and vLLM's engine processes are spawned, not forked from it, unless the operator chose."""
-    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
     fake_vllm["load_s"] = 0.5
     ticks = 0
 
@@ -767,7 +767,7 @@ async def test_the_model_loads_while_the_event_loop_runs_on(
         ticker.cancel()
     assert ticks >= 10
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     fake_vllm["load_s"] = 0
     await started(fake_vllm)
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
