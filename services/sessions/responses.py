@@ -43,14 +43,21 @@ def openai_finish_reason(reason: FinishReason | None) -> str | None:
 USAGE_EVENT_ID = b"usage"
 
 
+# The heads of the events of seqs 0..4095 (about 230 kB): every chunk of a chat stream takes
+# `sse_event`, and its id from here costs nothing measurable, formatted about 60 ns (a tenth of
+# the event's bytes besides its JSON).
+_EVENT_HEADS = tuple(b"id: %d\ndata: " % seq for seq in range(4096))
+
+
 def sse_event(seq: int, payload: dict[str, Any]) -> bytes:
     """One server-sent event whose id is a number (a stream of one choice)."""
-    return b"id: %d\ndata: " % seq + orjson.dumps(payload) + b"\n\n"
+    head = _EVENT_HEADS[seq] if seq < len(_EVENT_HEADS) else b"id: %d\ndata: " % seq
+    return head + orjson.dumps(payload) + b"\n\n"
 
 
 def sse_named_event(event_id: bytes, payload: dict[str, Any]) -> bytes:
     """One server-sent event with its id."""
-    return b"id: %b\ndata: " % event_id + orjson.dumps(payload) + b"\n\n"
+    return b"id: %b\ndata: %b\n\n" % (event_id, orjson.dumps(payload))
 
 
 def has_event(chunk: TokenChunk, first: bool) -> bool:

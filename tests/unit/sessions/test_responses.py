@@ -7,7 +7,15 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from services.sessions.responses import Answer, ResponseBuilder, request_usage, usage_dict, work_usage
+from services.sessions.responses import (
+    Answer,
+    ResponseBuilder,
+    request_usage,
+    sse_event,
+    sse_named_event,
+    usage_dict,
+    work_usage,
+)
 from shared.schemas import (
     FunctionCallDelta,
     PromptTokensDetails,
@@ -352,3 +360,9 @@ def test_a_requests_usage_counts_its_prompt_once_and_every_choices_completion() 
     # What the platform did (the rate-limit charge and the usage record): every job's prompt too.
     assert work_usage(usages) == Usage(prompt_tokens=24, completion_tokens=12)
     assert work_usage([only]) is only and work_usage([None]) is None
+
+
+@pytest.mark.parametrize("seq", [0, 7, 4095, 4096, 123456])
+def test_an_event_has_its_seq_as_its_id(seq: int) -> None:
+    assert sse_event(seq, {"a": 1}) == b'id: %d\ndata: {"a":1}\n\n' % seq
+    assert sse_named_event(b"%d.1" % seq, {"a": 1}) == b'id: %d.1\ndata: {"a":1}\n\n' % seq
