@@ -68,6 +68,8 @@ _STATUS_OF = {"length": "incomplete", "cancelled": "cancelled", "error": "failed
 _NEVER_STARTED = "The response's job did not start before its deadline (no worker took it)."
 # How long a follower past a job's deadline waits for its last chunk (a worker's error chunk).
 _DEADLINE_GRACE_S = 5.0
+# Events a replay sends in one piece.
+_REPLAY_PAGE = 512
 # A text delta event's fixed bytes (`ResponseEvents._text_delta`: what `_event` makes of it).
 _DELTA_HEAD = b"event: response.output_text.delta\nid: "
 _DELTA_DATA = b'\ndata: {"type":"response.output_text.delta","sequence_number":'
@@ -444,7 +446,8 @@ class ResponseEvents:
     def __init__(self, skeleton: dict[str, Any], *, quiet: bool = False) -> None:
         self._skeleton = skeleton
         self._response_id: str = skeleton["id"]
-        self._quiet = quiet
+        # Count events without building their bytes (each is b"").
+        self.quiet = quiet
         # The number of events so far (the next one's sequence_number).
         self.seq = 0
         # The last chunk applied, its finish reason, usage and error message.
@@ -465,7 +468,7 @@ class ResponseEvents:
     def _event(self, kind: str, **fields: Any) -> bytes:
         seq = self.seq
         self.seq += 1
-        if self._quiet:
+        if self.quiet:
             return b""
         payload = orjson.dumps({"type": kind, "sequence_number": seq, **fields})
         return b"event: " + kind.encode() + b"\nid: " + str(seq).encode() + b"\ndata: " + payload + b"\n\n"
@@ -476,7 +479,7 @@ class ResponseEvents:
         nearly every chunk)."""
         seq = self.seq
         self.seq += 1
-        if self._quiet:
+        if self.quiet:
             return b""
         number = str(seq).encode()
         return b"".join((_DELTA_HEAD, number, _DELTA_DATA, number, self._delta_fields, orjson.dumps(text), _DELTA_TAIL))
@@ -1071,57 +1074,61 @@ class ResponsesService:
                 code="stream_unavailable",
             )
         chunks = await self._logged(stored.job_id)
-        events = ResponseEvents(skeleton_of(stored.response))
-        pieces = events.opening()
         after = -1 if starting_after is None else starting_after
-        if stored.pending is None:
-            last_seq = stored.last_seq if stored.last_seq is not None else -1
-            for chunk in chunks:
-                if chunk.seq <= last_seq:
-                    pieces += events.chunk(chunk)
-            if events.last_seq < last_seq:
-                raise InvalidRequest(
-                    f"This response's events are kept for {self._settings.stream_log_ttl_s} s after its last "
-                    "one, and they are gone; retrieve it without stream.",
-                    param="stream",
-                    code="stream_expired",
-                )
-            pieces += events.closing(stored.response)
-            if after >= len(pieces) - 1:
-                raise InvalidRequest(
-                    f"starting_after is {after}, past the end of this response (its last event is {len(pieces) - 1}).",
-                    param="starting_after",
-                    code="invalid_value",
-                )
-            return _pieces([b"".join(pieces[after + 1 :])])
+        if stored.pending is not None:
+            return self._events(response_id, stored, chunks, after)
+        last_seq = stored.last_seq if stored.last_seq is not None else -1
+        chunks = [chunk for chunk in chunks if chunk.seq <= last_seq]
+        counted = ResponseEvents(skeleton_of(stored.response), quiet=True)
+        counted.opening()
         for chunk in chunks:
-            pieces += events.chunk(chunk)
-        return self._follow(response_id, stored, events, pieces, after)
+            counted.chunk(chunk)
+        if counted.last_seq < last_seq:
+            raise InvalidRequest(
+                f"This response's events are kept for {self._settings.stream_log_ttl_s} s after its last "
+                "one, and they are gone; retrieve it without stream.",
+                param="stream",
+                code="stream_expired",
+            )
+        counted.closing(stored.response)
+        if after >= counted.seq - 1:
+            raise InvalidRequest(
+                f"starting_after is {after}, past the end of this response (its last event is {counted.seq - 1}).",
+                param="starting_after",
+                code="invalid_value",
+            )
+        return self._events(response_id, stored, chunks, after)
 
-    async def _follow(
-        self, response_id: str, stored: StoredResponse, events: ResponseEvents, pieces: list[bytes], after: int
+    async def _events(
+        self, response_id: str, stored: StoredResponse, chunks: list[TokenChunk], after: int
     ) -> AsyncGenerator[bytes]:
-        """The events of an unfinished response past `after`: `pieces` (the logged ones), then
-        its chunks as they are logged, then its end once it is stored finished."""
-        assert stored.pending is not None and stored.job_id is not None
-        if len(pieces) > after + 1:
-            yield b"".join(pieces[after + 1 :])
+        """The events past `after` of the response whose logged chunks are `chunks`, a piece per
+        `_REPLAY_PAGE` events (the events up to `after` are counted, not built); then, for an
+        unfinished one, its chunks as they are logged, and its end once it is stored finished."""
+        events = ResponseEvents(skeleton_of(stored.response))
+        out = _past(events, events.opening(), after)
+        for chunk in chunks:
+            events.quiet = events.seq + _most_events(chunk) <= after
+            out += _past(events, events.chunk(chunk), after)
+            if len(out) >= _REPLAY_PAGE:
+                yield b"".join(out)
+                out = []
+        events.quiet = False
+        if stored.pending is None:
+            yield b"".join([*out, *_past(events, events.closing(stored.response), after)])
+            return
+        assert stored.job_id is not None
+        if out:
+            yield b"".join(out)
         idle_s = max(0.0, stored.pending.deadline - time.time()) + _DEADLINE_GRACE_S
         with contextlib.suppress(TimeoutError):
             if events.finish_reason is None:  # the log may hold the final chunk already
                 async for chunk in self._log.follow(stored.job_id, events.last_seq, idle_timeout_s=idle_s):
-                    first = events.seq
-                    new = events.chunk(chunk)
-                    skip = max(0, after + 1 - first)
-                    if len(new) > skip:
-                        yield b"".join(new[skip:])
+                    if new := _past(events, events.chunk(chunk), after):
+                        yield b"".join(new)
         final = await self._finished(response_id)
-        if final is not None:
-            first = events.seq
-            end = events.closing(final)
-            skip = max(0, after + 1 - first)
-            if len(end) > skip:
-                yield b"".join(end[skip:])
+        if final is not None and (end := _past(events, events.closing(final), after)):
+            yield b"".join(end)
 
     async def _finished(self, response_id: str) -> dict[str, Any] | None:
         """The response once its finisher stored it (whoever relays it, or takes it over once its
@@ -1189,6 +1196,19 @@ class ResponsesService:
         )
 
 
+def _past(events: ResponseEvents, pieces: list[bytes], after: int) -> list[bytes]:
+    """Those of `pieces`, the events `events` just made (numbered up to its `seq`), numbered past
+    `after`."""
+    first = events.seq - len(pieces)
+    return pieces[max(0, after + 1 - first) :]
+
+
+def _most_events(chunk: TokenChunk) -> int:
+    """The most events one chunk can make: a message's first text makes three, each tool call
+    delta two."""
+    return (3 if chunk.text else 0) + 2 * len(chunk.tool_calls or ())
+
+
 def _not_stored(exc: BaseException) -> Unavailable:
     log.error("response_not_stored", error=repr(exc))
     return Unavailable(
@@ -1196,8 +1216,3 @@ def _not_stored(exc: BaseException) -> Unavailable:
         retry_after_s=2,
         code="response_not_stored",
     )
-
-
-async def _pieces(pieces: list[bytes]) -> AsyncGenerator[bytes]:
-    for piece in pieces:
-        yield piece

@@ -14,6 +14,7 @@ from services.sessions.responses import Answer
 from services.sessions.responses_api import (
     ResponseEvents,
     ResponsesService,
+    StoredResponse,
     Target,
     answer_message,
     finished_response,
@@ -435,3 +436,40 @@ def test_a_text_delta_is_the_bytes_the_generic_event_makes() -> None:
             logprobs=[],
         )
         assert fast == generic
+
+
+async def test_a_replay_from_any_event_is_the_rest_of_the_whole_replay() -> None:
+    body = _body(tools=[TOOL])
+    initial = response_object(
+        body, response_id="resp_cd", created_at=1.0, status="in_progress", output=[], usage=None, conversation=None
+    )
+    chunks = [
+        *(TokenChunk(seq=i, text=f" w{i}") for i in range(600)),  # more than one page
+        TokenChunk(seq=600, tool_calls=[_call(0, call_id="c1", name="get_weather", arguments='{"a"')]),
+        TokenChunk(seq=601, tool_calls=[_call(0, arguments=": 1}"), _call(1, call_id="c2", name="get_weather")]),
+        TokenChunk(seq=602, finish_reason="stop", usage=Usage()),
+    ]
+    built = ResponseEvents(skeleton_of(initial), quiet=True)
+    for chunk in chunks:
+        built.chunk(chunk)
+    final = finished_response(initial, status="completed", output=built.output("completed"), usage=None)
+    stored = StoredResponse(tenant="t", response=final, input_items=[], context=[], job_id="j", last_seq=602)
+    service = ResponsesService(
+        settings=None,  # type: ignore[arg-type]
+        completions=None,  # type: ignore[arg-type]
+        catalog=None,  # type: ignore[arg-type]
+        sessions=None,  # type: ignore[arg-type]
+        store=None,  # type: ignore[arg-type]
+        chunk_log=None,  # type: ignore[arg-type]
+        leases=None,  # type: ignore[arg-type]
+    )
+
+    async def replay(after: int) -> list[dict]:
+        pieces = [piece async for piece in service._events("resp_cd", stored, chunks, after)]
+        return _parse(pieces)
+
+    whole = await replay(-1)
+    assert [e["sequence_number"] for e in whole] == list(range(len(whole)))
+    assert whole[-1]["type"] == "response.completed" and len(whole) > 600
+    for after in (0, 1, 3, 300, 601, 602, 603, 604, len(whole) - 3, len(whole) - 2):
+        assert await replay(after) == whole[after + 1 :], after
