@@ -290,13 +290,6 @@ class ResponseStore:
             expires_at=created + dt.timedelta(seconds=self._ttl_s),
         )
 
-    async def save(self, response_id: str, stored: StoredResponse) -> None:
-        """Keep finished `stored` in Redis and queue its row for PostgreSQL, both in one transaction."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.key(response_id), stored.model_dump_json(exclude_none=True), ex=self._ttl_s)
-            await self._outbox.append("response", self._row(response_id, stored), pipe=pipe)
-            await pipe.execute()
-
     async def open(self, response_id: str, stored: StoredResponse, *, owner: str, lease_expiry_ms: int) -> None:
         """Keep unfinished `stored` in Redis (not yet in PostgreSQL) and lease it to `owner`, in one
         script call."""

@@ -2,6 +2,7 @@
 back when Redis misses, a deletion that outruns the outbox stays deleted, expired rows go."""
 
 import asyncio
+import time
 import uuid
 
 import asyncpg
@@ -61,6 +62,12 @@ def _stored(tenant: str = "t", text: str = "hello") -> StoredResponse:
     )
 
 
+async def _save(store: ResponseStore, response_id: str, stored: StoredResponse) -> None:
+    """Store `stored` as a response is: unfinished, then finished (written behind)."""
+    await store.open(response_id, stored, owner="test", lease_expiry_ms=int(time.time() * 1000) + 60_000)
+    assert await store.finish(response_id, stored)
+
+
 def _id() -> str:
     return "resp_" + uuid.uuid4().hex
 
@@ -68,7 +75,7 @@ def _id() -> str:
 async def test_a_response_is_written_behind_and_read_back_after_redis_loses_it(setup, redis_client) -> None:
     pool, names, store = setup
     response_id = _id()
-    await store.save(response_id, _stored(text="nul \x00 kept apart"))
+    await _save(store, response_id, _stored(text="nul \x00 kept apart"))
     await _drain(redis_client, pool, names)
     await redis_client.delete(store.key(response_id))
     again = await store.get("t", response_id)
@@ -80,7 +87,7 @@ async def test_a_response_is_written_behind_and_read_back_after_redis_loses_it(s
 async def test_a_deletion_before_the_outbox_commit_stays_deleted(setup, redis_client) -> None:
     pool, names, store = setup
     response_id = _id()
-    await store.save(response_id, _stored())
+    await _save(store, response_id, _stored())
     assert not await store.delete("other", response_id)  # another tenant's: untouched
     assert await store.delete("t", response_id)
     await _drain(redis_client, pool, names)  # the entry commits after the deletion
@@ -99,6 +106,6 @@ async def test_expired_rows_are_neither_read_nor_kept(setup, redis_client) -> No
         _stored().model_dump_json(),
     )
     assert await store.get("t", old) is None
-    await store.save(_id(), _stored())
+    await _save(store, _id(), _stored())
     await _drain(redis_client, pool, names)  # a batch with a response deletes expired rows
     assert await pool.fetchval("SELECT count(*) FROM responses WHERE id = $1", old) == 0
