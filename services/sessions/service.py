@@ -229,8 +229,9 @@ class CompletionService:
     ) -> ActiveRequest:
         """Admit the request and publish its jobs (one per choice, all or none). `resumable`: the
         jobs keep their chunk logs for `AXON_STREAM_LOG_TTL_S` (`services/sessions/chunk_log.py`),
-        so their stream can be replayed and followed from any session manager. `timeout_s`: the
-        jobs' deadline is this far ahead (None: `AXON_REQUEST_TIMEOUT_S`).
+        so their stream can be replayed and followed from any session manager; a streamed session
+        turn's job keeps its log unasked, and its chat stream meta (`_keep_stream_meta`).
+        `timeout_s`: the jobs' deadline is this far ahead (None: `AXON_REQUEST_TIMEOUT_S`).
 
         Args:
             cold_start_wait_s: how long the request may wait for a worker of its model to start
@@ -248,8 +249,9 @@ class CompletionService:
         sampling = self._sampling(body, live)
         messages, prompt = self._input(body)
         session_id = body.session_id if isinstance(body, ChatCompletionRequest) else None
-        # A session turn's stream can be resumed (`GET /v1/chat/completions/{id}/stream`).
-        resumable = resumable or (session_id is not None and bool(body.stream))
+        # A session turn's stream can be resumed as a chat stream (`GET /v1/chat/completions/{id}/stream`).
+        chat_resumable = session_id is not None and bool(body.stream)
+        resumable = resumable or chat_resumable
         n = body.choices
         if n > 1 and session_id is not None:  # refused by the request's check already
             raise InvalidRequest("A session turn has one answer: n must be 1 with session_id.", param="n")
@@ -311,7 +313,7 @@ class CompletionService:
             include_usage=body.include_usage,
             logprobs=body.logprob_count is not None,
         )
-        if resumable:
+        if chat_resumable:
             self._keep_stream_meta(jobs[0], builder, caller)
         choices = [Choice(i, j) for i, j in enumerate(jobs)]
         return ActiveRequest(choices=choices, caller=caller, stream=stream, builder=builder, started=started, turn=turn)

@@ -8,10 +8,11 @@ import time
 
 import httpx
 import pytest
+import redis
 
 from services.cli.launcher import Service
 from shared.keys import KeyLimits
-from tests.conftest import create_key
+from tests.conftest import ServiceUrls, create_key
 from tests.e2e.conftest import SIM_MODEL
 
 pytestmark = pytest.mark.e2e
@@ -128,3 +129,22 @@ def test_every_event_has_an_id_and_a_sessionless_stream_is_not_resumable(http: h
     assert all(i is not None and i.split(".")[1] in {"0", "1"} for i in ids), ids
     completion_id = json.loads(events[0].data)["id"]
     assert resume(http, completion_id).status_code == 404
+
+
+def test_only_a_session_turns_stream_gets_a_chat_meta(
+    http: httpx.Client, namespace: str, service_urls: ServiceUrls
+) -> None:
+    # A stored response keeps its job's chunk log, but is resumed through the Responses API: its job
+    # gets no chat stream meta (a Redis write and an hour of memory for nothing).
+    store = redis.Redis.from_url(service_urls.redis)
+    try:
+
+        def count(pattern: str) -> int:
+            return sum(1 for _ in store.scan_iter(f"{namespace}:{pattern}:*", count=1000))
+
+        metas, logs = count("chunks-meta"), count("chunks")
+        response = http.post("/v1/responses", json={"model": SIM_MODEL, "input": "Hi", "max_output_tokens": 4})
+        assert response.status_code == 200 and response.json()["id"].startswith("resp_")
+        assert count("chunks") == logs + 1 and count("chunks-meta") == metas
+    finally:
+        store.close()
