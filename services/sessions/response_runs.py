@@ -5,7 +5,8 @@ An unfinished stored response is a member of the sorted set `<ns>:responses:runn
 the time (ms) its lease expires, and `<ns>:responses:owners` maps it to the instance holding the
 lease: the session manager relaying its job. That one renews every lease it holds every third of
 `AXON_RESPONSE_LEASE_S`; every session manager, as often, claims the leases that expired (their
-holder was killed, or stopped) in one script call, and takes each over: it rebuilds the response
+holder was killed; one that stops hands its leases over expired) in one script call, and takes
+each over: it rebuilds the response
 from its job's chunk log, follows the log to the final chunk and stores the response
 (`ResponsesService.take_over`). Finishing a response removes it from the set in the same script
 that stores it (`ResponseStore.finish`), so only one finisher stores it.
@@ -177,9 +178,16 @@ class ResponseLeases:
         return [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in ids]
 
     async def stop(self) -> None:
-        """Cancel every relay (their leases expire and another instance takes them over)."""
+        """Cancel every relay, then hand the leases still held over at once (expired now), so
+        another instance takes their responses over at its next sweep, not a lease later."""
+        ids = list(self._tasks)
         tasks = [task for task in self._tasks.values() if task is not None]
         for task in tasks:
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*tasks, return_exceptions=True)
+        if ids:
+            try:
+                await self._renew(keys=[self.running_key, self.owners_key], args=[self.owner, 0, *ids])
+            except Exception as exc:  # noqa: BLE001 - they then expire a lease later
+                log.warning("response_leases_not_handed_over", error=repr(exc))

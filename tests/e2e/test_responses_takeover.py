@@ -164,3 +164,26 @@ def test_a_relay_that_loses_its_chunks_follows_the_log_to_the_end(stack: Stack, 
     lost = [line for line in relaying.log_text().splitlines() if '"event":"response_relay_lost"' in line]
     assert {queued.id, response_id} <= {orjson.loads(line)["response_id"] for line in lost}
     assert metric(relaying, "axon_sessions_responses_taken_over_total", reason="stream_lost") == 2
+
+
+def test_a_stopping_session_manager_hands_its_responses_over_at_once(
+    stack: Stack, gateway: Service, api_key: str
+) -> None:
+    model = "handover-sim"
+    sim_worker(stack, "handover", model, AXON_SIM_ITL_MS="40")
+    stopping = stack.start("sessions:handover")  # the default lease: 10 s
+    client = client_for(stack.start("gateway:handover", env={"AXON_SESSIONS_URL": stopping.url}), api_key)
+    survivor = client_for(gateway, api_key)
+    wait_listed(client, model)
+    expected = _ask(survivor, model, "Hand it over.", store=False)
+    queued = _ask(client, model, "Hand it over.", background=True)
+    _wait(client, queued.id, {"in_progress"})
+    assert stopping.stop(timeout_s=30) == 0
+    leases = redis.Redis.from_url(stack.redis_url)
+    try:
+        expiry = leases.zscore(f"{stack.namespace}:responses:running", queued.id)
+    finally:
+        leases.close()
+    assert expiry is None or expiry == 0  # taken over already, or handed over: expired at once
+    done = _wait(survivor, queued.id, {"completed", "incomplete", "failed"})
+    assert done.status == "completed" and done.output_text == expected.output_text
