@@ -1,8 +1,9 @@
 """Background responses survive kill -9 of the session manager relaying them (another one takes
 the response over once its lease expires, and stores it and appends it to its conversation) and
 of the worker generating them (failover), each ending `completed` with the full text; a stored
-stream whose client leaves before its first token runs on; and a relay that loses its pub/sub
-connection follows the job's chunk log to the end instead.
+stream whose client leaves before its first token runs on; a relay that loses its pub/sub
+connection follows the job's chunk log to the end instead; and a session manager that stops
+hands its responses over at once.
 
 The answers are JSON (`text.format`), which the simulator ends with `stop` once complete, at one
 short piece per 40 ms: long enough to kill a process mid-answer. The full text is that of the
