@@ -15,3 +15,8 @@ class BackgroundTasks:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def wait(self) -> None:
+        """Until every task it started has finished, those they start meanwhile too."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -145,6 +145,10 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 sweeping.cancel()
                 await asyncio.gather(sweeping, return_exceptions=True)
                 await responses.leases.stop()
+                # With no request left, turns whose clients left may still be running: stored
+                # complete if their answers end within the stop's grace (the deadline hook ends the rest).
+                completions: CompletionService = app.state.completions
+                await completions.detached_ended()
 
     app = FastAPI(
         title="Axon session manager",

@@ -200,6 +200,8 @@ class CompletionService:
         self._turns = turns
         self._metrics = metrics
         self._background = BackgroundTasks()
+        # Session turns relayed on after their clients left (`_relay_detached`).
+        self._detached = BackgroundTasks()
 
     def _sampling(self, body: ChatCompletionRequest | CompletionRequest, live: LiveModel) -> Sampling:
         max_tokens = body.requested_max_tokens or min(self._settings.default_max_tokens, live.context_tokens // 2)
@@ -583,7 +585,7 @@ class CompletionService:
                 # In its own task: this one may itself be cancelled (client gone), and the
                 # cancel notice must still go out.
                 if active.turn is not None and active.job.chunk_log_ttl_s is not None:
-                    self._background.spawn(self._relay_detached(active))
+                    self._detached.spawn(self._relay_detached(active))
                 else:
                     self._background.spawn(self.finish(active, outcome=outcome))
 
@@ -608,6 +610,12 @@ class CompletionService:
             raise
         with contextlib.suppress(Unavailable):  # not stored: `finish` logged it
             await self.finish(active, outcome=outcome)
+
+    async def detached_ended(self) -> None:
+        """Until every session turn relayed on after its client left has ended: a stopping session
+        manager finishes them before it closes its connections. Each ends by its deadline, or at the
+        stop's deadline (`interrupt_streams`: as an interrupted stream)."""
+        await self._detached.wait()
 
     async def finish(self, active: ActiveRequest, *, outcome: str) -> None:
         """Stop relaying (once): store the answer, tell the workers to stop generating every choice

@@ -14,6 +14,7 @@ from services.cli.launcher import Service
 from shared.keys import KeyLimits
 from tests.conftest import ServiceUrls, create_key
 from tests.e2e.conftest import SIM_MODEL
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -148,3 +149,22 @@ def test_only_a_session_turns_stream_gets_a_chat_meta(
         assert count("chunks") == logs + 1 and count("chunks-meta") == metas
     finally:
         store.close()
+
+
+def test_a_stopping_session_manager_finishes_a_turn_whose_client_left(
+    stack: Stack, http: httpx.Client, api_key: str
+) -> None:
+    # Stopped while a turn whose client left runs on: no request is open, but the turn is finished
+    # (stored complete) before the session manager closes its connections, not called off.
+    stopping = stack.start("sessions:detached")
+    gateway = stack.start("gateway:detached", env={"AXON_SESSIONS_URL": stopping.url})
+    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as own:
+        session_id = own.post("/v1/sessions", json={}).json()["id"]
+        with own.stream("POST", "/v1/chat/completions", json=chat_body(session_id=session_id, max_tokens=200)) as r:
+            first = events_of(r, stop_after=3)
+    gateway.stop()
+    assert stopping.stop() == 0
+    answer = stored_answer(http, session_id, timeout_s=1)
+    assert answer["status"] == "complete"
+    completion_id = json.loads(first[0].data)["id"]
+    assert "".join(e.delta for e in events_of(resume(http, completion_id))[:-1]) == answer["content"]
