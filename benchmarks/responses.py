@@ -323,8 +323,10 @@ async def replay(args: argparse.Namespace, sessions_url: str, gateway_url: str, 
 
 async def memory(args: argparse.Namespace, gateway_url: str, key: str, env: BenchEnvironment) -> int:
     from shared.clients import create_redis
+    from shared.names import Names
 
     redis = create_redis(env.redis_url, timeout_s=5)
+    names = Names(env.namespace)
     body = {"model": MODEL, "input": prompt(0), "max_output_tokens": args.tokens, "stream": True}
     pool = Http1Pool(
         f"{gateway_url}/v1/responses", headers=request_headers(key), max_idle_connections=1, connect_timeout_s=10
@@ -333,12 +335,9 @@ async def memory(args: argparse.Namespace, gateway_url: str, key: str, env: Benc
     sizes: dict[str, dict[str, int]] = {}
 
     async def sample(label: str) -> None:
-        record = await redis.get(f"{env.namespace}:response:{seen['id']}")
+        record = await redis.get(names.response(seen["id"]))
         job_id = orjson.loads(record)["job_id"]
-        keys = {
-            "record": f"{env.namespace}:response:{seen['id']}",
-            "chunk log": f"{env.namespace}:chunks:{job_id}",
-        }
+        keys = {"record": names.response(seen["id"]), "chunk log": names.chunk_log(job_id)}
         sizes[label] = {name: int(await redis.memory_usage(k, samples=0) or 0) for name, k in keys.items()}
         sizes[label]["chunks"] = int(await redis.xlen(keys["chunk log"]))
 

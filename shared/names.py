@@ -70,6 +70,21 @@ class Names:
         as long as its chunk log can be."""
         return f"{self.namespace}:chunks-meta:{job_id}"
 
+    def response(self, response_id: str) -> str:
+        """A stored response's record (JSON: `responses_api.StoredResponse`), kept
+        `AXON_RESPONSE_TTL_S`."""
+        return f"{self.namespace}:response:{response_id}"
+
+    @property
+    def responses_running(self) -> str:
+        """Sorted set of unfinished stored responses, scored by their lease's expiry (epoch ms)."""
+        return f"{self.namespace}:responses:running"
+
+    @property
+    def responses_owners(self) -> str:
+        """Hash: unfinished stored response -> the instance id holding its lease."""
+        return f"{self.namespace}:responses:owners"
+
     def job_deliveries(self, job_id: str) -> str:
         """How many times a job was redelivered (poison-job detection)."""
         return f"{self.namespace}:deliveries:{job_id}"

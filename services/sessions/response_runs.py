@@ -22,18 +22,9 @@ import redis.asyncio as redis
 from prometheus_client import Counter, Gauge
 
 from shared.logging import get_logger
+from shared.names import Names
 
 log = get_logger(__name__)
-
-
-def running_key(namespace: str) -> str:
-    """Sorted set of unfinished stored responses, scored by their lease's expiry (epoch ms)."""
-    return f"{namespace}:responses:running"
-
-
-def owners_key(namespace: str) -> str:
-    """Hash: unfinished stored response -> the instance id holding its lease."""
-    return f"{namespace}:responses:owners"
 
 
 # Responses one sweep claims at most (the next sweep takes the rest).
@@ -93,8 +84,9 @@ class ResponseLeases:
         # `axon_sessions_responses_leased` and `axon_sessions_responses_taken_over_total`.
         self._leased = leased
         self.taken_over = taken_over
-        self.running_key = running_key(namespace)
-        self.owners_key = owners_key(namespace)
+        names = Names(namespace)
+        self.running_key = names.responses_running
+        self.owners_key = names.responses_owners
         self.owner = instance_id
         self.lease_s = lease_s
         # Leased response -> the task relaying it (None: a client's request relays it).

@@ -44,7 +44,7 @@ from services.sessions.conversations import (
 )
 from services.sessions.history import SessionInfo, SessionStore
 from services.sessions.outbox import Outbox, ResponseRow, postgres_text
-from services.sessions.response_runs import ResponseLeases, owners_key, running_key
+from services.sessions.response_runs import ResponseLeases
 from services.sessions.responses import Answer
 from services.sessions.service import ActiveRequest, Caller, Choice, CompletionService, chunk_error
 from services.sessions.settings import SessionsSettings
@@ -271,14 +271,14 @@ class ResponseStore:
         self._pipe = pipe
         self._db = db
         self._outbox = outbox
-        self._namespace = namespace
+        self._names = Names(namespace)
         self._ttl_s = ttl_s
-        self._running = running_key(namespace)
-        self._owners = owners_key(namespace)
-        self._cancel_channel = Names(namespace).cancel_channel
+        self._running = self._names.responses_running
+        self._owners = self._names.responses_owners
+        self._cancel_channel = self._names.cancel_channel
 
     def key(self, response_id: str) -> str:
-        return f"{self._namespace}:response:{response_id}"
+        return self._names.response(response_id)
 
     def _row(self, response_id: str, stored: StoredResponse) -> ResponseRow:
         created = dt.datetime.now(dt.UTC)

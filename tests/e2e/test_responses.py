@@ -20,6 +20,7 @@ from openai import OpenAI
 
 from services.cli.launcher import Service
 from shared.keys import KeyLimits
+from shared.names import Names
 from tests.conftest import create_key
 from tests.contract.transport import ContractTransport
 from tests.e2e.conftest import SIM_MODEL
@@ -278,7 +279,7 @@ def test_a_stored_response_outlives_its_redis_copy(
 
     async def drop() -> None:
         r = redis.Redis.from_url(service_urls.redis)
-        assert await r.delete(f"{namespace}:response:{first.id}") == 1
+        assert await r.delete(Names(namespace).response(first.id)) == 1
         await r.aclose()
 
     asyncio.run(drop())

@@ -21,6 +21,7 @@ from openai import OpenAI
 from openai.types.responses import Response
 
 from services.cli.launcher import Service
+from shared.names import Names
 from tests.e2e.stack import Stack
 from tests.e2e.test_workers import client_for, holder, metric, sim_worker, wait_listed
 
@@ -42,7 +43,7 @@ def _stored_of(stack: Stack, model: str) -> str:
     """The id of the one stored response of `model` (its client never saw it)."""
     client = redis.Redis.from_url(stack.redis_url)
     try:
-        for key in client.scan_iter(match=f"{stack.namespace}:response:*", count=1000):
+        for key in client.scan_iter(match=Names(stack.namespace).response("*"), count=1000):
             if orjson.loads(client.get(key) or b"{}").get("response", {}).get("model") == model:
                 return key.decode().rsplit(":", 1)[1]
     finally:
@@ -182,7 +183,7 @@ def test_a_stopping_session_manager_hands_its_responses_over_at_once(
     assert stopping.stop(timeout_s=30) == 0
     leases = redis.Redis.from_url(stack.redis_url)
     try:
-        expiry = leases.zscore(f"{stack.namespace}:responses:running", queued.id)
+        expiry = leases.zscore(Names(stack.namespace).responses_running, queued.id)
     finally:
         leases.close()
     assert expiry is None or expiry == 0  # taken over already, or handed over: expired at once

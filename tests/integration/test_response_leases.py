@@ -39,9 +39,7 @@ async def setup(database_url, redis_client, namespace, service_urls):
         redis_client, pool, Outbox(redis_client, names), namespace=names.namespace, ttl_s=3600, pipe=pipe
     )
     yield names, store
-    await redis_client.delete(
-        names.outbox, f"{names.namespace}:responses:running", f"{names.namespace}:responses:owners"
-    )
+    await redis_client.delete(names.outbox, names.responses_running, names.responses_owners)
     await pool.close()
     await pipe.aclose()
 
@@ -137,7 +135,7 @@ async def test_deleting_an_unfinished_response_drops_its_lease_and_cancels_its_j
     finally:
         await pubsub.aclose()
     assert notices == [stored.job_id]
-    assert await redis_client.zscore(f"{names.namespace}:responses:running", response_id) is None
+    assert await redis_client.zscore(names.responses_running, response_id) is None
     assert await store.get("t", response_id) is None
     assert not await store.finish(response_id, stored)  # its relay, finishing later, stores nothing
 
