@@ -95,6 +95,7 @@ def _attach_services(
             affinity=opened.publisher.affinity,
         ),
         metrics=metrics,
+        chunk_log=opened.chunk_log,
     )
     app.state.responses = ResponsesService(
         settings=settings,

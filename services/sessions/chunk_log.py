@@ -16,8 +16,9 @@ page of a thousand chunks, or an `XREAD BLOCK` holding its connection, must not 
 pipelined behind them, nor take the session store's pooled connections.
 """
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -96,7 +97,7 @@ class ChunkLog:
         raw = await self._client.get(self._names.chunk_log_meta(job_id))
         return StreamMeta.loads(raw) if raw is not None else None
 
-    async def follow(self, job_id: str, after_seq: int, *, idle_timeout_s: float) -> AsyncIterator[TokenChunk]:
+    async def follow(self, job_id: str, after_seq: int, *, idle_timeout_s: float) -> AsyncGenerator[TokenChunk, None]:
         """The job's chunks with seq > `after_seq` (-1: from the first), in order: those logged,
         then each as its worker publishes it, ending after the final one (`finish_reason` set).
 
@@ -137,6 +138,35 @@ class ChunkLog:
             if page:
                 yield page
             idle_until = time.monotonic() + idle_timeout_s
+
+
+class LoggedStream:
+    """A job's chunks from its log (`ChunkLog.follow`) as the relay's `TokenStream` gives them: raw
+    JSON, one at a time. What a session turn whose relayed stream was lost reads on from."""
+
+    index = 0
+    ready = False
+
+    def __init__(self, chunks: AsyncGenerator[TokenChunk, None]) -> None:
+        self._chunks = chunks
+
+    async def next(self, timeout_s: float) -> bytes:
+        """The next logged chunk.
+
+        Raises:
+            TimeoutError: none came within `timeout_s` (then none ever comes: the read was called
+                off), or as `follow`.
+            redis.exceptions.RedisError: Redis is unreachable.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                chunk = await anext(self._chunks)
+        except StopAsyncIteration:
+            raise TimeoutError("The chunk log's read has ended.") from None
+        return chunk.model_dump_json(exclude_none=True).encode()
+
+    async def close(self) -> None:
+        await self._chunks.aclose()
 
 
 def _id(seq: int) -> str:

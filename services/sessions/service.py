@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from services.sessions.catalog import NO_WORKER_RETRY_AFTER_S, ModelCatalog, require_supported
-from services.sessions.chunk_log import StreamMeta
+from services.sessions.chunk_log import ChunkLog, LoggedStream, StreamMeta
 from services.sessions.jobs import JobPublisher, conversation_home
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox, UsageRow
@@ -106,7 +106,7 @@ class ActiveRequest:
         *,
         choices: list[Choice],
         caller: Caller,
-        stream: TokenStream | MergedStream,
+        stream: TokenStream | MergedStream | LoggedStream,
         builder: ResponseBuilder,
         started: float,
         turn: Turn | None,
@@ -188,6 +188,7 @@ class CompletionService:
         limiter: RateLimiter,
         turns: Turns,
         metrics: SessionsMetrics,
+        chunk_log: ChunkLog | None = None,
     ) -> None:
         self._settings = settings
         self._names = Names(settings.namespace)
@@ -199,6 +200,10 @@ class CompletionService:
         self._limiter = limiter
         self._turns = turns
         self._metrics = metrics
+        # Where a session turn whose relayed stream was lost reads on (`_relay_detached`).
+        self._chunk_log = chunk_log
+        # Set once the stop's deadline ends every stream (`interrupt_streams`): none goes on.
+        self._stopping = False
         self._background = BackgroundTasks()
         # Session turns relayed on after their clients left (`_relay_detached`).
         self._detached = BackgroundTasks()
@@ -448,6 +453,7 @@ class CompletionService:
         """The stop's deadline passed (shared/serving.py): every answer still relayed ends as a lost
         stream, so its client gets a `stream_interrupted` error event and `[DONE]` (and its workers a
         cancel notice) rather than a cut connection."""
+        self._stopping = True
         await self._relay.stop()
 
     def _cancel(self, job_id: str) -> asyncio.Future[Any]:
@@ -578,7 +584,10 @@ class CompletionService:
         except AxonError as exc:
             outcome = "error"
             log.warning("stream_failed", error=exc.message)
-            await self.finish(active, outcome=outcome)
+            if active.lost and self._reads_on_from_log(active):
+                outcome = "disconnected"  # its client resumes; the turn goes on from its chunk log
+            else:
+                await self.finish(active, outcome=outcome)
             yield b"".join([*events, sse_error(exc)])
         finally:
             if outcome == "disconnected":
@@ -589,27 +598,60 @@ class CompletionService:
                 else:
                     self._background.spawn(self.finish(active, outcome=outcome))
 
+    def _reads_on_from_log(self, active: ActiveRequest) -> bool:
+        """Whether a session turn whose relayed stream was lost (Redis dropped the relay's
+        connection, a slow client's buffer overflowed) reads the rest from its job's chunk log,
+        rather than being called off: it keeps one, and the process is not stopping."""
+        return (
+            active.turn is not None
+            and active.job.chunk_log_ttl_s is not None
+            and self._chunk_log is not None
+            and not self._stopping
+        )
+
     async def _relay_detached(self, active: ActiveRequest) -> None:
-        """Relay a resumable session turn whose client left to its end, and finish it as if the
-        client had stayed: its whole answer is stored in the session's history and its usage
-        charged, and the client can come back for the rest of its stream (its chunk log). Its
-        deadline bounds the wait."""
+        """Relay a resumable session turn whose client left (or whose stream was lost) to its end,
+        and finish it as if the client had stayed: its whole answer is stored in the session's
+        history and its usage charged, and the client can come back for the rest of its stream (its
+        chunk log). A lost stream's rest is read from the log. Its deadline bounds the wait."""
         if active.closed:
             return
-        log.info("stream_detached")
+        log.info("stream_detached", lost=active.lost)
         outcome = "disconnected"
         try:
-            async for _choice, chunk in active.chunks():
-                if chunk.finish_reason is not None and not active.unfinished:
-                    outcome = chunk.finish_reason
-        except AxonError as exc:
-            log.warning("stream_failed", error=exc.message)
+            if active.lost:
+                await self._read_on_from_log(active)
+            try:
+                outcome = await _relayed_to_end(active)
+            except UpstreamError:
+                if not active.lost:  # lost now: the rest is in the log
+                    raise
+                await self._read_on_from_log(active)
+                outcome = await _relayed_to_end(active)
+        except (AxonError, RedisError) as exc:
+            log.warning("stream_failed", error=repr(exc))
             outcome = "error"
         except asyncio.CancelledError:
             await asyncio.shield(self.finish(active, outcome="disconnected"))
             raise
         with contextlib.suppress(Unavailable):  # not stored: `finish` logged it
             await self.finish(active, outcome=outcome)
+
+    async def _read_on_from_log(self, active: ActiveRequest) -> None:
+        """Make a session turn whose relayed stream was lost read its chunks from its job's log,
+        from the first it has not received (`ActiveRequest.chunks` goes on as before).
+
+        Raises:
+            UpstreamError: it cannot (`_reads_on_from_log`: the process is stopping).
+        """
+        if not self._reads_on_from_log(active) or self._chunk_log is None:
+            raise UpstreamError("The answer's stream was interrupted.", code="stream_interrupted")
+        choice = active.choices[0]
+        await active.stream.close()
+        # `ActiveRequest.chunks` gives up at the deadline itself.
+        idle_timeout_s = max(1.0, active.job.deadline - time.time())
+        follow = self._chunk_log.follow(choice.job.job_id, choice.next_seq - 1, idle_timeout_s=idle_timeout_s)
+        active.stream, active.lost = LoggedStream(follow), False
 
     async def detached_ended(self) -> None:
         """Until every session turn relayed on after its client left has ended: a stopping session
@@ -855,6 +897,14 @@ def _cold_start(job: Job, body: ChatCompletionRequest | CompletionRequest, wait_
     worker could be asked whether it honours them (a worker that does not refuses the job)."""
     start_by = min(job.deadline, time.time() + wait_s)
     return job.model_copy(update={"start_by": start_by, "requires": sorted(body.capabilities_used())})
+
+
+async def _relayed_to_end(active: ActiveRequest) -> str:
+    """Relay `active`'s chunks, with nobody to send them to, until its final one; returns its
+    finish reason."""
+    async for _ in active.chunks():
+        pass
+    return active.choices[0].answer.finish_reason or "stop"
 
 
 def _for_choice(job: Job, index: int, stream: TokenStream) -> Job:

@@ -5,6 +5,7 @@ that drops its stream gets the rest from `GET /v1/chat/completions/{id}/stream` 
 import asyncio
 import json
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ from shared.keys import KeyLimits
 from tests.conftest import ServiceUrls, create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.stack import Stack
+from tests.e2e.test_responses_takeover import _kill_subscribers
 
 pytestmark = pytest.mark.e2e
 
@@ -36,11 +38,11 @@ class Event:
         return "".join(choice["delta"].get("content") or "" for choice in body["choices"])
 
 
-def events_of(response: httpx.Response, *, stop_after: int | None = None) -> list[Event]:
-    """The response's events, up to `[DONE]` (or the first `stop_after`)."""
+def events_of(response: httpx.Response | Iterator[str], *, stop_after: int | None = None) -> list[Event]:
+    """The events of a response (or of the lines left of one), up to `[DONE]` (or the first `stop_after`)."""
     events: list[Event] = []
     event_id, data = None, []
-    for line in response.iter_lines():
+    for line in response.iter_lines() if isinstance(response, httpx.Response) else response:
         if line.startswith("id: "):
             event_id = line[4:]
         elif line.startswith("data: "):
@@ -168,3 +170,28 @@ def test_a_stopping_session_manager_finishes_a_turn_whose_client_left(
     assert answer["status"] == "complete"
     completion_id = json.loads(first[0].data)["id"]
     assert "".join(e.delta for e in events_of(resume(http, completion_id))[:-1]) == answer["content"]
+
+
+def test_a_turn_whose_relay_loses_its_stream_goes_on_from_its_chunk_log(
+    stack: Stack, http: httpx.Client, api_key: str
+) -> None:
+    # The session manager's pub/sub connection drops mid-answer: its client gets stream_interrupted
+    # and resumes, and the turn is not called off: the rest is read from the job's chunk log.
+    relaying = stack.start("sessions:lost-turn")
+    gateway = stack.start("gateway:lost-turn", env={"AXON_SESSIONS_URL": relaying.url})
+    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as own:
+        session_id = own.post("/v1/sessions", json={}).json()["id"]
+        with own.stream("POST", "/v1/chat/completions", json=chat_body(session_id=session_id, max_tokens=300)) as r:
+            lines = r.iter_lines()
+            seen = events_of(lines, stop_after=3)
+            assert _kill_subscribers(stack.redis_url, relaying.pid) >= 1
+            seen += events_of(lines)
+    *chunk_events, interrupted, done = seen
+    assert json.loads(interrupted.data)["error"]["code"] == "stream_interrupted" and done.done
+    completion_id = json.loads(seen[0].data)["id"]
+    rest = events_of(resume(http, completion_id, last_event_id=chunk_events[-1].id))
+    answer = stored_answer(http, session_id)
+    assert answer["status"] == "complete" and rest[-1].done
+    assert "".join(e.delta for e in chunk_events + rest[:-1]) == answer["content"]
+    gateway.stop()
+    relaying.stop()
