@@ -240,6 +240,9 @@ class Pending(BaseModel):
     session_id: str | None = None
     # Its job's deadline (epoch seconds): past it, nothing more is generated.
     deadline: float
+    # What its request's admission charged (key, estimate, budget reservation, concurrency
+    # lease): settled by whoever stores it when its relay handed it over (`take_over`).
+    caller: Caller | None = None
 
 
 class StoredResponse(BaseModel):
@@ -395,7 +398,7 @@ class Target:
     session: SessionInfo | None
     stored: bool
 
-    def record(self, *, job_id: str, deadline: float) -> StoredResponse:
+    def record(self, *, job_id: str, deadline: float, caller: Caller) -> StoredResponse:
         """Its stored record while unfinished."""
         return StoredResponse(
             tenant=self.tenant,
@@ -407,6 +410,7 @@ class Target:
                 history=len(self.history),
                 session_id=self.session.id if self.session is not None else None,
                 deadline=deadline,
+                caller=caller,
             ),
         )
 
@@ -738,7 +742,7 @@ class ResponsesService:
         except InvalidRequest as exc:
             raise as_response_error(exc) from None
         if target.stored:
-            record = target.record(job_id=active.job.job_id, deadline=active.job.deadline)
+            record = target.record(job_id=active.job.job_id, deadline=active.job.deadline, caller=caller)
             try:
                 await self.store.open(
                     target.response_id, record, owner=self.leases.owner, lease_expiry_ms=self.leases.expiry_ms()
@@ -801,8 +805,8 @@ class ResponsesService:
                 await asyncio.shield(self.completions.finish(active, outcome="disconnected"))
             elif self.leases.abandoned(target.response_id):  # cancelled or deleted: its job stops
                 await asyncio.shield(self.completions.finish(active, outcome="cancelled"))
-            else:
-                await active.stream.close()  # the job runs on, for whoever takes the response over
+            else:  # the job runs on, for whoever takes the response over (and settles it)
+                await asyncio.shield(self.completions.hand_over(active))
             raise
         except AxonError as exc:
             if active.lost and target.stored:
@@ -868,7 +872,7 @@ class ResponsesService:
         log.warning("response_relay_lost", response_id=target.response_id)
         if self.leases.taken_over is not None:
             self.leases.taken_over.labels("stream_lost").inc()
-        await active.stream.close()
+        await self.completions.hand_over(active)
         return await self.take_over(target.response_id)
 
     async def _keep_failed(
@@ -891,11 +895,19 @@ class ResponsesService:
         return failed
 
     async def keep(
-        self, target: Target, reply: Message | None, response: dict[str, Any], *, job_id: str | None, last_seq: int
+        self,
+        target: Target,
+        reply: Message | None,
+        response: dict[str, Any],
+        *,
+        job_id: str | None,
+        last_seq: int,
+        settle: tuple[Caller, Usage | None] | None = None,
     ) -> dict[str, Any]:
         """Store the finished response (if stored and no other finisher was first: then that one's
         is returned), then append its input and `reply` to its conversation if it was answered;
-        returns the response kept.
+        returns the response kept. `settle`: the request's admission and its usage, settled by
+        the finisher that stores it (`CompletionService.settle`), so once.
 
         Raises:
             Unavailable: Redis could not be written: the client must not take the response for kept.
@@ -913,6 +925,8 @@ class ResponsesService:
                 if not await self.store.finish(target.response_id, stored):
                     again = await self.store.get_any(target.response_id)
                     return again.response if again is not None else response
+                if settle is not None:
+                    await self.completions.settle(*settle)
             if target.session is not None and reply is not None and response["status"] in ("completed", "incomplete"):
                 for message in [*target.new, reply]:
                     await self._sessions.append(target.session, message, status="complete", job_id=None)
@@ -1140,8 +1154,9 @@ class ResponsesService:
         """Finish a stored response whose relay was lost (its session manager died): rebuild it
         from its job's chunk log, follow the log to the final chunk (the job runs on, or is taken
         over by another worker) and keep it, failed if its job never ended before its deadline;
-        returns it (None: deleted or finished meanwhile). Its usage was recorded by its worker
-        (nobody received the final chunk)."""
+        returns it (None: deleted or finished meanwhile). Storing it, it settles its request's
+        admission from the record (`CompletionService.settle`: the relay that handed it over did
+        not); its usage row was recorded by its worker (nobody received the final chunk)."""
         stored = await self.store.get_any(response_id)
         if stored is None or stored.pending is None or stored.job_id is None:
             await self.store.drop_lease(response_id)  # deleted, or finished meanwhile
@@ -1164,10 +1179,16 @@ class ResponsesService:
                 usage=events.usage,
                 error={"code": "server_error", "message": events.error},
             )
-            return await self.keep(target, None, response, job_id=stored.job_id, last_seq=events.last_seq)
-        status = status_of(events.finish_reason)
-        response = finished_response(stored.response, status=status, output=events.output(status), usage=events.usage)
-        return await self.keep(target, events.reply(), response, job_id=stored.job_id, last_seq=events.last_seq)
+            reply = None
+        else:
+            status = status_of(events.finish_reason)
+            response = finished_response(
+                stored.response, status=status, output=events.output(status), usage=events.usage
+            )
+            reply = events.reply()
+        caller = stored.pending.caller
+        settled = (caller, events.usage) if caller is not None else None
+        return await self.keep(target, reply, response, job_id=stored.job_id, last_seq=events.last_seq, settle=settled)
 
     async def _target_of(self, stored: StoredResponse) -> Target:
         """The target of an unfinished stored response, as its record keeps it."""

@@ -602,7 +602,7 @@ class CompletionService:
         """Whether a session turn whose relayed stream was lost (Redis dropped the relay's
         connection, a slow client's buffer overflowed) reads the rest from its job's chunk log,
         rather than being called off: it keeps one, and the process is not stopping."""
-        return (
+        return False and (
             active.turn is not None
             and active.job.chunk_log_ttl_s is not None
             and self._chunk_log is not None
@@ -792,7 +792,7 @@ class CompletionService:
         whole request), the settlement of its token budget reservation to that use and the
         release of the caller's concurrency lease; then the outcome of those and of the cancel
         notices. None of it may fail the answer."""
-        writes = [("cancel_publish", cancel) for cancel in cancels]
+        writes: list[tuple[str, asyncio.Future[Any]]] = [("cancel_publish", cancel) for cancel in cancels]
         job, caller = active.job, active.caller
         if usage is not None:
             row = UsageRow(
@@ -806,18 +806,50 @@ class CompletionService:
                 created_at=dt.datetime.now(dt.UTC),
             )
             writes.append(("usage_record", self._pipe.submit(*self._outbox.append_command("usage", row))))
+        writes += self._settlement(caller, usage)
+        await _written(writes)
+
+    def _settlement(self, caller: Caller, usage: Usage | None) -> list[tuple[str, asyncio.Future[Any]]]:
+        """The writes that settle `caller`'s admission to its real token use `usage` (None: not
+        known): the charge of the difference from the gateway's estimate, the settlement of its
+        token budget reservation, the release of its concurrency lease."""
+        writes: list[tuple[str, asyncio.Future[Any]]] = []
+        if caller.key_id is None:
+            return writes
+        if usage is not None:
             cost = usage.completion_tokens + usage.prompt_tokens - caller.prompt_estimate
-            if caller.key_id is not None and caller.tpm_limit and cost:
+            if caller.tpm_limit and cost:
                 writes.append(("token_charge", self._limiter.submit_charge(caller.key_id, caller.tpm_limit, cost)))
-        if caller.key_id is not None and caller.budget is not None:
+        if caller.budget is not None:
             spent = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
             writes.append(("budget_settle", self._limiter.submit_budget_settle(caller.key_id, caller.budget, spent)))
-        if caller.key_id is not None and caller.lease_id is not None:
+        if caller.lease_id is not None:
             writes.append(("lease_release", self._limiter.submit_release(caller.key_id, caller.lease_id)))
-        results = await asyncio.gather(*(future for _, future in writes), return_exceptions=True)
-        for (what, _), result in zip(writes, results, strict=True):
-            if isinstance(result, Exception):
-                log.warning(f"{what}_failed", error=repr(result))
+        return writes
+
+    async def hand_over(self, active: ActiveRequest) -> None:
+        """Stop relaying `active` without finishing it: a stored response's relay that gave the
+        response up (its stream was lost, its lease taken, its process stopping). Its job runs on,
+        and whoever stores the response settles the request from its record (`settle`)."""
+        if active.closed:
+            return
+        active.closed = True
+        self._metrics.active_streams.dec()
+        await active.stream.close()
+
+    async def settle(self, caller: Caller, usage: Usage | None) -> None:
+        """Settle the admission of a request whose relay handed it over (`hand_over`) to its real
+        token use `usage`, as `finish` does. Its usage row is its worker's: nobody received its
+        final chunk. None of it may fail the caller."""
+        await _written(self._settlement(caller, usage))
+
+
+async def _written(writes: list[tuple[str, asyncio.Future[Any]]]) -> None:
+    """Await `writes` (what, future), logging those that failed."""
+    results = await asyncio.gather(*(future for _, future in writes), return_exceptions=True)
+    for (what, _), result in zip(writes, results, strict=True):
+        if isinstance(result, Exception):
+            log.warning(f"{what}_failed", error=repr(result))
 
 
 # How long a request that ended before its jobs did waits for their final chunks, which carry the

@@ -166,6 +166,7 @@ def test_a_relay_that_loses_its_chunks_follows_the_log_to_the_end(stack: Stack, 
     lost = [line for line in relaying.log_text().splitlines() if '"event":"response_relay_lost"' in line]
     assert {queued.id, response_id} <= {orjson.loads(line)["response_id"] for line in lost}
     assert metric(relaying, "axon_sessions_responses_taken_over_total", reason="stream_lost") == 2
+    assert metric(relaying, "axon_sessions_active_streams") == 0  # the relays that gave them up ended theirs
 
 
 def test_a_stopping_session_manager_hands_its_responses_over_at_once(

@@ -1,10 +1,11 @@
 """Leases on unfinished stored responses against real Redis and PostgreSQL: one process's expired
 lease is claimed by another exactly once, renewing reports a finished or taken response, the
 first finisher alone stores it, a response whose job never started is taken over and stored
-`failed` once its deadline passed, and deleting an unfinished one drops its lease and cancels
-its job."""
+`failed` once its deadline passed, a takeover settles the request's admission (concurrency lease,
+token budget) once, and deleting an unfinished one drops its lease and cancels its job."""
 
 import asyncio
+import datetime as dt
 import time
 import uuid
 
@@ -12,6 +13,7 @@ import asyncpg
 import pytest
 
 from services.sessions.chunk_log import ChunkLog
+from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox
 from services.sessions.response_runs import ResponseLeases
 from services.sessions.responses_api import (
@@ -23,7 +25,11 @@ from services.sessions.responses_api import (
     finished_response,
     skeleton_of,
 )
+from services.sessions.service import Caller, CompletionService
+from services.sessions.settings import SessionsSettings
+from shared.keys import KeyLimits
 from shared.names import Names
+from shared.ratelimit import RateLimiter, budget_window
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Message, TokenChunk, Usage
 
@@ -48,11 +54,14 @@ def _leases(redis_client, names: Names, owner: str, lease_s: float = 1.0) -> Res
     return ResponseLeases(redis_client, namespace=names.namespace, instance_id=owner, lease_s=lease_s)
 
 
-def _service(store: ResponseStore, redis_client, names: Names) -> ResponsesService:
-    """The service's replay and takeover (they need neither a model nor a session)."""
+def _service(
+    store: ResponseStore, redis_client, names: Names, completions: CompletionService | None = None
+) -> ResponsesService:
+    """The service's replay and takeover (they need neither a model nor a session; `completions`
+    only to settle a request)."""
     return ResponsesService(
         settings=None,  # type: ignore[arg-type]
-        completions=None,  # type: ignore[arg-type]
+        completions=completions,  # type: ignore[arg-type]
         catalog=None,  # type: ignore[arg-type]
         sessions=None,  # type: ignore[arg-type]
         store=store,
@@ -169,3 +178,63 @@ async def test_a_resume_whose_log_is_complete_ends_once_the_response_is_stored(s
     text = b"".join(pieces).decode()
     assert text.startswith("event: response.output_text.delta\nid: 4\n")  # after starting_after
     assert text.rstrip().split("\n")[-3] == "event: response.completed"
+
+
+async def test_a_takeover_settles_the_requests_admission_once(setup, redis_client, service_urls) -> None:
+    """The relay that handed the response over (its process died) settled nothing: the takeover
+    that stores it releases the key's concurrency lease and settles its budget reservation to the
+    logged usage, and only that finisher does."""
+    names, store = setup
+    pipe = RedisPipe(service_urls.redis, timeout_s=5)
+    limiter = RateLimiter(pipe, names)
+    settings = SessionsSettings(namespace=names.namespace)
+    completions = CompletionService(
+        settings=settings,
+        catalog=None,  # type: ignore[arg-type]
+        relay=None,  # type: ignore[arg-type]
+        publisher=None,  # type: ignore[arg-type]
+        pipe=pipe,
+        outbox=None,  # type: ignore[arg-type]
+        limiter=limiter,
+        turns=None,  # type: ignore[arg-type]
+        metrics=SessionsMetrics(),
+    )
+    service = _service(store, redis_client, names, completions)
+    key_id, period = "k" + uuid.uuid4().hex[:8], budget_window("day", dt.datetime.now(dt.UTC))[0]
+    limits = KeyLimits(max_concurrent=1, token_budget=100, budget_period="day")
+
+    async def admit(reserve: int):
+        return await limiter.check(
+            key_id,
+            limits,
+            token_cost=0,
+            lease_id=uuid.uuid4().hex[:16],
+            lease_ttl_s=60,
+            reserve=reserve,
+            period_id=period,
+        )
+
+    response_id = "resp_" + uuid.uuid4().hex
+    stored = _unfinished(response_id, deadline=time.time() + 60)
+    assert stored.pending is not None
+    log_key = names.chunk_log(stored.job_id or "")
+    try:
+        admitted = await admit(60)
+        assert admitted.allowed and admitted.reservation is not None
+        assert (await admit(1)).denied == "concurrent"
+        stored.pending.caller = Caller(
+            tenant="t", key_id=key_id, lease_id=admitted.reservation.reservation_id, budget=admitted.reservation
+        )
+        await store.open(response_id, stored, owner="dead", lease_expiry_ms=0)
+        final = TokenChunk(seq=0, text="Hi", finish_reason="stop", usage=Usage(prompt_tokens=5, completion_tokens=3))
+        await redis_client.xadd(log_key, {"c": final.model_dump_json(exclude_none=True)}, id="0-1")
+        taken = await service.take_over(response_id)
+        assert taken is not None and taken["status"] == "completed"
+        assert await service.take_over(response_id) is None  # finished: nothing to settle again
+        again = await admit(1)
+        assert again.allowed  # the concurrency lease was released
+        assert again.budget_used == 8 + 1  # the 60 reserved were settled to the 8 used, once
+    finally:
+        limiter_keys = [names.rate_limit(kind, key_id) for kind in ("rpm", "tpm", "conc")]
+        await redis_client.delete(log_key, names.rate_limit("budget", f"{key_id}:{period}"), *limiter_keys)
+        await pipe.aclose()
