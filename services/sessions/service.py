@@ -602,7 +602,7 @@ class CompletionService:
         """Whether a session turn whose relayed stream was lost (Redis dropped the relay's
         connection, a slow client's buffer overflowed) reads the rest from its job's chunk log,
         rather than being called off: it keeps one, and the process is not stopping."""
-        return False and (
+        return (
             active.turn is not None
             and active.job.chunk_log_ttl_s is not None
             and self._chunk_log is not None
