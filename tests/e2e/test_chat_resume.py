@@ -153,39 +153,28 @@ def test_only_a_session_turns_stream_gets_a_chat_meta(
         store.close()
 
 
-def test_a_stopping_session_manager_finishes_a_turn_whose_client_left(
-    stack: Stack, http: httpx.Client, api_key: str
-) -> None:
-    # Stopped while a turn whose client left runs on: no request is open, but the turn is finished
-    # (stored complete) before the session manager closes its connections, not called off.
-    stopping = stack.start("sessions:detached")
-    gateway = stack.start("gateway:detached", env={"AXON_SESSIONS_URL": stopping.url})
-    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as own:
-        session_id = own.post("/v1/sessions", json={}).json()["id"]
-        with own.stream("POST", "/v1/chat/completions", json=chat_body(session_id=session_id, max_tokens=200)) as r:
-            first = events_of(r, stop_after=3)
-    gateway.stop()
-    assert stopping.stop() == 0
-    answer = stored_answer(http, session_id, timeout_s=1)
-    assert answer["status"] == "complete"
-    completion_id = json.loads(first[0].data)["id"]
-    assert "".join(e.delta for e in events_of(resume(http, completion_id))[:-1]) == answer["content"]
+@pytest.fixture(scope="module")
+def own(stack: Stack, api_key: str) -> Iterator[tuple[Service, httpx.Client]]:
+    """A session manager of this module's own (its relay's connection is cut, then it is stopped:
+    the last test), and a client of a gateway in front of it."""
+    sessions = stack.start("sessions:resume")
+    gateway = stack.start("gateway:resume", env={"AXON_SESSIONS_URL": sessions.url})
+    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as client:
+        yield sessions, client
 
 
 def test_a_turn_whose_relay_loses_its_stream_goes_on_from_its_chunk_log(
-    stack: Stack, http: httpx.Client, api_key: str
+    stack: Stack, http: httpx.Client, own: tuple[Service, httpx.Client]
 ) -> None:
     # The session manager's pub/sub connection drops mid-answer: its client gets stream_interrupted
     # and resumes, and the turn is not called off: the rest is read from the job's chunk log.
-    relaying = stack.start("sessions:lost-turn")
-    gateway = stack.start("gateway:lost-turn", env={"AXON_SESSIONS_URL": relaying.url})
-    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as own:
-        session_id = own.post("/v1/sessions", json={}).json()["id"]
-        with own.stream("POST", "/v1/chat/completions", json=chat_body(session_id=session_id, max_tokens=300)) as r:
-            lines = r.iter_lines()
-            seen = events_of(lines, stop_after=3)
-            assert _kill_subscribers(stack.redis_url, relaying.pid) >= 1
-            seen += events_of(lines)
+    relaying, client = own
+    session_id = client.post("/v1/sessions", json={}).json()["id"]
+    with client.stream("POST", "/v1/chat/completions", json=chat_body(session_id=session_id, max_tokens=300)) as r:
+        lines = r.iter_lines()
+        seen = events_of(lines, stop_after=3)
+        assert _kill_subscribers(stack.redis_url, relaying.pid) >= 1
+        seen += events_of(lines)
     *chunk_events, interrupted, done = seen
     assert json.loads(interrupted.data)["error"]["code"] == "stream_interrupted" and done.done
     completion_id = json.loads(seen[0].data)["id"]
@@ -193,5 +182,19 @@ def test_a_turn_whose_relay_loses_its_stream_goes_on_from_its_chunk_log(
     answer = stored_answer(http, session_id)
     assert answer["status"] == "complete" and rest[-1].done
     assert "".join(e.delta for e in chunk_events + rest[:-1]) == answer["content"]
-    gateway.stop()
-    relaying.stop()
+
+
+def test_a_stopping_session_manager_finishes_a_turn_whose_client_left(
+    http: httpx.Client, own: tuple[Service, httpx.Client]
+) -> None:
+    # Stopped while a turn whose client left runs on: no request is open, but the turn is finished
+    # (stored complete) before the session manager closes its connections, not called off.
+    stopping, client = own
+    session_id = client.post("/v1/sessions", json={}).json()["id"]
+    with client.stream("POST", "/v1/chat/completions", json=chat_body(session_id=session_id, max_tokens=200)) as r:
+        first = events_of(r, stop_after=3)
+    assert stopping.stop() == 0
+    answer = stored_answer(http, session_id, timeout_s=1)
+    assert answer["status"] == "complete"
+    completion_id = json.loads(first[0].data)["id"]
+    assert "".join(e.delta for e in events_of(resume(http, completion_id))[:-1]) == answer["content"]
