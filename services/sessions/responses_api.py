@@ -1071,7 +1071,9 @@ class ResponsesService:
         Raises:
             NotFound: unknown, expired, deleted or another tenant's.
             InvalidRequest: its events are not kept (expired log, or stored before logs), or
-                `starting_after` is past the end of a finished one.
+                `starting_after` is at or past the end of one whose end is known: a finished
+                one, or one whose log holds its final chunk (its finisher is storing it). Past
+                the end of one that ends only later, the stream is an `error` event alone.
         """
         stored = await self._stored(tenant, response_id)
         if stored.job_id is None:
@@ -1083,6 +1085,15 @@ class ResponsesService:
         chunks = await self._logged(stored.job_id)
         after = -1 if starting_after is None else starting_after
         if stored.pending is not None:
+            if after >= 0 and (chunks and chunks[-1].finish_reason is not None):  # its end is known
+                counted = ResponseEvents(skeleton_of(stored.response), quiet=True)
+                counted.opening()
+                for chunk in chunks:
+                    counted.chunk(chunk)
+                status = status_of(counted.finish_reason)
+                output = counted.output(status)
+                counted.closing(finished_response(stored.response, status=status, output=output, usage=None))
+                _check_after(after, counted.seq)
             return self._events(response_id, stored, chunks, after)
         last_seq = stored.last_seq if stored.last_seq is not None else -1
         chunks = [chunk for chunk in chunks if chunk.seq <= last_seq]
@@ -1098,12 +1109,7 @@ class ResponsesService:
                 code="stream_expired",
             )
         counted.closing(stored.response)
-        if after >= counted.seq - 1:
-            raise InvalidRequest(
-                f"starting_after is {after}, past the end of this response (its last event is {counted.seq - 1}).",
-                param="starting_after",
-                code="invalid_value",
-            )
+        _check_after(after, counted.seq)
         return self._events(response_id, stored, chunks, after)
 
     async def _events(
@@ -1134,8 +1140,12 @@ class ResponsesService:
                     if new := _past(events, events.chunk(chunk), after):
                         yield b"".join(new)
         final = await self._finished(response_id)
-        if final is not None and (end := _past(events, events.closing(final), after)):
+        if final is None:
+            return
+        if end := _past(events, events.closing(final), after):
             yield b"".join(end)
+        else:  # nothing was past `after`: the 400 of a finished one, as an event (the head went out)
+            yield _error_event(_past_the_end(after, events.seq), events.seq)
 
     async def _finished(self, response_id: str) -> dict[str, Any] | None:
         """The response once its finisher stored it (whoever relays it, or takes it over once its
@@ -1215,6 +1225,27 @@ def _past(events: ResponseEvents, pieces: list[bytes], after: int) -> list[bytes
     `after`."""
     first = events.seq - len(pieces)
     return pieces[max(0, after + 1 - first) :]
+
+
+def _past_the_end(after: int, count: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"starting_after is {after}, past the end of this response (its last event is {count - 1}).",
+        param="starting_after",
+        code="invalid_value",
+    )
+
+
+def _check_after(after: int, count: int) -> None:
+    """Raise `_past_the_end` if `after` is at or past the last of a response's `count` events."""
+    if after >= count - 1:
+        raise _past_the_end(after, count)
+
+
+def _error_event(exc: AxonError, seq: int) -> bytes:
+    """OpenAI's `error` streaming event of `exc` (no SSE id: a client resumes after the event it
+    got before)."""
+    payload = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param, "sequence_number": seq}
+    return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
 def _most_events(chunk: TokenChunk) -> int:

@@ -2,7 +2,8 @@
 lease is claimed by another exactly once, renewing reports a finished or taken response, the
 first finisher alone stores it, a response whose job never started is taken over and stored
 `failed` once its deadline passed, a takeover settles the request's admission (concurrency lease,
-token budget) once, and deleting an unfinished one drops its lease and cancels its job."""
+token budget) once, starting_after past the end of a running response is refused once its end
+is known, and deleting an unfinished one drops its lease and cancels its job."""
 
 import asyncio
 import datetime as dt
@@ -10,6 +11,7 @@ import time
 import uuid
 
 import asyncpg
+import orjson
 import pytest
 
 from services.sessions.chunk_log import ChunkLog
@@ -27,6 +29,7 @@ from services.sessions.responses_api import (
 )
 from services.sessions.service import Caller, CompletionService
 from services.sessions.settings import SessionsSettings
+from shared.errors import InvalidRequest
 from shared.keys import KeyLimits
 from shared.names import Names
 from shared.ratelimit import RateLimiter, budget_window
@@ -238,3 +241,44 @@ async def test_a_takeover_settles_the_requests_admission_once(setup, redis_clien
         limiter_keys = [names.rate_limit(kind, key_id) for kind in ("rpm", "tpm", "conc")]
         await redis_client.delete(log_key, names.rate_limit("budget", f"{key_id}:{period}"), *limiter_keys)
         await pipe.aclose()
+
+
+async def test_starting_after_past_the_end_of_a_running_response(setup, redis_client) -> None:
+    """Past the end of a running response: 400 once its log holds its final chunk (as for a
+    finished one), and an `error` event once it ends, when its end was not known yet."""
+    names, store = setup
+    service = _service(store, redis_client, names)
+    response_id = "resp_" + uuid.uuid4().hex
+    stored = _unfinished(response_id, deadline=time.time() + 3600)
+    await store.open(response_id, stored, owner="o", lease_expiry_ms=int(time.time() * 1000) + 60_000)
+    chunks = [TokenChunk(seq=0, text="Hello"), TokenChunk(seq=1, text=" there", finish_reason="stop", usage=Usage())]
+    log_key = names.chunk_log(stored.job_id or "")
+
+    async def log(chunk: TokenChunk) -> None:
+        await redis_client.xadd(log_key, {"c": chunk.model_dump_json(exclude_none=True)}, id=f"0-{chunk.seq + 1}")
+
+    async def end_it_soon() -> None:
+        await asyncio.sleep(0.3)
+        await log(chunks[1])
+        done = ResponseEvents(skeleton_of(stored.response), quiet=True)
+        for chunk in chunks:
+            done.chunk(chunk)
+        response = finished_response(stored.response, status="completed", output=done.output("completed"), usage=None)
+        assert await store.finish(response_id, stored.model_copy(update={"response": response, "pending": None}))
+
+    try:
+        await log(chunks[0])  # 2 opening events, 3 of the first text; its end is not known yet
+        events = await service.replay("t", response_id, starting_after=50)
+        ending = asyncio.create_task(end_it_soon())
+        pieces = [piece async for piece in events]
+        await ending
+        assert len(pieces) == 1 and pieces[0].startswith(b"event: error\ndata: ")
+        error = orjson.loads(pieces[0].split(b"data: ", 1)[1])
+        # 2 opening, 3 of the first text, 1 delta, 3 closing the message, response.completed: 0..9
+        assert error["param"] == "starting_after" and "its last event is 9" in error["message"]
+        await store.open(response_id, stored, owner="o", lease_expiry_ms=int(time.time() * 1000) + 60_000)
+        for after in (9, 50):  # unfinished again, its log complete: its end is known
+            with pytest.raises(InvalidRequest, match="its last event is 9"):
+                await service.replay("t", response_id, starting_after=after)
+    finally:
+        await redis_client.delete(log_key)
