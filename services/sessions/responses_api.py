@@ -1086,10 +1086,7 @@ class ResponsesService:
         after = -1 if starting_after is None else starting_after
         if stored.pending is not None:
             if after >= 0 and (chunks and chunks[-1].finish_reason is not None):  # its end is known
-                counted = ResponseEvents(skeleton_of(stored.response), quiet=True)
-                counted.opening()
-                for chunk in chunks:
-                    counted.chunk(chunk)
+                counted = _counted(stored.response, chunks)
                 status = status_of(counted.finish_reason)
                 output = counted.output(status)
                 counted.closing(finished_response(stored.response, status=status, output=output, usage=None))
@@ -1097,10 +1094,7 @@ class ResponsesService:
             return self._events(response_id, stored, chunks, after)
         last_seq = stored.last_seq if stored.last_seq is not None else -1
         chunks = [chunk for chunk in chunks if chunk.seq <= last_seq]
-        counted = ResponseEvents(skeleton_of(stored.response), quiet=True)
-        counted.opening()
-        for chunk in chunks:
-            counted.chunk(chunk)
+        counted = _counted(stored.response, chunks)
         if counted.last_seq < last_seq:
             raise InvalidRequest(
                 f"This response's events are kept for {self._settings.stream_log_ttl_s} s after its last "
@@ -1225,6 +1219,15 @@ def _past(events: ResponseEvents, pieces: list[bytes], after: int) -> list[bytes
     `after`."""
     first = events.seq - len(pieces)
     return pieces[max(0, after + 1 - first) :]
+
+
+def _counted(response: dict[str, Any], chunks: list[TokenChunk]) -> ResponseEvents:
+    """`response`'s events up to its closing ones, of logged `chunks`, counted (quiet)."""
+    counted = ResponseEvents(skeleton_of(response), quiet=True)
+    counted.opening()
+    for chunk in chunks:
+        counted.chunk(chunk)
+    return counted
 
 
 def _past_the_end(after: int, count: int) -> InvalidRequest:
