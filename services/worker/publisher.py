@@ -44,10 +44,13 @@ _PROGRESS_GRACE_S = 60
 #       expiry in seconds (0: leave as is), the chunk log's lifetime in seconds (0: no log) and
 #       cap, then new token ids... or, for a final chunk with the affinity record, this worker's id
 #       and the record's lifetime in seconds.
-# A job with a chunk log (`Job.chunk_log_ttl_s`) also appends the chunk to it as entry `0-<seq + 1>`,
-# and keeps the log for its lifetime from this chunk: a chunk republished after a failover whose
-# seq is already logged is refused by Redis (its id is not past the stream's last), the refusal
-# caught by `pcall`, so the log holds each seq once, as first published.
+# A job with a chunk log (`Job.chunk_log_ttl_s`) also appends the chunk to it as entry `0-<seq + 1>`:
+# a chunk republished after a failover whose seq is already logged is refused by Redis (its id is
+# not past the stream's last), the refusal caught by `pcall`, so the log holds each seq once, as
+# first published. An attempt's first chunk keeps the log for its lifetime past the progress's
+# expiry (the job's deadline + `_PROGRESS_GRACE_S`), the final chunk for its lifetime from then:
+# no chunk comes between them that could outlive the first's, and an `EXPIRE` with every chunk
+# cost Redis about half as much as the `XADD`.
 # The final chunk replaces the progress with `done` and the job's final token counts: a job
 # redelivered after its answer was complete (its ack was lost with the broker connection) is then
 # acked, not generated again, and a session manager that never saw the final chunk can still
@@ -62,7 +65,11 @@ local home = 4
 local log_ttl = tonumber(ARGV[9])
 if log_ttl > 0 then
   redis.pcall('XADD', KEYS[4], 'MAXLEN', '~', ARGV[10], '0-' .. ARGV[4], 'c', ARGV[2])
-  redis.call('EXPIRE', KEYS[4], log_ttl)
+  if ARGV[3] == '1' then
+    redis.call('EXPIRE', KEYS[4], log_ttl)
+  elseif ARGV[8] ~= '0' then
+    redis.call('EXPIRE', KEYS[4], log_ttl + tonumber(ARGV[8]))
+  end
   home = 5
 end
 if ARGV[3] == '1' then

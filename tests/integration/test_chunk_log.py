@@ -84,6 +84,19 @@ async def test_each_chunk_is_logged_as_published_with_its_lifetime(pipe, names, 
     assert TTL_S - 5 <= await pipe.execute("TTL", names.chunk_log(job.job_id)) <= TTL_S
 
 
+async def test_a_running_jobs_log_outlives_its_deadline_and_only_the_ends_of_an_attempt_set_it(pipe, names) -> None:
+    job = job_of()
+    publisher = publisher_for(pipe, names, job, Progress())
+    await publisher.publish(EngineOutput("a", 1, 4, 1))
+    running_ttl = await pipe.execute("TTL", names.chunk_log(job.job_id))
+    assert TTL_S + 60 + 55 <= running_ttl <= TTL_S + 60 + 60  # the deadline is 60 s ahead
+    await pipe.execute("EXPIRE", names.chunk_log(job.job_id), 5000)
+    await publisher.publish(EngineOutput("b", 1, 4, 2))  # not an end: its expiry stays
+    assert await pipe.execute("TTL", names.chunk_log(job.job_id)) > running_ttl
+    await publisher.publish(EngineOutput("c", 1, 4, 3, finish_reason="stop"))
+    assert TTL_S - 5 <= await pipe.execute("TTL", names.chunk_log(job.job_id)) <= TTL_S
+
+
 async def test_a_job_without_a_log_writes_none(pipe, names) -> None:
     job = job_of(ttl_s=None)
     assert ChunkLogTarget.of(job, names) is None
