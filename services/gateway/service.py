@@ -7,7 +7,7 @@ FastAPI (`GatewayService.call`). Both forward with the lean HTTP/1.1 client of `
 """
 
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from typing import Any
 from urllib.parse import quote, quote_from_bytes
 
@@ -285,11 +285,23 @@ class GatewayService:
                 await self._admitter.release(admission)
 
     async def call(self, request: Request, record: KeyRecord) -> Response:
-        """Forward any other API call (it counts against the key's request limits)."""
-        with self._in_flight.slot():
-            return await self._call(request, record)
+        """Forward any other API call (it counts against the key's request limits). A replayed
+        event stream holds its in-flight slot and its admission (the key's concurrency lease)
+        until it ends, as a completion stream does."""
+        held = AsyncExitStack()
+        held.enter_context(self._in_flight.slot())
+        try:
+            response = await self._call(request, record, held)
+        except BaseException:
+            await held.aclose()
+            raise
+        if isinstance(response, _HeldStream):
+            response.held = held
+        else:
+            await held.aclose()
+        return response
 
-    async def _call(self, request: Request, record: KeyRecord) -> Response:
+    async def _call(self, request: Request, record: KeyRecord, held: AsyncExitStack) -> Response:
         body = None
         if request.method in {"POST", "PUT", "PATCH"}:
             body = await read_body(
@@ -298,30 +310,43 @@ class GatewayService:
             if body:  # a POST without a body (`/v1/responses/{id}/cancel`) is the session manager's to judge
                 parse_json_object(body)
         admission: Admission = await self._admitter.admit(record, token_cost=0)
+        held.push_async_callback(self._admitter.release, admission)
+        headers = self._upstream_headers(request.scope["state"]["request_id"], record, prompt_estimate=0)
+        last_event_id = request.headers.get("last-event-id")
+        if last_event_id is not None:  # where a resumed stream (`GET .../stream`) goes on from
+            headers["last-event-id"] = last_event_id
+        upstream = await unless_disconnected(
+            request, self._forwarder.open(request.method, upstream_target(request), body=body, headers=headers)
+        )
+        if (upstream.header(b"content-type") or b"").startswith(b"text/event-stream"):
+            # A replayed stream (`GET /v1/responses/{id}?stream=true`): relayed as it comes.
+            held.callback(upstream.close)  # also if the stream never starts (its client left)
+            streamed = _HeldStream(_event_pieces(upstream), status_code=upstream.status)
+            streamed.raw_headers.extend(_relayed_headers(upstream))
+            streamed.headers.update(admission.headers())
+            return streamed
         try:
-            headers = self._upstream_headers(request.scope["state"]["request_id"], record, prompt_estimate=0)
-            last_event_id = request.headers.get("last-event-id")
-            if last_event_id is not None:  # where a resumed stream (`GET .../stream`) goes on from
-                headers["last-event-id"] = last_event_id
-            upstream = await unless_disconnected(
-                request, self._forwarder.open(request.method, upstream_target(request), body=body, headers=headers)
-            )
-            if (upstream.header(b"content-type") or b"").startswith(b"text/event-stream"):
-                # A replayed stream (`GET /v1/responses/{id}?stream=true`): relayed as it comes.
-                streamed = StreamingResponse(_event_pieces(upstream), status_code=upstream.status)
-                streamed.raw_headers.extend(_relayed_headers(upstream))
-                streamed.headers.update(admission.headers())
-                return streamed
-            try:
-                content = await upstream.read()
-            except _UPSTREAM_ERRORS as exc:
-                raise Unavailable("The session manager's answer was cut off; try again.", retry_after_s=1) from exc
-            response = Response(content, status_code=upstream.status)
-            response.raw_headers.extend(_relayed_headers(upstream))
-            response.headers.update(admission.headers())
-            return response
+            content = await upstream.read()
+        except _UPSTREAM_ERRORS as exc:
+            raise Unavailable("The session manager's answer was cut off; try again.", retry_after_s=1) from exc
+        response = Response(content, status_code=upstream.status)
+        response.raw_headers.extend(_relayed_headers(upstream))
+        response.headers.update(admission.headers())
+        return response
+
+
+class _HeldStream(StreamingResponse):
+    """A replayed event stream that releases what its request holds (`held`: its in-flight slot,
+    its admission) once it is over, however it ends."""
+
+    held: AsyncExitStack | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
         finally:
-            await self._admitter.release(admission)
+            if self.held is not None:
+                await self.held.aclose()
 
 
 async def _event_pieces(upstream: UpstreamResponse) -> AsyncIterator[bytes]:

@@ -2,7 +2,8 @@
 create (string and items input, instructions), retrieve, delete, input items, a
 `previous_response_id` chain, a `conversation` it appends to, a function tool round trip, bad
 input, a stored response read back from PostgreSQL once Redis lost it, background responses
-(polled, streamed, cancelled) and a stored stream resumed after its client left. Every answer is
+(polled, streamed, cancelled), a stored stream resumed after its client left, and a resumed
+stream holding its key's concurrency until it ends. Every answer is
 checked against the SDK's models on the way (`tests/contract/transport.py`). Kill tests:
 `test_responses_takeover.py`."""
 
@@ -479,3 +480,29 @@ def test_a_stored_stream_outlives_its_client_and_resumes(checked: tuple[OpenAI, 
     assert [e.model_dump() for e in again[: len(seen)]] == [e.model_dump() for e in seen]
     past = _error(lambda: list(client.responses.retrieve(response_id, stream=True, starting_after=len(again) - 1)))
     assert (past.status_code, past.body["param"]) == (400, "starting_after")  # type: ignore[index]
+
+
+def test_a_resumed_stream_holds_its_keys_concurrency(
+    checked: tuple[OpenAI, ContractTransport], gateway: Service, database_url: str
+) -> None:
+    """A stream of a response's events (GET ?stream=true) counts against its key's max_concurrent
+    until it ends, as a completion stream does: the gateway held neither its slot nor its lease."""
+    client, _ = checked
+    limits = KeyLimits(max_concurrent=1)
+    key = asyncio.run(create_key(database_url, name="responses-one-at-a-time", limits=limits, tenant="tests"))
+    one = {"Authorization": f"Bearer {key}"}
+    queued = client.responses.create(model=SIM_MODEL, input="A very long one.", max_output_tokens=4000, background=True)
+    url = f"{gateway.url}/v1/responses/{queued.id}"
+    try:
+        with httpx.stream("GET", url, params={"stream": "true"}, headers=one, timeout=30) as streamed:
+            assert streamed.status_code == 200
+            pieces = streamed.iter_bytes()  # kept: a generator let go closes the stream
+            assert next(pieces).startswith(b"event: response.created\n")
+            assert httpx.get(url, headers=one, timeout=30).status_code == 429
+        deadline = time.monotonic() + 5  # the stream's lease goes once the gateway saw it end
+        while (status := httpx.get(url, headers=one, timeout=30).status_code) == 429:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert status == 200
+    finally:
+        client.responses.cancel(queued.id)
