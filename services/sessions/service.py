@@ -683,20 +683,24 @@ class CompletionService:
         # Submitted now, they go out before the history is written.
         cancels = [self._cancel(c.job.job_id) for c in unfinished]
         not_stored: Exception | None = None
-        if active.turn is not None:
-            status = _ANSWER_STATUSES.get(outcome, "failed")
-            answer = active.choices[0].answer
-            try:
-                await self._turns.record_answer(
-                    active.turn, text=answer.content, status=status, tool_calls=answer.tool_calls
-                )
-            except _STORAGE_ERRORS as exc:
-                log.error("answer_not_stored", error=repr(exc))
-                not_stored = exc
-        if unfinished:
-            self._background.spawn(self._settle(active, unfinished, cancels))
-        else:
-            await self._charge(active, cancels)
+        try:
+            if active.turn is not None:
+                status = _ANSWER_STATUSES.get(outcome, "failed")
+                answer = active.choices[0].answer
+                try:
+                    await self._turns.record_answer(
+                        active.turn, text=answer.content, status=status, tool_calls=answer.tool_calls
+                    )
+                except _STORAGE_ERRORS as exc:
+                    log.error("answer_not_stored", error=repr(exc))
+                    not_stored = exc
+        finally:
+            # Also when this task is cancelled while the answer is stored (the client left then):
+            # `closed` is set, so nothing else would charge the request or release its lease.
+            if unfinished:
+                self._background.spawn(self._settle(active, unfinished, cancels))
+            else:
+                await self._charge(active, cancels)
         if not_stored is not None and _ANSWER_STATUSES.get(outcome) == "complete":
             raise _history_unavailable() from not_stored
 
