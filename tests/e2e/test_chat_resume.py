@@ -156,8 +156,8 @@ def test_only_a_session_turns_stream_gets_a_chat_meta(
 @pytest.fixture(scope="module")
 def own(stack: Stack, api_key: str) -> Iterator[tuple[Service, httpx.Client]]:
     """A session manager of this module's own (its relay's connection is cut, then it is stopped:
-    the last test), and a client of a gateway in front of it."""
-    sessions = stack.start("sessions:resume")
+    the last test; its stop's grace is 1 + 5 s), and a client of a gateway in front of it."""
+    sessions = stack.start("sessions:resume", env={"AXON_DRAIN_TIMEOUT_S": "1"})
     gateway = stack.start("gateway:resume", env={"AXON_SESSIONS_URL": sessions.url})
     with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as client:
         yield sessions, client
@@ -185,16 +185,24 @@ def test_a_turn_whose_relay_loses_its_stream_goes_on_from_its_chunk_log(
 
 
 def test_a_stopping_session_manager_finishes_a_turn_whose_client_left(
-    http: httpx.Client, own: tuple[Service, httpx.Client]
+    stack: Stack, http: httpx.Client, own: tuple[Service, httpx.Client]
 ) -> None:
-    # Stopped while a turn whose client left runs on: no request is open, but the turn is finished
-    # (stored complete) before the session manager closes its connections, not called off.
+    # Stopped while two turns whose clients left run on from their chunk logs (their relay lost
+    # them): no request is open, but the one that ends within the stop's grace (6 s) is stored
+    # complete before the session manager closes its connections, and the one that would not is
+    # called off at the grace's end rather than holding the stop up.
     stopping, client = own
-    session_id = client.post("/v1/sessions", json={}).json()["id"]
-    with client.stream("POST", "/v1/chat/completions", json=chat_body(session_id=session_id, max_tokens=200)) as r:
+    short_id, long_id = (client.post("/v1/sessions", json={}).json()["id"] for _ in range(2))
+    with client.stream("POST", "/v1/chat/completions", json=chat_body(session_id=short_id, max_tokens=200)) as r:
         first = events_of(r, stop_after=3)
+    with client.stream("POST", "/v1/chat/completions", json=chat_body(session_id=long_id, max_tokens=4000)) as r:
+        events_of(r, stop_after=3)
+    assert _kill_subscribers(stack.redis_url, stopping.pid) >= 1
+    started = time.monotonic()
     assert stopping.stop() == 0
-    answer = stored_answer(http, session_id, timeout_s=1)
+    assert time.monotonic() - started < 9  # 4,000 tokens 5 ms apart take 20 s
+    answer = stored_answer(http, short_id, timeout_s=1)
     assert answer["status"] == "complete"
     completion_id = json.loads(first[0].data)["id"]
     assert "".join(e.delta for e in events_of(resume(http, completion_id))[:-1]) == answer["content"]
+    assert stored_answer(http, long_id, timeout_s=1)["status"] == "cancelled"
