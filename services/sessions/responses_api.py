@@ -34,6 +34,7 @@ from pydantic import BaseModel
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from services.sessions.api.routes import SSE_KEEPALIVE
 from services.sessions.catalog import ModelCatalog
 from services.sessions.chunk_log import PAGE, ChunkLog
 from services.sessions.conversations import (
@@ -46,7 +47,14 @@ from services.sessions.history import SessionInfo, SessionStore
 from services.sessions.outbox import Outbox, ResponseRow, postgres_text
 from services.sessions.response_runs import ResponseLeases
 from services.sessions.responses import Answer
-from services.sessions.service import ActiveRequest, Caller, Choice, CompletionService, chunk_error
+from services.sessions.service import (
+    KEEPALIVE_INTERVAL_S,
+    ActiveRequest,
+    Caller,
+    Choice,
+    CompletionService,
+    chunk_error,
+)
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import build_prompt, fit_history
 from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, NotFound, Unavailable
@@ -648,6 +656,9 @@ class ResponsesService:
         self.store = store
         self._log = chunk_log
         self.leases = leases
+        # A followed response's stream sends a keep-alive comment when nothing came for this long
+        # (a queued job, a worker starting): the gateway's and a load balancer's idle timeouts.
+        self.keepalive_s = KEEPALIVE_INTERVAL_S
 
     async def prepare(self, body: ResponseCreate, *, caller: Caller) -> Prepared:
         """Check `body` and build the chat request it runs as, on its history.
@@ -1130,8 +1141,15 @@ class ResponsesService:
         idle_s = max(0.0, stored.pending.deadline - time.time()) + _DEADLINE_GRACE_S
         with contextlib.suppress(TimeoutError):
             if events.finish_reason is None:  # the log may hold the final chunk already
-                async for chunk in self._log.follow(stored.job_id, events.last_seq, idle_timeout_s=idle_s):
-                    if new := _past(events, events.chunk(chunk), after):
+                pages = self._log.pages(stored.job_id, events.last_seq, idle_timeout_s=idle_s)
+                async for page in _beating(pages, self.keepalive_s):
+                    if page is None:
+                        yield SSE_KEEPALIVE
+                        continue
+                    new = []
+                    for chunk in page:
+                        new += _past(events, events.chunk(chunk), after)
+                    if new:
                         yield b"".join(new)
         final = await self._finished(response_id)
         if final is None:
@@ -1219,6 +1237,26 @@ def _past(events: ResponseEvents, pieces: list[bytes], after: int) -> list[bytes
     `after`."""
     first = events.seq - len(pieces)
     return pieces[max(0, after + 1 - first) :]
+
+
+async def _beating(pages: AsyncIterator[list[TokenChunk]], interval_s: float) -> AsyncIterator[list[TokenChunk] | None]:
+    """`pages`, with None each time `interval_s` passes without one (the next page is awaited in
+    a task, which a wait that ends does not cancel)."""
+    next_page = asyncio.ensure_future(anext(pages))
+    try:
+        while True:
+            done, _ = await asyncio.wait({next_page}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            try:
+                page = next_page.result()
+            except StopAsyncIteration:
+                return
+            yield page
+            next_page = asyncio.ensure_future(anext(pages))
+    finally:
+        next_page.cancel()
 
 
 def _counted(response: dict[str, Any], chunks: list[TokenChunk]) -> ResponseEvents:

@@ -282,3 +282,31 @@ async def test_starting_after_past_the_end_of_a_running_response(setup, redis_cl
                 await service.replay("t", response_id, starting_after=after)
     finally:
         await redis_client.delete(log_key)
+
+
+async def test_a_followed_response_sends_keep_alives_while_nothing_comes(setup, redis_client) -> None:
+    """A stream following a running response whose job sends nothing (queued, a worker starting)
+    sends an SSE comment every `keepalive_s`, so idle timeouts on the way do not cut it."""
+    names, store = setup
+    service = _service(store, redis_client, names)
+    service.keepalive_s = 0.1
+    response_id = "resp_" + uuid.uuid4().hex
+    stored = _unfinished(response_id, deadline=time.time() + 3600)
+    await store.open(response_id, stored, owner="o", lease_expiry_ms=int(time.time() * 1000) + 60_000)
+    log_key = names.chunk_log(stored.job_id or "")
+    final = TokenChunk(seq=0, text="Hi", finish_reason="stop", usage=Usage())
+    events = await service.replay("t", response_id, starting_after=None)
+    try:
+        assert (await anext(events)).startswith(b"event: response.created\n")
+        async with asyncio.timeout(2):
+            assert await anext(events) == b": keep-alive\n\n"
+            assert await anext(events) == b": keep-alive\n\n"
+        await redis_client.xadd(log_key, {"c": final.model_dump_json(exclude_none=True)}, id="0-1")
+        async with asyncio.timeout(2):
+            piece = await anext(events)
+            while piece == b": keep-alive\n\n":
+                piece = await anext(events)
+        assert piece.startswith(b"event: response.output_item.added\n")
+    finally:
+        await events.aclose()
+        await redis_client.delete(log_key)
