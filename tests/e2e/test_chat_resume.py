@@ -156,8 +156,8 @@ def test_only_a_session_turns_stream_gets_a_chat_meta(
 @pytest.fixture(scope="module")
 def own(stack: Stack, api_key: str) -> Iterator[tuple[Service, httpx.Client]]:
     """A session manager of this module's own (its relay's connection is cut, then it is stopped:
-    the last test; its stop's grace is 1 + 5 s), and a client of a gateway in front of it."""
-    sessions = stack.start("sessions:resume", env={"AXON_DRAIN_TIMEOUT_S": "1"})
+    the last test; its stop's grace is 0 + 5 s), and a client of a gateway in front of it."""
+    sessions = stack.start("sessions:resume", env={"AXON_DRAIN_TIMEOUT_S": "0"})
     gateway = stack.start("gateway:resume", env={"AXON_SESSIONS_URL": sessions.url})
     with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as client:
         yield sessions, client
@@ -188,7 +188,7 @@ def test_a_stopping_session_manager_finishes_a_turn_whose_client_left(
     stack: Stack, http: httpx.Client, own: tuple[Service, httpx.Client]
 ) -> None:
     # Stopped while two turns whose clients left run on from their chunk logs (their relay lost
-    # them): no request is open, but the one that ends within the stop's grace (6 s) is stored
+    # them): no request is open, but the one that ends within the stop's grace (5 s) is stored
     # complete before the session manager closes its connections, and the one that would not is
     # called off at the grace's end rather than holding the stop up.
     stopping, client = own
