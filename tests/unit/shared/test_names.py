@@ -38,6 +38,9 @@ def all_names(names: Names) -> dict[str, str]:
         "job_deliveries": names.job_deliveries("j1"),
         "chunk_log": names.chunk_log("j1"),
         "chunk_log_meta": names.chunk_log_meta("j1"),
+        "response": names.response("resp_1"),
+        "responses_running": names.responses_running,
+        "responses_owners": names.responses_owners,
         "aliases_key": names.aliases_key,
         "outbox_group": names.outbox_group,
     }
