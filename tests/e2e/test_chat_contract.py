@@ -2,7 +2,9 @@
 
 The official `openai` SDK (tools streamed and not, `parse` with a pydantic model, logprobs, `n`,
 seeds), instructor (TOOLS and JSON_SCHEMA modes) and LangChain (`bind_tools`,
-`with_structured_output`) each get what they asked for, through all three services; tool calls
+`with_structured_output`; and on the Responses API, `use_responses_api=True`: invoke, stream, a
+tool round trip, structured output, turns chained by `use_previous_response_id`) each get what
+they asked for, through all three services; tool calls
 round-trip through a conversation and a session's history; bad input is refused with 400 naming
 its parameter; a `json_schema` stream survives a worker's kill -9 with identical text. Every answer,
 chunk and error body these clients receive is checked against OpenAI's own schemas on the way
@@ -18,6 +20,8 @@ import instructor
 import jsonschema
 import openai
 import pytest
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.runnables import Runnable
 from langchain_openai import ChatOpenAI
 from openai import OpenAI
 from pydantic import BaseModel, Field
@@ -333,14 +337,17 @@ def test_instructor_extracts_a_pydantic_model(sdk: OpenAI, mode: instructor.Mode
     assert isinstance(weather, Weather)
 
 
-def langchain_model(gateway: Service, api_key: str, checked: ContractTransport) -> ChatOpenAI:
+def langchain_model(
+    gateway: Service, api_key: str, checked: ContractTransport, *, seed: int | None = 13, **fields: Any
+) -> ChatOpenAI:
     return ChatOpenAI(
         base_url=f"{gateway.url}/v1",
         api_key=api_key,
         model=SIM_MODEL,
         max_retries=0,
-        seed=13,
+        seed=seed,
         http_client=httpx.Client(transport=checked, timeout=60),
+        **fields,
     )
 
 
@@ -365,6 +372,83 @@ def test_langchain_with_structured_output_gives_an_instance(
 ) -> None:
     model = langchain_model(gateway, api_key, checked).with_structured_output(Weather, method=method)
     assert isinstance(model.invoke("What is the weather in Paris?"), Weather)
+
+
+# ---------------------------------------------------------------------------------------------
+# LangChain on the Responses API
+# ---------------------------------------------------------------------------------------------
+
+
+def responses_model(gateway: Service, api_key: str, checked: ContractTransport, **fields: Any) -> ChatOpenAI:
+    """`ChatOpenAI(use_responses_api=True)`; without a seed, which the Responses API does not take
+    (the simulator answers a prompt the same without one)."""
+    return langchain_model(gateway, api_key, checked, seed=None, use_responses_api=True, **fields)
+
+
+def test_langchain_responses_invoke_and_stream_give_the_same_answer(
+    gateway: Service, api_key: str, checked: ContractTransport
+) -> None:
+    model = responses_model(gateway, api_key, checked, max_tokens=6)
+    message = model.invoke("Tell me a story.")
+    assert message.response_metadata["id"].startswith("resp_")
+    assert message.response_metadata["status"] == "incomplete"
+    assert len(message.text.split()) == 6 and message.usage_metadata["output_tokens"] == 6
+    chunks = list(model.stream("Tell me a story."))
+    assert len([c for c in chunks if c.text]) == 6  # one delta per token, as they came
+    streamed = sum(chunks[1:], chunks[0])
+    assert streamed.text == message.text
+    assert streamed.usage_metadata == message.usage_metadata
+    assert streamed.response_metadata["id"].startswith("resp_")
+    assert streamed.response_metadata["id"] != message.response_metadata["id"]
+    assert checked.checked["ResponseStreamEvent"] > 6
+
+
+def test_langchain_responses_tool_call_round_trip(gateway: Service, api_key: str, checked: ContractTransport) -> None:
+    """An agent's loop: the model calls a tool, and its result goes back with the whole history,
+    or alone chained to the call by `previous_response_id`."""
+    model = responses_model(gateway, api_key, checked).bind_tools([WEATHER])
+    chained = responses_model(gateway, api_key, checked, use_previous_response_id=True).bind_tools([WEATHER])
+    question = HumanMessage("What is the weather in Paris?")
+    asked = model.invoke([question])
+    [call] = asked.tool_calls
+    assert call["name"] == "get_weather" and call["id"]
+    jsonschema.validate(call["args"], WEATHER_PARAMETERS)
+
+    def answer(client: Runnable, result: str) -> AIMessage:
+        return client.invoke([question, asked, ToolMessage(result, tool_call_id=call["id"])], max_tokens=6)
+
+    answered = answer(model, '{"temperature": 18}')
+    assert answered.text and not answered.tool_calls
+    assert answer(chained, '{"temperature": 18}').text == answered.text  # the same prompt, rebuilt by Axon
+    # The tool's result is part of the prompt: another result, another answer.
+    assert answer(model, '{"temperature": -40}').text != answered.text
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_responses_structured_output_gives_an_instance(
+    gateway: Service, api_key: str, checked: ContractTransport, method: str
+) -> None:
+    model = responses_model(gateway, api_key, checked).with_structured_output(Weather, method=method, include_raw=True)
+    result = model.invoke("What is the weather in Paris?")
+    assert result["parsing_error"] is None and isinstance(result["parsed"], Weather)
+    assert result["raw"].response_metadata["id"].startswith("resp_")
+
+
+def test_langchain_responses_chain_turns_with_previous_response_id(
+    gateway: Service, api_key: str, checked: ContractTransport, sdk: OpenAI
+) -> None:
+    chained = responses_model(gateway, api_key, checked, max_tokens=4, use_previous_response_id=True)
+    history: list[BaseMessage] = [HumanMessage("Name a colour.")]
+    first = chained.invoke(history)
+    history += [first, HumanMessage("And another?")]
+    second = chained.invoke(history)
+    stored = sdk.responses.retrieve(second.response_metadata["id"])
+    assert stored.previous_response_id == first.response_metadata["id"]
+    # Only the new turn was sent; Axon put the first turn before it.
+    assert [i.content[0].text for i in sdk.responses.input_items.list(stored.id).data] == ["And another?"]
+    whole = responses_model(gateway, api_key, checked, max_tokens=4).invoke(history)
+    assert second.text == whole.text
+    assert second.usage_metadata["input_tokens"] == whole.usage_metadata["input_tokens"]
 
 
 # ---------------------------------------------------------------------------------------------
