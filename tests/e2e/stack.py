@@ -1,7 +1,10 @@
-"""Start Axon's services as real processes for end-to-end tests."""
+"""Start Axon's services as real processes for end-to-end tests, and break their connections."""
 
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import redis
 
 from services.cli import launcher
 from services.cli.launcher import Service
@@ -63,3 +66,25 @@ class Stack:
     def close(self) -> None:
         for service in reversed(self.services):
             service.stop(timeout_s=15)
+
+
+def kill_subscribers(redis_url: str, pid: int) -> int:
+    """Close the Redis pub/sub connections of process `pid` (as a Redis failover would); returns
+    how many."""
+    client = redis.Redis.from_url(redis_url)
+    redis_port = client.connection_pool.connection_kwargs["port"]
+    listing = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True, check=True)
+    ports = set()
+    for line in listing.stdout.splitlines():
+        if f"pid={pid}," in line:
+            local, peer = [field for field in line.split() if field.count(":") == 1][:2]
+            if peer.endswith(f":{redis_port}"):
+                ports.add(local.rsplit(":", 1)[1])
+    killed = 0
+    try:
+        for entry in client.client_list(_type="pubsub"):
+            if entry["addr"].rsplit(":", 1)[1] in ports:
+                killed += client.client_kill_filter(_id=entry["id"])
+    finally:
+        client.close()
+    return killed

@@ -15,8 +15,7 @@ from services.cli.launcher import Service
 from shared.keys import KeyLimits
 from tests.conftest import ServiceUrls, create_key
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import Stack
-from tests.e2e.test_responses_takeover import _kill_subscribers
+from tests.e2e.stack import Stack, kill_subscribers
 
 pytestmark = pytest.mark.e2e
 
@@ -173,7 +172,7 @@ def test_a_turn_whose_relay_loses_its_stream_goes_on_from_its_chunk_log(
     with client.stream("POST", "/v1/chat/completions", json=chat_body(session_id=session_id, max_tokens=300)) as r:
         lines = r.iter_lines()
         seen = events_of(lines, stop_after=3)
-        assert _kill_subscribers(stack.redis_url, relaying.pid) >= 1
+        assert kill_subscribers(stack.redis_url, relaying.pid) >= 1
         seen += events_of(lines)
     *chunk_events, interrupted, done = seen
     assert json.loads(interrupted.data)["error"]["code"] == "stream_interrupted" and done.done
@@ -197,7 +196,7 @@ def test_a_stopping_session_manager_finishes_a_turn_whose_client_left(
         first = events_of(r, stop_after=3)
     with client.stream("POST", "/v1/chat/completions", json=chat_body(session_id=long_id, max_tokens=4000)) as r:
         events_of(r, stop_after=3)
-    assert _kill_subscribers(stack.redis_url, stopping.pid) >= 1
+    assert kill_subscribers(stack.redis_url, stopping.pid) >= 1
     started = time.monotonic()
     assert stopping.stop() == 0
     assert time.monotonic() - started < 9  # 4,000 tokens 5 ms apart take 20 s

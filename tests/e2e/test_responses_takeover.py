@@ -9,7 +9,6 @@ The answers are JSON (`text.format`), which the simulator ends with `stop` once 
 short piece per 40 ms: long enough to kill a process mid-answer. The full text is that of the
 same request answered undisturbed (the simulator's answer depends only on the prompt)."""
 
-import subprocess
 import time
 from typing import Any
 
@@ -22,7 +21,7 @@ from openai.types.responses import Response
 
 from services.cli.launcher import Service
 from shared.names import Names
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, kill_subscribers
 from tests.e2e.test_workers import client_for, holder, metric, sim_worker, wait_listed
 
 pytestmark = pytest.mark.e2e
@@ -121,28 +120,6 @@ def test_a_stored_stream_left_before_its_first_token_runs_on(
     assert done.status == "incomplete" and done.usage is not None and done.usage.output_tokens == 20
 
 
-def _kill_subscribers(redis_url: str, pid: int) -> int:
-    """Close the Redis pub/sub connections of process `pid` (as a Redis failover would); returns
-    how many."""
-    client = redis.Redis.from_url(redis_url)
-    redis_port = client.connection_pool.connection_kwargs["port"]
-    listing = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True, check=True)
-    ports = set()
-    for line in listing.stdout.splitlines():
-        if f"pid={pid}," in line:
-            local, peer = [field for field in line.split() if field.count(":") == 1][:2]
-            if peer.endswith(f":{redis_port}"):
-                ports.add(local.rsplit(":", 1)[1])
-    killed = 0
-    try:
-        for entry in client.client_list(_type="pubsub"):
-            if entry["addr"].rsplit(":", 1)[1] in ports:
-                killed += client.client_kill_filter(_id=entry["id"])
-    finally:
-        client.close()
-    return killed
-
-
 def test_a_relay_that_loses_its_chunks_follows_the_log_to_the_end(stack: Stack, api_key: str, gateway: Service) -> None:
     model = "lost-relay-sim"
     sim_worker(stack, "lost-relay", model, AXON_SIM_ITL_MS="40")
@@ -154,7 +131,7 @@ def test_a_relay_that_loses_its_chunks_follows_the_log_to_the_end(stack: Stack, 
     stream = _ask(client, model, "A lost story.", stream=True)
     seen = [event for _, event in zip(range(8), stream, strict=False)]
     _wait(client, queued.id, {"in_progress"})
-    assert _kill_subscribers(stack.redis_url, relaying.pid) >= 1
+    assert kill_subscribers(stack.redis_url, relaying.pid) >= 1
     seen += list(stream)  # the stream ends where its chunks stopped coming, with no terminal event
     assert seen[-1].type == "response.output_text.delta"
     response_id = seen[0].response.id  # type: ignore[union-attr]
