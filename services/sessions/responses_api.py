@@ -1042,20 +1042,15 @@ class ResponsesService:
         return {**skeleton_of(stored.response), "output": events.output("in_progress")}
 
     async def cancel(self, tenant: str, response_id: str) -> dict[str, Any]:
-        """Cancel the tenant's unfinished background response: it is stored `cancelled` with its
-        output so far, and its job is cancelled.
+        """Cancel the tenant's unfinished stored response, background or not (OpenAI cancels only
+        background ones): it is stored `cancelled` with its output so far, its job is cancelled,
+        and nothing of it is appended to its conversation.
 
         Raises:
             NotFound: unknown, expired, deleted or another tenant's.
-            InvalidRequest: not a background response, or finished.
+            InvalidRequest: finished.
         """
         stored = await self._stored(tenant, response_id)
-        if not stored.response.get("background"):
-            raise InvalidRequest(
-                "Only responses created with background=true can be cancelled; this one was not.",
-                param="response_id",
-                code="invalid_value",
-            )
         if stored.pending is None or stored.job_id is None:
             raise InvalidRequest(
                 f"This response is {stored.response['status']} already: only an unfinished one can be cancelled.",

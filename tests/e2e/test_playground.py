@@ -226,12 +226,16 @@ def test_a_phone_gets_one_full_width_column_with_the_controls_stacked(page: Page
     assert all(above["y"] + above["height"] <= below["y"] for above, below in itertools.pairwise(rows)), rows
 
 
-def test_stop_aborts_the_stream_and_cancels_the_generation_on_the_worker(
+def test_stop_cancels_the_response_and_the_generation_on_the_worker(
     page: Page, api_key: str, api: httpx.Client, sim_worker: Service
 ) -> None:
+    """Stop cancels the stored response being streamed (which leaving its stream does not stop),
+    then aborts the stream: the response ends `cancelled` and its conversation keeps nothing, as
+    the page says."""
     cancelled_before = metric(sim_worker, "axon_worker_jobs_total", model=SIM_MODEL, outcome="cancelled")
     use_key(page, api_key)
     pick_model(page, SIM_MODEL)
+    calls = record_api_calls(page)
     send(page, "Tell me a very long story", max_tokens=LONG_ANSWER_TOKENS)
 
     streaming = page.locator(".message.assistant.streaming .body")
@@ -250,7 +254,12 @@ def test_stop_aborts_the_stream_and_cancels_the_generation_on_the_worker(
     while metric(sim_worker, "axon_worker_jobs_total", model=SIM_MODEL, outcome="cancelled") <= cancelled_before:
         assert time.monotonic() < deadline, "the worker did not abort the stopped generation"
         time.sleep(0.1)
-    # A response whose client disconnects is not stored: the conversation keeps no part of the turn.
+    cancels = [path for method, path, _ in calls if method == "POST" and path.endswith("/cancel")]
+    assert len(cancels) == 1, calls
+    response_id = re.fullmatch(r"/v1/responses/(resp_\w+)/cancel", cancels[0])
+    assert response_id is not None, cancels
+    stopped = api.get(f"/v1/responses/{response_id.group(1)}").json()
+    assert stopped["status"] == "cancelled" and stopped["output"][0]["content"][0]["text"]
     assert items(api, current_conversation_id(page)) == []
 
 

@@ -2,9 +2,9 @@
 create (string and items input, instructions), retrieve, delete, input items, a
 `previous_response_id` chain, a `conversation` it appends to, a function tool round trip, bad
 input, a stored response read back from PostgreSQL once Redis lost it, background responses
-(polled, streamed, cancelled), a stored stream resumed after its client left, and a resumed
-stream holding its key's concurrency until it ends. Every answer is
-checked against the SDK's models on the way (`tests/contract/transport.py`). Kill tests:
+(polled, streamed, cancelled), a stored foreground stream cancelled, a stored stream resumed
+after its client left, and a resumed stream holding its key's concurrency until it ends. Every
+answer is checked against the SDK's models on the way (`tests/contract/transport.py`). Kill tests:
 `test_responses_takeover.py`."""
 
 import asyncio
@@ -455,6 +455,32 @@ def test_background_cancel_and_stream(checked: tuple[OpenAI, ContractTransport])
     final = streamed[-1].response  # type: ignore[union-attr]
     assert streamed[-1].type == "response.incomplete" and final.usage.output_tokens == 8
     assert client.responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_a_stored_foreground_stream_is_cancelled_and_left_out_of_its_conversation(
+    checked: tuple[OpenAI, ContractTransport],
+) -> None:
+    """Cancel stops any unfinished stored response, not only a background one (an Axon
+    extension): the stream still reading it ends `cancelled`, and its conversation gets nothing."""
+    client, _ = checked
+    conversation = client.conversations.create(items=[{"role": "user", "content": "Hello."}])
+    stream = client.responses.create(
+        model=SIM_MODEL, input="A very long one.", max_output_tokens=4000, conversation=conversation.id, stream=True
+    )
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    response_id = events[0].response.id  # type: ignore[union-attr]
+    cancelled = client.responses.cancel(response_id)
+    assert cancelled.status == "cancelled" and cancelled.output_text
+    events += list(stream)
+    assert events[-1].type == "response.failed" and events[-1].response.status == "cancelled"  # type: ignore[union-attr]
+    assert client.responses.retrieve(response_id).status == "cancelled"
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [i.content[0].text for i in items] == ["Hello."]  # type: ignore[union-attr]
+    assert _error(lambda: client.responses.cancel(response_id)).status_code == 400
 
 
 def test_a_stored_stream_outlives_its_client_and_resumes(checked: tuple[OpenAI, ContractTransport]) -> None:

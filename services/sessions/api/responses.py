@@ -171,8 +171,8 @@ async def delete_response(response_id: str, caller: CallerDep, request: Request)
 
 @router.post("/{response_id}/cancel")
 async def cancel_response(response_id: str, caller: CallerDep, request: Request) -> dict[str, Any]:
-    """Cancel an unfinished background response (400 for a finished one, or one not created with
-    `background: true`, as OpenAI answers)."""
+    """Cancel an unfinished stored response, background or not (an Axon extension: OpenAI cancels
+    only background ones); 400 for a finished one."""
     return await _service(request).cancel(caller.tenant, response_id)
 
 

@@ -17,7 +17,7 @@
     key: sessionStorage.getItem(KEY_STORAGE) || "",
     conversationId: null,
     lastSessionId: null, // `after` cursor of the next page of sessions, null when there is none
-    generation: null, // AbortController of the answer being streamed
+    generation: null, // the answer being streamed: {controller, responseId, stopping, stopped, status}
   };
 
   // --- the API --------------------------------------------------------------------------------
@@ -408,11 +408,45 @@
     return null;
   }
 
+  // What the conversation keeps of a stopped response, by its status once cancelled: nothing of
+  // a cancelled (or failed) one, the whole turn of one that finished before the cancel came.
+  function keptAfterStop(status) {
+    if (status === "cancelled" || status === "failed") return "not kept in the conversation";
+    if (status === "completed" || status === "incomplete") return "it had finished: kept in the conversation";
+    return "not cancelled: it may still be added to the conversation";
+  }
+
+  // The status of stored response `id` once cancelled: a stored response runs on when its stream
+  // is left, so Stop cancels it. A cancel refused (the response finished meanwhile) is followed
+  // by a retrieve; null when neither answers.
+  async function cancelResponse(id) {
+    try {
+      return (await apiJson(`/v1/responses/${id}/cancel`, { method: "POST" })).status;
+    } catch {
+      try {
+        return (await apiJson(`/v1/responses/${id}`)).status;
+      } catch {
+        return null;
+      }
+    }
+  }
+
+  // Stop: cancel the response being streamed, then abort its stream. Its id comes in the first
+  // event (`response.created`): a Stop before it is carried out when it comes.
+  function stop(generation) {
+    generation.stopping = true;
+    if (generation.responseId === null || generation.stopped !== null) return;
+    generation.stopped = cancelResponse(generation.responseId).then((status) => {
+      generation.status = status;
+      generation.controller.abort();
+    });
+  }
+
   // Streams one response's events into `view`, re-rendering at most once a frame: the text of
   // `response.output_text.delta`, each function_call item (`response.output_item.added` brings its
   // id and name, `response.function_call_arguments.delta` pieces of its arguments), and the usage
   // and status of the closing `response.completed` or `response.incomplete`.
-  async function streamAnswer(body, view, controller) {
+  async function streamAnswer(body, view, generation) {
     const answer = { startedAt: performance.now(), firstAt: null, endedAt: null, usage: null, status: null };
     const json = Boolean(body.text);
     const calls = new Map(); // output_index -> {id, name, arguments}
@@ -423,6 +457,10 @@
       renderAnswer(view.body, text, [...calls.values()], { json });
       view.article.scrollIntoView({ block: "end" });
     };
+    const stopped = async () => {
+      await generation.stopped;
+      view.meta.textContent = ["Stopped", answerStats(answer), keptAfterStop(generation.status)].filter(Boolean).join(" · ");
+    };
     const changed = () => {
       if (answer.firstAt === null) answer.firstAt = performance.now();
       if (!pending) {
@@ -431,12 +469,16 @@
       }
     };
     try {
-      const response = await api("/v1/responses", { method: "POST", body, signal: controller.signal });
+      const response = await api("/v1/responses", { method: "POST", body, signal: generation.controller.signal });
       for await (const data of sseData(response.body)) {
         const event = JSON.parse(data);
         const failure = streamError(event);
+        if (failure !== null && generation.stopped !== null) break; // the cancel ended it
         if (failure !== null) throw new Error(`The answer failed: ${failure}`);
-        if (event.type === "response.output_text.delta") {
+        if (event.type === "response.created") {
+          generation.responseId = event.response.id;
+          if (generation.stopping) stop(generation);
+        } else if (event.type === "response.output_text.delta") {
           text += event.delta;
           changed();
         } else if (event.type === "response.output_item.added" && event.item.type === "function_call") {
@@ -452,14 +494,14 @@
         }
       }
       answer.endedAt = performance.now();
-      view.meta.textContent = answerStats(answer);
+      if (generation.stopped !== null) await stopped();
+      else view.meta.textContent = answerStats(answer);
     } catch (error) {
       if (error.name !== "AbortError") {
         view.meta.textContent = "Failed";
         throw error;
       }
-      // A response whose client disconnects is not stored: the turn is not added to the conversation.
-      view.meta.textContent = ["Stopped", answerStats(answer), "not kept in the conversation"].filter(Boolean).join(" · ");
+      await stopped();
     } finally {
       render();
     }
@@ -477,8 +519,8 @@
       return;
     }
     clearAlert();
-    const controller = new AbortController();
-    state.generation = controller;
+    const generation = { controller: new AbortController(), responseId: null, stopping: false, stopped: null, status: null };
+    state.generation = generation;
     setGenerating(true);
     try {
       const body = responseBody(content);
@@ -489,7 +531,7 @@
       const view = addMessage("assistant", "");
       view.article.classList.add("streaming");
       try {
-        await streamAnswer(body, view, controller);
+        await streamAnswer(body, view, generation);
       } finally {
         view.article.classList.remove("streaming");
       }
@@ -560,7 +602,9 @@
         $("composer").requestSubmit();
       }
     });
-    $("stop").addEventListener("click", () => state.generation && state.generation.abort());
+    $("stop").addEventListener("click", () => {
+      if (state.generation && !state.generation.stopping) stop(state.generation);
+    });
     start();
   });
 })();
