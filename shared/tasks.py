@@ -16,6 +16,11 @@ class BackgroundTasks:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def cancel(self) -> None:
+        """Cancel every task it holds (each runs its own cleanup)."""
+        for task in self._tasks:
+            task.cancel()
+
     async def wait(self) -> None:
         """Until every task it started has finished, those they start meanwhile too."""
         while self._tasks:

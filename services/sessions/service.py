@@ -204,8 +204,6 @@ class CompletionService:
         self._chunk_log = chunk_log
         # Set once the stop's deadline ends every stream (`interrupt_streams`): none goes on.
         self._stopping = False
-        # The tasks of turns reading their chunk logs, which the relay's stop does not reach.
-        self._log_readers: set[asyncio.Task[Any]] = set()
         self._background = BackgroundTasks()
         # Session turns relayed on after their clients left (`_relay_detached`).
         self._detached = BackgroundTasks()
@@ -454,11 +452,10 @@ class CompletionService:
     async def interrupt_streams(self) -> None:
         """The stop's deadline passed (shared/serving.py): every answer still relayed ends as a lost
         stream, so its client gets a `stream_interrupted` error event and `[DONE]` (and its workers a
-        cancel notice) rather than a cut connection. Turns reading on from their chunk logs are
-        called off (`_relay_detached`)."""
+        cancel notice) rather than a cut connection. Session turns relayed on after their clients
+        left are called off (`_relay_detached`), whether they read pub/sub or their chunk logs."""
         self._stopping = True
-        for task in self._log_readers:
-            task.cancel()
+        self._detached.cancel()
         await self._relay.stop()
 
     def _cancel(self, job_id: str) -> asyncio.Future[Any]:
@@ -657,10 +654,6 @@ class CompletionService:
         idle_timeout_s = max(1.0, active.job.deadline - time.time())
         follow = self._chunk_log.follow(choice.job.job_id, choice.next_seq - 1, idle_timeout_s=idle_timeout_s)
         active.stream, active.lost = LoggedStream(follow), False
-        reader = asyncio.current_task()
-        if reader is not None:  # `_relay_detached`'s own task, ended by `interrupt_streams`
-            self._log_readers.add(reader)
-            reader.add_done_callback(self._log_readers.discard)
 
     async def detached_ended(self) -> None:
         """Until every session turn relayed on after its client left has ended: a stopping session
