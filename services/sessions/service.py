@@ -624,12 +624,12 @@ class CompletionService:
             if active.lost:
                 await self._read_on_from_log(active)
             try:
-                outcome = await _relayed_to_end(active)
+                outcome = await _relayed_to_end(active, called_off=self._called_off)
             except UpstreamError:
                 if not active.lost:  # lost now: the rest is in the log
                     raise
                 await self._read_on_from_log(active)
-                outcome = await _relayed_to_end(active)
+                outcome = await _relayed_to_end(active, called_off=self._called_off)
         except (AxonError, RedisError) as exc:
             log.warning("stream_failed", error=repr(exc))
             outcome = "error"
@@ -638,6 +638,11 @@ class CompletionService:
             raise
         with contextlib.suppress(Unavailable):  # not stored: `finish` logged it
             await self.finish(active, outcome=outcome)
+
+    def _called_off(self) -> bool:
+        """The stop's deadline passed: turns relayed on after their clients left end now, as
+        cancelled (their task's cancellation alone did not always reach a turn following its log)."""
+        return self._stopping
 
     async def _read_on_from_log(self, active: ActiveRequest) -> None:
         """Make a session turn whose relayed stream was lost read its chunks from its job's log,
@@ -937,11 +942,12 @@ def _cold_start(job: Job, body: ChatCompletionRequest | CompletionRequest, wait_
     return job.model_copy(update={"start_by": start_by, "requires": sorted(body.capabilities_used())})
 
 
-async def _relayed_to_end(active: ActiveRequest) -> str:
+async def _relayed_to_end(active: ActiveRequest, *, called_off: Callable[[], bool]) -> str:
     """Relay `active`'s chunks, with nobody to send them to, until its final one; returns its
-    finish reason."""
+    finish reason, or `disconnected` as soon as `called_off()` (checked at every chunk)."""
     async for _ in active.chunks():
-        pass
+        if called_off():
+            return "disconnected"
     return active.choices[0].answer.finish_reason or "stop"
 
 
