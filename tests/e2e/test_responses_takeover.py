@@ -82,9 +82,18 @@ def test_killing_the_relaying_session_manager_another_takes_the_response_over(
     items = survivor.conversations.items.list(conversation.id, order="asc").data
     assert [i.role for i in items] == ["user", "assistant"]  # type: ignore[union-attr]
     assert items[1].content[0].text == expected.output_text  # type: ignore[union-attr]
-    taken = [line for line in sessions.log_text().splitlines() if '"event":"response_taken_over"' in line]
-    assert any(queued.id in line for line in taken)  # by the survivor
-    assert metric(sessions, "axon_sessions_responses_taken_over_total", reason="lease_expired") >= 1
+    # Taken over by a surviving session manager: the shared one, or another module's still running
+    # in this namespace (every one sweeps its leases).
+    others = [s for s in stack.services if s.name.split(":")[0] == "sessions" and s not in (sessions, victim)]
+    survivors = [sessions, *(s for s in others if s.process.poll() is None)]
+    taken = [
+        (s, line)
+        for s in survivors
+        for line in s.log_text().splitlines()
+        if '"event":"response_taken_over"' in line and queued.id in line
+    ]
+    assert taken
+    assert metric(taken[0][0], "axon_sessions_responses_taken_over_total", reason="lease_expired") >= 1
     events = list(survivor.responses.retrieve(queued.id, stream=True))
     assert events[-1].response == done  # type: ignore[union-attr]
 
