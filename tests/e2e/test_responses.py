@@ -400,9 +400,10 @@ def test_a_streamed_response_extends_its_conversation_and_chain(checked: tuple[O
     assert last.previous_response_id == final.id and last.usage.input_tokens > final.usage.input_tokens
 
 
-def _wait_status(
+def wait_status(
     client: OpenAI, response_id: str, statuses: set[str], timeout_s: float = 20
 ) -> openai.types.responses.Response:
+    """The response once its status is one of `statuses`, polled every 50 ms for `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         response = client.responses.retrieve(response_id)
@@ -416,9 +417,9 @@ def test_background_polling_to_completed(checked: tuple[OpenAI, ContractTranspor
     client, _ = checked
     queued = client.responses.create(model=SIM_MODEL, input="Background story.", max_output_tokens=150, background=True)
     assert queued.status == "queued" and queued.background is True and queued.output == []
-    running = _wait_status(client, queued.id, {"in_progress"})
+    running = wait_status(client, queued.id, {"in_progress"})
     assert running.output_text  # the output so far, from the job's chunk log
-    done = _wait_status(client, queued.id, {"incomplete", "completed"})
+    done = wait_status(client, queued.id, {"incomplete", "completed"})
     assert done.usage is not None and done.usage.output_tokens == 150
     assert done.output_text.startswith(running.output_text) and len(done.output_text) > len(running.output_text)
     cancel_finished = _error(lambda: client.responses.cancel(queued.id))
@@ -441,7 +442,7 @@ def test_background_polling_to_completed(checked: tuple[OpenAI, ContractTranspor
 def test_background_cancel_and_stream(checked: tuple[OpenAI, ContractTransport]) -> None:
     client, _ = checked
     queued = client.responses.create(model=SIM_MODEL, input="A very long one.", max_output_tokens=4000, background=True)
-    _wait_status(client, queued.id, {"in_progress"})
+    wait_status(client, queued.id, {"in_progress"})
     cancelled = client.responses.cancel(queued.id)
     assert cancelled.status == "cancelled" and cancelled.output_text
     assert client.responses.retrieve(queued.id).status == "cancelled"

@@ -9,7 +9,6 @@ The answers are JSON (`text.format`), which the simulator ends with `stop` once 
 short piece per 40 ms: long enough to kill a process mid-answer. The full text is that of the
 same request answered undisturbed (the simulator's answer depends only on the prompt)."""
 
-import time
 from typing import Any
 
 import httpx
@@ -22,6 +21,7 @@ from openai.types.responses import Response
 from services.cli.launcher import Service
 from shared.names import Names
 from tests.e2e.stack import Stack, kill_subscribers
+from tests.e2e.test_responses import wait_status
 from tests.e2e.test_workers import client_for, holder, metric, sim_worker, wait_listed
 
 pytestmark = pytest.mark.e2e
@@ -50,16 +50,6 @@ def _stored_of(stack: Stack, model: str) -> str:
     raise AssertionError(f"no stored response of {model}")
 
 
-def _wait(client: OpenAI, response_id: str, statuses: set[str], timeout_s: float = 30) -> Response:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        response = client.responses.retrieve(response_id)
-        if response.status in statuses:
-            return response
-        assert time.monotonic() < deadline, f"still {response.status}"
-        time.sleep(0.05)
-
-
 def test_killing_the_relaying_session_manager_another_takes_the_response_over(
     stack: Stack, gateway: Service, sessions: Service, api_key: str
 ) -> None:
@@ -74,9 +64,9 @@ def test_killing_the_relaying_session_manager_another_takes_the_response_over(
 
     conversation = client.conversations.create()
     queued = _ask(client, model, "A story, please.", background=True, conversation=conversation.id)
-    running = _wait(client, queued.id, {"in_progress"})
+    running = wait_status(client, queued.id, {"in_progress"}, timeout_s=30)
     victim.kill()
-    done = _wait(survivor, queued.id, {"completed", "incomplete", "failed"})
+    done = wait_status(survivor, queued.id, {"completed", "incomplete", "failed"}, timeout_s=30)
     assert done.status == "completed" and done.output_text == expected.output_text
     assert len(done.output_text) > len(running.output_text)
     items = survivor.conversations.items.list(conversation.id, order="asc").data
@@ -106,9 +96,9 @@ def test_killing_the_worker_another_finishes_the_response(stack: Stack, gateway:
     expected = _ask(client, model, "Another story.", store=False)
 
     queued = _ask(client, model, "Another story.", background=True)
-    running = _wait(client, queued.id, {"in_progress"})
+    running = wait_status(client, queued.id, {"in_progress"}, timeout_s=30)
     holder(workers, model).kill()
-    done = _wait(client, queued.id, {"completed", "incomplete", "failed"})
+    done = wait_status(client, queued.id, {"completed", "incomplete", "failed"}, timeout_s=30)
     assert done.status == "completed" and done.output_text == expected.output_text
     assert len(done.output_text) > len(running.output_text)
     survivor = next(w for w in workers if w.process.poll() is None)
@@ -125,7 +115,7 @@ def test_a_stored_stream_left_before_its_first_token_runs_on(
     body = {"model": model, "input": "Wait for it.", "max_output_tokens": 20, "stream": True}
     with pytest.raises(httpx.ReadTimeout):  # nothing comes before the first token: the client gives up
         httpx.post(f"{gateway.url}/v1/responses", json=body, headers=auth, timeout=0.5)
-    done = _wait(client, _stored_of(stack, model), {"completed", "incomplete", "failed"})
+    done = wait_status(client, _stored_of(stack, model), {"completed", "incomplete", "failed"}, timeout_s=30)
     assert done.status == "incomplete" and done.usage is not None and done.usage.output_tokens == 20
 
 
@@ -139,7 +129,7 @@ def test_a_relay_that_loses_its_chunks_follows_the_log_to_the_end(stack: Stack, 
     queued = _ask(client, model, "A lost story.", background=True)
     stream = _ask(client, model, "A lost story.", stream=True)
     seen = [event for _, event in zip(range(8), stream, strict=False)]
-    _wait(client, queued.id, {"in_progress"})
+    wait_status(client, queued.id, {"in_progress"}, timeout_s=30)
     assert kill_subscribers(stack.redis_url, relaying.pid) >= 1
     seen += list(stream)  # the stream ends where its chunks stopped coming, with no terminal event
     assert seen[-1].type == "response.output_text.delta"
@@ -147,7 +137,7 @@ def test_a_relay_that_loses_its_chunks_follows_the_log_to_the_end(stack: Stack, 
     rest = list(client.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number))
     text = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")  # type: ignore[union-attr]
     assert text == expected.output_text and rest[-1].type == "response.completed"
-    done = _wait(client, queued.id, {"completed", "incomplete", "failed"})
+    done = wait_status(client, queued.id, {"completed", "incomplete", "failed"}, timeout_s=30)
     assert done.status == "completed" and done.output_text == expected.output_text
     lost = [line for line in relaying.log_text().splitlines() if '"event":"response_relay_lost"' in line]
     assert {queued.id, response_id} <= {orjson.loads(line)["response_id"] for line in lost}
@@ -166,7 +156,7 @@ def test_a_stopping_session_manager_hands_its_responses_over_at_once(
     wait_listed(client, model)
     expected = _ask(survivor, model, "Hand it over.", store=False)
     queued = _ask(client, model, "Hand it over.", background=True)
-    _wait(client, queued.id, {"in_progress"})
+    wait_status(client, queued.id, {"in_progress"}, timeout_s=30)
     assert stopping.stop(timeout_s=30) == 0
     leases = redis.Redis.from_url(stack.redis_url)
     try:
@@ -174,5 +164,5 @@ def test_a_stopping_session_manager_hands_its_responses_over_at_once(
     finally:
         leases.close()
     assert expiry is None or expiry == 0  # taken over already, or handed over: expired at once
-    done = _wait(survivor, queued.id, {"completed", "incomplete", "failed"})
+    done = wait_status(survivor, queued.id, {"completed", "incomplete", "failed"}, timeout_s=30)
     assert done.status == "completed" and done.output_text == expected.output_text
