@@ -32,8 +32,9 @@ _SWEEP_GRACE_S = 60.0
 @dataclass(frozen=True, slots=True)
 class LiveModel:
     """A model some live worker serves: how many workers, the smallest context among them, the
-    request parameters every one of them honours (a job may go to any of them), and the ids of
-    those that take jobs of their own (live and not draining: a session's home may be one)."""
+    request parameters every one of them honours (a job may go to any of them), the ids of
+    those that take jobs of their own (live and not draining: a session's home may be one), and
+    the engines they run (`vllm`, `transformers`, `sim`)."""
 
     workers: int
     context_tokens: int
@@ -41,8 +42,11 @@ class LiveModel:
     homes: frozenset[str] = frozenset()
     # A LoRA adapter's base model (the queue its jobs go to); None for a base model.
     parent: str | None = None
+    engines: frozenset[str] = frozenset()
 
-    def joined(self, *, context_tokens: int, supports: frozenset[str], homes: frozenset[str]) -> "LiveModel":
+    def joined(
+        self, *, context_tokens: int, supports: frozenset[str], homes: frozenset[str], engines: frozenset[str]
+    ) -> "LiveModel":
         """This model with one more live worker."""
         return LiveModel(
             self.workers + 1,
@@ -50,6 +54,7 @@ class LiveModel:
             self.supports & supports,
             self.homes | homes,
             self.parent,
+            self.engines | engines,
         )
 
     def route(self, name: str) -> tuple[str, str | None]:
@@ -76,10 +81,11 @@ class WorkerRegistry:
         supports: Iterable[str] = (),
         draining: bool = False,
         adapters: Iterable[str] = (),
+        engine: str = "",
     ) -> None:
-        """Announce that `worker_id` serves `model`, and its LoRA `adapters`, for the next `ttl_s`
-        seconds, honouring the request parameters `supports`; a `draining` worker is no session's
-        home any more."""
+        """Announce that `worker_id` serves `model`, and its LoRA `adapters`, with `engine` for the
+        next `ttl_s` seconds, honouring the request parameters `supports`; a `draining` worker is
+        no session's home any more."""
         served_adapters = sorted(adapters)
         entry = {
             "model": model,
@@ -89,6 +95,7 @@ class WorkerRegistry:
             "supports": sorted(supports),
             "draining": draining,
             "adapters": served_adapters,
+            "engine": engine,
         }
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(self._names.workers_key, worker_id, orjson.dumps(entry))
@@ -117,12 +124,13 @@ class WorkerRegistry:
             context = entry["context_tokens"]
             supports = frozenset(entry.get("supports", ()))
             homes = frozenset() if entry.get("draining") else frozenset((worker_id.decode(),))
+            engines = frozenset((entry["engine"],)) if entry.get("engine") else frozenset()
             for name, parent in _served(entry):
                 known = live.get(name)
                 live[name] = (
-                    known.joined(context_tokens=context, supports=supports, homes=homes)
+                    known.joined(context_tokens=context, supports=supports, homes=homes, engines=engines)
                     if known
-                    else LiveModel(1, context, supports, homes, parent)
+                    else LiveModel(1, context, supports, homes, parent, engines)
                 )
         if expired:
             await self._redis.hdel(self._names.workers_key, *expired)

@@ -162,6 +162,9 @@ class Usage(BaseModel):
 class ChunkError(BaseModel):
     message: str
     type: str = "server_error"
+    # The request parameter at fault and OpenAI's error code, where known (an engine's refusal).
+    param: str | None = None
+    code: str | None = None
 
 
 class FunctionCallDelta(BaseModel):

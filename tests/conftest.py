@@ -7,9 +7,11 @@ namespace and database, so it never touches a running stack.
 """
 
 import asyncio
+import importlib.util
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -27,6 +29,17 @@ from tests.services import (
 )
 
 _CHOICE = pytest.StashKey[Choice]()
+
+# The tests of the vLLM engine run vLLM itself. Where it does not install (`make install` installs
+# its CPU build on Linux x86-64 only), the worker falls back to the transformers engine and they
+# are not collected; on the machines CI runs on, all of them run.
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore = [
+        "unit/worker/test_vllm_boundary.py",
+        "integration/test_vllm_engine.py",
+        "e2e/test_vllm_engine.py",
+        "e2e/test_vllm_failover.py",
+    ]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -94,3 +107,14 @@ def api_key(database_url: str) -> str:
     """A key with limits far above anything the tests send."""
     limits = KeyLimits(rpm=1_000_000, tpm=100_000_000, max_concurrent=10_000)
     return asyncio.run(create_key(database_url, name="tests", limits=limits, tenant="tests"))
+
+
+@pytest.fixture(scope="session")
+def vllm_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model cache (`AXON_MODEL_CACHE_DIR`) of the run's vLLM engines, with the bundled SmolLM2
+    converted into it once (about 20 s), as a worker converts it at its first start."""
+    from services.worker.engines.gguf import bundled_gguf_path, converted_model
+
+    cache = tmp_path_factory.mktemp("models")
+    converted_model(bundled_gguf_path(), cache)
+    return cache

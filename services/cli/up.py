@@ -34,12 +34,14 @@ _DEFAULT_PORTS = {"worker": 8002, "sessions": 8001, "gateway": 8000}
 # How much longer than the gateway's own stop `axon up` waits for its children before killing them.
 _STOP_MARGIN_S = 10.0
 # Library chatter the children print unless AXON_LOG_LEVEL=DEBUG asks for it: the model's loading
-# progress bars and transformers' advice (its continuous-batching notes: shared/logging.py).
+# progress bars, transformers' advice (its continuous-batching notes: shared/logging.py) and vLLM's
+# own log (its engine configuration and CPU tuning hints, some hundred lines at start).
 _QUIET_LIBRARIES = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TQDM_DISABLE": "1",
     "TRANSFORMERS_VERBOSITY": "error",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "VLLM_LOGGING_LEVEL": "ERROR",
 }
 
 Say = Callable[[str], None]

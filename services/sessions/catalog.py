@@ -178,7 +178,8 @@ def no_worker(model: str) -> Unavailable:
 def _entry(name: str, model: str, live: LiveModel) -> dict[str, Any]:
     """OpenAI's Model object (`id`, `object`, `created`, `owned_by`), plus the model an alias points
     at (`root`), a LoRA adapter's base model (`parent`, as vLLM lists adapters; null for a base
-    model), the context its live workers have and the request parameters they all honour."""
+    model), the context its live workers have, the request parameters they all honour and the
+    engines that serve it."""
     return {
         "id": name,
         "object": "model",
@@ -188,6 +189,7 @@ def _entry(name: str, model: str, live: LiveModel) -> dict[str, Any]:
         "parent": live.parent,
         "context_length": live.context_tokens,
         "capabilities": sorted(live.supports),
+        "engines": sorted(live.engines),
     }
 
 

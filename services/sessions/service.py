@@ -76,9 +76,10 @@ class Caller:
 
 def chunk_error(chunk: TokenChunk) -> AxonError:
     """The exception a worker's error chunk stands for."""
-    message = chunk.error.message if chunk.error else "The worker failed to generate an answer."
-    error_type = chunk.error.type if chunk.error else "server_error"
-    return _ERROR_TYPES.get(error_type, UpstreamError)(message)
+    if chunk.error is None:
+        return UpstreamError("The worker failed to generate an answer.")
+    error = chunk.error
+    return _ERROR_TYPES.get(error.type, UpstreamError)(error.message, param=error.param, code=error.code)
 
 
 class Choice:

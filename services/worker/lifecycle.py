@@ -47,6 +47,7 @@ class Worker:
             max_deliveries=settings.max_deliveries,
             dead_letter=self._dead_letter,
             worker_id=settings.worker_id,
+            on_engine_failure=self.fail,
         )
         self.not_ready_reason: str | None = "starting"
         # Why the process must exit non-zero (the engine failed), so an orchestrator restarts it.
@@ -81,6 +82,7 @@ class Worker:
             generating=lambda: self.runner.generating,
             kv_cache_usage=self.engine.kv_cache_usage if self.engine.reports_kv_cache else None,
         )
+        self.metrics.include(self.engine.metrics)
         await self._connect_until_up()
         if self._drained:
             return
@@ -110,7 +112,10 @@ class Worker:
         )
 
     def fail(self, reason: str) -> None:
-        """Stop serving and exit non-zero: the engine cannot be trusted any more."""
+        """Stop serving and exit non-zero: the engine cannot be trusted any more. Once: each
+        further signal would count towards forcing the stop."""
+        if self.fatal is not None:
+            return
         self.fatal = reason
         self.not_ready_reason = f"engine failed: {reason}"
         os.kill(os.getpid(), signal.SIGTERM)

@@ -1,8 +1,10 @@
 """Prometheus metrics of one worker process (its own registry, built in the app factory)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from shared.logging import get_logger
 from shared.metrics import LATENCY_BUCKETS_S, HttpMetrics
@@ -95,6 +97,10 @@ class WorkerMetrics:
             ).labels(model).set_function(lambda: kv_cache_usage() or 0.0)
         self._observe_gpu_memory()
 
+    def include(self, families: Callable[[], Iterable[Metric]]) -> None:
+        """Serve the metric families `families()` returns at each scrape (an engine's own)."""
+        self.registry.register(_Families(families))
+
     def _observe_gpu_memory(self) -> None:
         """GPU memory in use per device, through NVML, only where a GPU and NVML exist."""
         try:
@@ -118,3 +124,11 @@ class WorkerMetrics:
 
             gauge.labels(str(index)).set_function(memory_used)
         log.info("gpu_metrics_enabled", devices=count)
+
+
+class _Families(Collector):
+    def __init__(self, families: Callable[[], Iterable[Metric]]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families()

@@ -252,9 +252,11 @@ class ChunkPublisher:
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, prompt_tokens_details=details
         )
 
-    async def finish_with_error(self, message: str, error_type: str) -> None:
+    async def finish_with_error(
+        self, message: str, error_type: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
         """End the job with an error, charging the tokens published before it."""
-        error = ChunkError(message=message, type=error_type)
+        error = ChunkError(message=message, type=error_type, param=param, code=code)
         await self._send(TokenChunk(seq=self.seq, finish_reason="error", error=error, usage=self._usage()))
 
     async def finish_cancelled(self) -> None:

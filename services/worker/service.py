@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from services.worker.engines import (
     Engine,
+    EngineDied,
     EngineError,
     EngineOutput,
     EngineStopped,
@@ -58,8 +59,11 @@ class JobRunner:
         max_deliveries: int,
         dead_letter: DeadLetter,
         worker_id: str = "",
+        on_engine_failure: Callable[[str], None] | None = None,
     ) -> None:
         self._engine = engine
+        # Called when the engine died under a job: the worker stops (`Worker.fail`).
+        self._on_engine_failure = on_engine_failure
         # Named as a session's home by its answers (none: this runner records no affinity).
         self._worker_id = worker_id
         self._pipe = pipe
@@ -147,6 +151,14 @@ class JobRunner:
             await asyncio.shield(_ack_or_requeue(message, requeue=True))
             self._metrics.jobs.labels(job.model, "handed_back").inc()
             raise
+        except EngineDied as exc:
+            # Left unacked: it goes back to the queue when this worker's broker connection closes
+            # as it exits, for another worker to resume (requeued now, it could come back here).
+            log.error("job_engine_died", error=str(exc))
+            self._metrics.jobs.labels(job.model, "handed_back").inc()
+            if self._on_engine_failure is not None:
+                self._on_engine_failure(f"the engine died: {exc}")
+            return
         except EngineStopped:
             # Stopped under it (shutdown): no error for its client; the next worker resumes it.
             log.info("job_handed_back", reason="engine stopped")
@@ -220,7 +232,7 @@ class JobRunner:
             await publisher.finish_with_error("The request's deadline passed during generation.", "timeout_error")
             return "expired"
         except InvalidPrompt as exc:
-            await publisher.finish_with_error(str(exc), "invalid_request_error")
+            await publisher.finish_with_error(str(exc), "invalid_request_error", param=exc.param, code=exc.code)
             return "invalid"
         except EngineError as exc:
             log.warning("job_failed", error=str(exc))
@@ -367,6 +379,7 @@ class Heartbeat:
                 supports=self._engine.supports,
                 draining=self._draining,
                 adapters=self._engine.adapters,
+                engine=self._engine.name,
             )
         except Exception as exc:  # noqa: BLE001 - a failed beat must not end the loop
             log.warning("heartbeat_failed", error=repr(exc))

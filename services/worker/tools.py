@@ -51,16 +51,17 @@ def guide_for(job: Job) -> Guide | None:
     """
     if job.tools:
         if isinstance(job.tool_choice, NamedToolChoice):
-            return Guide("json_schema", _schema_text(named_tool_schema(job.tools, job.tool_choice.name)))
+            return Guide("json_schema", _schema_text(named_tool_schema(job.tools, job.tool_choice.name)), "tools")
         if job.tool_choice == "required":
-            return Guide("json_schema", _schema_text(required_tools_schema(job.tools, job.parallel_tool_calls)))
+            schema = required_tools_schema(job.tools, job.parallel_tool_calls)
+            return Guide("json_schema", _schema_text(schema), "tools")
     fmt = job.response_format
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return Guide("json_object")
     if fmt.json_schema is None:
-        raise InvalidPrompt("response_format of type json_schema needs its json_schema.")
+        raise InvalidPrompt("response_format of type json_schema needs its json_schema.", param="response_format")
     return Guide("json_schema", _schema_text(fmt.json_schema.schema_))
 
 
@@ -69,7 +70,7 @@ def named_tool_schema(tools: list[FunctionSpec], name: str) -> dict[str, Any]:
     for tool in tools:
         if tool.name == name:
             return tool.parameters or _NO_PARAMETERS
-    raise InvalidPrompt(f"tool_choice names the function {name!r}, which is not in tools.")
+    raise InvalidPrompt(f"tool_choice names the function {name!r}, which is not in tools.", param="tool_choice")
 
 
 def required_tools_schema(tools: list[FunctionSpec], parallel: bool) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def required_tools_schema(tools: list[FunctionSpec], parallel: bool) -> dict[str
         params = dict(tool.parameters or _NO_PARAMETERS)
         for name, definition in params.pop("$defs", {}).items():
             if name in defs and defs[name] != definition:
-                raise InvalidPrompt(f"Two tools define $defs.{name} differently; rename one of them.")
+                raise InvalidPrompt(f"Two tools define $defs.{name} differently; rename one of them.", param="tools")
             defs[name] = definition
         branches.append(
             {

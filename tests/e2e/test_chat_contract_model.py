@@ -27,7 +27,7 @@ from tests.e2e.test_workers import holder, wait_listed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "smollm2-transformers"  # the default name is the default engine's (vLLM: test_vllm_engine.py)
 WORKER_ENV = {"AXON_ENGINE": "transformers", "AXON_MODEL": MODEL, "AXON_MAX_SEQS": "8"}
 PARIS = [{"role": "user", "content": "Describe Paris, the capital of France."}]
 

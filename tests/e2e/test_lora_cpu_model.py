@@ -12,9 +12,10 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from services.cli.launcher import Service
-from services.worker.engines.transformers_engine import bundled_gguf_path
+from services.worker.engines.gguf import bundled_gguf_path
 from tests.e2e.stack import Stack
 from tests.e2e.test_workers import wait_listed
+from tests.models import random_lora
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(600)]
 
@@ -26,22 +27,18 @@ MAX_TOKENS = 24
 
 
 def make_adapter(folder: Path) -> dict[str, str]:
-    """Save a tiny LoRA adapter of the bundled model in `folder`; return the greedy answers to
-    QUESTION of peft's `generate` with the adapter (`adapter`) and without it (`base`)."""
+    """Save a tiny LoRA adapter of the bundled model in `folder` (`tests.models.random_lora`); return
+    the greedy answers to QUESTION of peft's `generate` with the adapter (`adapter`) and without it
+    (`base`)."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    random_lora(folder)
     gguf = bundled_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, weight in peft_model.named_parameters():
-            if "lora_B" in name:  # peft starts B at zero: the adapter would change nothing
-                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.4)
-    peft_model.save_pretrained(folder, save_embedding_layers=False)
+    peft_model = PeftModel.from_pretrained(model, folder)
     encoded = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
     prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 

@@ -27,6 +27,9 @@ pytestmark = pytest.mark.e2e
 PENDING_WORKER_METRICS: frozenset[str] = frozenset()
 # Given a series only by a worker that has a GPU (vLLM engine); the e2e stack runs the sim engine.
 GPU_ONLY_METRICS = frozenset({"axon_worker_gpu_memory_used_bytes"})
+# vLLM's own (`vllm:*`), served only by workers on the vLLM engine: checked against the run's real
+# vLLM worker in tests/e2e/test_vllm_engine.py.
+VLLM_METRICS = frozenset(name for name in queried_metrics() if name.startswith("vllm:"))
 # Declared by the code but only given a series when something fails (here: Redis unreachable
 # from the gateway), which this test does not cause.
 ONLY_ON_FAILURE = frozenset({"axon_gateway_rate_limiter_unavailable_total"})
@@ -131,7 +134,7 @@ def test_every_metric_a_dashboard_or_alert_queries_is_exported(scrapes: dict[str
     sampled = set().union(*(s.sampled for s in scrapes.values()))
     queried = queried_metrics()
     assert queried, "no dashboard or alert rule found"
-    skipped = PENDING_WORKER_METRICS | GPU_ONLY_METRICS | SYNTHETIC_METRICS
+    skipped = PENDING_WORKER_METRICS | GPU_ONLY_METRICS | SYNTHETIC_METRICS | VLLM_METRICS
     missing = {name: sorted(where) for name, where in queried.items() if name not in declared and name not in skipped}
     assert not missing, f"queried but exported by no service: {missing}"
     quiet_allowed = ONLY_ON_FAILURE | ONLY_ON_COLD_START | GPU_ONLY_METRICS
@@ -147,7 +150,7 @@ def test_every_metric_a_dashboard_or_alert_queries_is_exported(scrapes: dict[str
 
 
 def test_selectors_name_the_job_that_exports_the_metric(scrapes: dict[str, Scrape]) -> None:
-    skipped = PENDING_WORKER_METRICS | GPU_ONLY_METRICS | SYNTHETIC_METRICS
+    skipped = PENDING_WORKER_METRICS | GPU_ONLY_METRICS | SYNTHETIC_METRICS | VLLM_METRICS
     for metric, job in sorted(queried_metric_jobs()):
         assert job in scrapes, f'{metric}{{job="{job}"}}: no scrape job is called {job}'
         if metric not in skipped:

@@ -30,6 +30,7 @@ def test_models_retrieve_gives_the_model_with_its_context_and_capabilities(
     raw = httpx.get(f"{gateway.url}/v1/models/{SIM_MODEL}", headers=auth, timeout=30).json()
     assert raw["context_length"] > 0
     assert raw["capabilities"] == sorted(raw["capabilities"])
+    assert raw["engines"] == ["sim"]  # which engine serves it (the vLLM engine's own test: test_vllm_engine)
     listed = {m.id: m.model_dump(exclude_unset=True) for m in client.models.list().data}
     assert listed[SIM_MODEL] == raw
 

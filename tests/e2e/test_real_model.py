@@ -13,7 +13,7 @@ from tests.e2e.test_workers import holder, wait_listed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "smollm2-transformers"  # the default name is the default engine's (vLLM: test_vllm_engine.py)
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 

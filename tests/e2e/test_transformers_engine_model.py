@@ -11,7 +11,8 @@ import jsonschema
 import pytest
 
 from services.worker.engines.base import EngineOutput, GenerationRequest, Guide, Resume
-from services.worker.engines.transformers_engine import TransformersEngine, bundled_gguf_path
+from services.worker.engines.gguf import bundled_gguf_path
+from services.worker.engines.transformers_engine import TransformersEngine
 from services.worker.tools import guide_for
 from shared.schemas import FunctionSpec, Job, Message, NamedToolChoice, Sampling
 

@@ -18,10 +18,22 @@ async def test_entries_carry_context_length_and_the_capabilities_all_workers_sha
     catalog = ModelCatalog(registry, cache_ttl_s=0)
     try:
         await registry.heartbeat(
-            worker_id="w1", model="m", ttl_s=30, max_seqs=4, context_tokens=8192, supports={"tools", "seed", "stop"}
+            worker_id="w1",
+            model="m",
+            ttl_s=30,
+            max_seqs=4,
+            context_tokens=8192,
+            supports={"tools", "seed", "stop"},
+            engine="vllm",
         )
         await registry.heartbeat(
-            worker_id="w2", model="m", ttl_s=30, max_seqs=4, context_tokens=4096, supports={"seed", "stop", "echo"}
+            worker_id="w2",
+            model="m",
+            ttl_s=30,
+            max_seqs=4,
+            context_tokens=4096,
+            supports={"seed", "stop", "echo"},
+            engine="transformers",
         )
         await registry.heartbeat(worker_id="w3", model="other", ttl_s=30, max_seqs=4, context_tokens=2048)
         await registry.set_alias("prod", "m")
@@ -36,12 +48,13 @@ async def test_entries_carry_context_length_and_the_capabilities_all_workers_sha
             "parent": None,
             "context_length": 4096,
             "capabilities": ["seed", "stop"],
+            "engines": ["transformers", "vllm"],
         }
         assert await catalog.entry("m") == entry
         assert await catalog.entry("prod") == {**entry, "id": "prod"}
         assert await catalog.listing() == [
             entry,
-            {**entry, "id": "other", "root": "other", "context_length": 2048, "capabilities": []},
+            {**entry, "id": "other", "root": "other", "context_length": 2048, "capabilities": [], "engines": []},
             {**entry, "id": "prod"},
         ]
         for unknown in ("nope", "dangling"):
@@ -66,6 +79,7 @@ async def test_adapters_are_models_of_their_own_routed_to_their_base_models_queu
                 context_tokens=context,
                 supports={"seed"},
                 adapters=["sql", "fr"],
+                engine="vllm",
             )
         await registry.set_alias("sql-prod", "sql")
 
@@ -81,6 +95,7 @@ async def test_adapters_are_models_of_their_own_routed_to_their_base_models_queu
             "parent": "base",
             "context_length": 4096,
             "capabilities": ["seed"],
+            "engines": ["vllm"],
         }
         assert listed["sql-prod"] == {**listed["sql"], "id": "sql-prod"}
 

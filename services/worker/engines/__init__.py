@@ -2,6 +2,7 @@
 
 from services.worker.engines.base import (
     Engine,
+    EngineDied,
     EngineError,
     EngineOutput,
     EngineStopped,
@@ -10,4 +11,13 @@ from services.worker.engines.base import (
     Resume,
 )
 
-__all__ = ["Engine", "EngineError", "EngineOutput", "EngineStopped", "GenerationRequest", "InvalidPrompt", "Resume"]
+__all__ = [
+    "Engine",
+    "EngineDied",
+    "EngineError",
+    "EngineOutput",
+    "EngineStopped",
+    "GenerationRequest",
+    "InvalidPrompt",
+    "Resume",
+]

@@ -1,9 +1,11 @@
 """The one small interface every inference engine implements."""
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
+
+from prometheus_client.metrics_core import Metric
 
 from shared.schemas import (
     Capability,
@@ -22,12 +24,23 @@ class EngineError(Exception):
 
 
 class InvalidPrompt(EngineError):
-    """The request cannot be served as asked (e.g. the prompt does not fit the context)."""
+    """The request cannot be served as asked (e.g. the prompt does not fit the context): a 400 for
+    its client, naming the request parameter at fault (`param`) and OpenAI's `code` where known."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class EngineStopped(Exception):
     """The engine was stopped under the request (the worker is shutting down): neither the
     request's fault nor an engine failure, so the job goes back to the queue to be resumed."""
+
+
+class EngineDied(EngineStopped):
+    """The engine died under the request (vLLM's engine core process was lost): the answer goes
+    back to the queue for another worker to resume, and this worker exits."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +57,13 @@ class Guide:
     """A constraint on the answer's text, enforced by constrained decoding.
 
     `json_schema`: the answer is one JSON value valid against `schema` (a JSON Schema, as text);
-    `json_object`: any JSON object.
+    `json_object`: any JSON object. `param`: the request parameter it comes from (named in the
+    error when an engine refuses it).
     """
 
     kind: Literal["json_schema", "json_object"]
     schema: str | None = None
+    param: Literal["response_format", "tools"] = "response_format"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +138,8 @@ class Engine(ABC):
     own request. Implementations never block the event loop.
     """
 
+    # `AXON_ENGINE`'s name for it, announced with the worker's heartbeat (`/v1/models` lists it).
+    name: ClassVar[str]
     model_name: str
     max_seqs: int
     # The request parameters this engine honours (beyond the ones every engine does).
@@ -164,6 +181,11 @@ class Engine(ABC):
 
     # Engines that can say how full their KV cache is set this and override `kv_cache_usage`.
     reports_kv_cache = False
+
+    def metrics(self) -> Iterable[Metric]:
+        """The engine's own Prometheus metrics, served on the worker's /metrics beside Axon's
+        (read at each scrape)."""
+        return ()
 
     def kv_cache_usage(self) -> float | None:
         """Fraction of the KV cache in use (None while unknown)."""

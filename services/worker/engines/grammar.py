@@ -111,8 +111,13 @@ class Grammars:
         self._probe.close()
 
     async def matcher(self, guide: Guide) -> Any:
-        """A fresh `xgrammar.GrammarMatcher` for `guide`; `InvalidPrompt` if the schema cannot be used."""
-        return self._xgr.GrammarMatcher(await self.compile(guide))
+        """A fresh `xgrammar.GrammarMatcher` for `guide`; `InvalidPrompt` naming the guide's
+        parameter if the schema cannot be used."""
+        try:
+            compiled = await self.compile(guide)
+        except InvalidPrompt as exc:
+            raise InvalidPrompt(str(exc), param=guide.param) from exc
+        return self._xgr.GrammarMatcher(compiled)
 
     async def compile(self, guide: Guide) -> Any:
         schema = _ANY_OBJECT if guide.kind == "json_object" else (guide.schema or "")

@@ -126,7 +126,10 @@ def answer_pieces(request: GenerationRequest, prompt: str) -> list[str] | None:
     """The pieces of a JSON or tool-call answer to `request`; None for a plain one (words)."""
     seed = request.sampling.seed
     if request.guide is not None:
-        return json_pieces(guided_text(request.guide, prompt, seed))
+        try:
+            return json_pieces(guided_text(request.guide, prompt, seed))
+        except InvalidPrompt as exc:
+            raise InvalidPrompt(str(exc), param=request.guide.param) from exc
     tools = request.tools
     if not tools or (request.messages and request.messages[-1].role == "tool"):
         return None
@@ -402,6 +405,8 @@ class PrefixCache:
 
 class SimEngine(Engine):
     """Deterministic word generator with configurable latency and concurrency."""
+
+    name = "sim"
 
     supports: ClassVar[frozenset[Capability]] = frozenset(
         {"tools", "response_format", "logprobs", "seed", "stop", "echo"}

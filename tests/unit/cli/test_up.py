@@ -51,6 +51,7 @@ def test_children_are_quiet_unless_debug_and_get_a_fresh_internal_token(monkeypa
     first, _ = up._child_environment()
     second, _ = up._child_environment()
     assert first["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and first["TQDM_DISABLE"] == "1"
+    assert first["VLLM_LOGGING_LEVEL"] == "ERROR"
     assert first["TRANSFORMERS_VERBOSITY"] == "info"
     assert len(first["AXON_INTERNAL_TOKEN"]) >= 32
     assert first["AXON_INTERNAL_TOKEN"] != second["AXON_INTERNAL_TOKEN"]
@@ -58,7 +59,7 @@ def test_children_are_quiet_unless_debug_and_get_a_fresh_internal_token(monkeypa
     monkeypatch.setenv("AXON_LOG_LEVEL", "debug")
     monkeypatch.setenv("AXON_INTERNAL_TOKEN", "t" * 40)
     debug, _ = up._child_environment()
-    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in debug and "TQDM_DISABLE" not in debug
+    assert not {"HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE", "VLLM_LOGGING_LEVEL"} & set(debug)
     assert debug["AXON_INTERNAL_TOKEN"] == "t" * 40
 
 

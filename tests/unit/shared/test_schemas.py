@@ -155,10 +155,19 @@ def test_chunk_examples_from_design_parse() -> None:
 def test_error_chunk_round_trip() -> None:
     chunk = TokenChunk(seq=2, finish_reason="error", error=ChunkError(message="deadline passed", type="timeout_error"))
     data = json.loads(chunk.model_dump_json())
-    assert data["error"] == {"message": "deadline passed", "type": "timeout_error"}
+    assert data["error"] == {"message": "deadline passed", "type": "timeout_error", "param": None, "code": None}
     again = TokenChunk.model_validate_json(chunk.model_dump_json())
     assert again == chunk
     assert again.is_final
+
+
+def test_error_chunk_names_the_parameter_and_code_of_an_engine_refusal() -> None:
+    error = ChunkError(
+        message="too long", type="invalid_request_error", param="messages", code="context_length_exceeded"
+    )
+    again = TokenChunk.model_validate_json(TokenChunk(seq=0, finish_reason="error", error=error).model_dump_json())
+    assert again.error == error
+    assert TokenChunk.model_validate_json('{"seq": 1, "error": {"message": "m"}}').error == ChunkError(message="m")
 
 
 def test_minimal_chunk_fills_defaults() -> None:

@@ -1,0 +1,141 @@
+"""What the worker's `AXON_*` settings become in vLLM: its engine arguments and the few settings vLLM
+reads only from its own environment variables (set here, for the engine's processes, never by hand).
+
+Nothing here imports vLLM; `on_cpu` says which platform vLLM found. Defaults on CPU (measured on 2
+cores, benchmarks/RESULTS.md): a 1 GiB KV cache (vLLM's CPU backend otherwise reads
+`gpu_memory_utilization` as a share of the host's RAM), eager execution (torch.compile starts
+several times slower for little more throughput), and every core this process may use bound to the
+engine's threads, split evenly between its ranks (vLLM's own `auto` keeps a core back, and fails
+tensor parallelism on a machine with one NUMA node).
+"""
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.worker.engines.base import EngineError
+
+GIB = 1 << 30
+CPU_KV_CACHE_GIB = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class VllmOptions:
+    """The worker's settings for its vLLM engine (`WorkerSettings`, vllm section)."""
+
+    model_name: str
+    # A model directory or a hub id (a GGUF file is converted into a directory first).
+    model_path: str
+    max_seqs: int | None = None  # None: vLLM's default for its platform
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor: str | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    kv_cache_gib: float | None = None
+    enforce_eager: bool | None = None
+    cpu_threads_bind: str = ""
+    structured_outputs_backend: str = "xgrammar"
+    tool_parser: str = "hermes"
+    lora_adapters: Mapping[str, str] = field(default_factory=dict)
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    @property
+    def ranks(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def engine_kwargs(options: VllmOptions, *, on_cpu: bool) -> dict[str, Any]:
+    """`vllm.engine.arg_utils.AsyncEngineArgs` keyword arguments (the structured-output config
+    aside); settings left unset are left out, so vLLM picks its own default."""
+    kv_cache_gib = options.kv_cache_gib if options.kv_cache_gib is not None or not on_cpu else CPU_KV_CACHE_GIB
+    eager = options.enforce_eager if options.enforce_eager is not None else on_cpu
+    chosen: dict[str, Any] = {
+        "model": options.model_path,
+        "served_model_name": [options.model_name],
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "pipeline_parallel_size": options.pipeline_parallel_size,
+        # None (left out): vLLM picks mp when the devices are on this node.
+        "distributed_executor_backend": options.distributed_executor,
+        "max_num_seqs": options.max_seqs,
+        "max_model_len": options.max_model_len,
+        "dtype": options.dtype,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "kv_cache_memory_bytes": int(kv_cache_gib * GIB) if kv_cache_gib is not None else None,
+        "enforce_eager": eager,
+    } | lora_engine_kwargs(options.lora_adapters, max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
+    return {name: value for name, value in chosen.items() if value is not None}
+
+
+def check_platform(options: VllmOptions, *, on_cpu: bool) -> None:
+    """Refuse, at start, what vLLM's platform would accept and then fail at the first request.
+
+    Raises:
+        EngineError: pipeline parallelism on the CPU (vLLM 0.32's CPU build starts it, but its second
+            stage has no buffer for the first stage's activations and dies at the first request).
+    """
+    if on_cpu and options.pipeline_parallel_size > 1:
+        raise EngineError(
+            f"AXON_PIPELINE_PARALLEL_SIZE={options.pipeline_parallel_size}: vLLM's CPU build runs no pipeline "
+            "parallelism (its second stage fails at the first request); split the model with "
+            "AXON_TENSOR_PARALLEL_SIZE instead."
+        )
+
+
+def lora_engine_kwargs(adapters: Mapping[str, str], *, max_loras: int, max_lora_rank: int) -> dict[str, Any]:
+    """`AsyncEngineArgs` keyword arguments for serving `adapters` (none without adapters: LoRA
+    support costs memory)."""
+    if not adapters:
+        return {}
+    return {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": max_lora_rank}
+
+
+def cpu_threads_bind(configured: str, *, ranks: int, cores: Sequence[int]) -> str:
+    """vLLM's `VLLM_CPU_OMP_THREADS_BIND`: `configured` if set, else `cores` split evenly between
+    `ranks` (`0-1` for one rank on two cores, `0|1` for two).
+
+    Raises:
+        EngineError: fewer cores than ranks.
+    """
+    if configured:
+        return configured
+    ordered = sorted(cores)
+    if len(ordered) < ranks:
+        raise EngineError(
+            f"The vLLM engine runs {ranks} ranks (AXON_TENSOR_PARALLEL_SIZE x AXON_PIPELINE_PARALLEL_SIZE) "
+            f"on the CPU, one core each at least, but this process may use {len(ordered)} core(s)."
+        )
+    share = len(ordered) // ranks
+    return "|".join(_core_list(ordered[rank * share : (rank + 1) * share]) for rank in range(ranks))
+
+
+def _core_list(cores: Sequence[int]) -> str:
+    """`0-3` for consecutive cores, else `0,2,5`."""
+    if list(cores) == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+    return ",".join(map(str, cores))
+
+
+def vllm_environment(options: VllmOptions, *, on_cpu: bool, cores: Sequence[int]) -> dict[str, str]:
+    """The environment variables the engine's processes need (they inherit this process's).
+
+    Raises:
+        EngineError: too few cores for the engine's ranks.
+    """
+    env = {
+        # The engine's processes are spawned, not forked from a process whose event loop and
+        # threads are running.
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        # vLLM's usage statistics go to a server of vLLM's: a platform sends nothing anywhere.
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    if os.path.isdir(options.model_path):
+        # A model on disk needs nothing from the hub: no lookup, however short, at start.
+        env["HF_HUB_OFFLINE"] = "1"
+    if on_cpu:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(options.cpu_threads_bind, ranks=options.ranks, cores=cores)
+    return env

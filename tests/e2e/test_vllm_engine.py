@@ -1,0 +1,294 @@
+"""The default engine through the whole stack: a worker started with no engine or model chosen runs the
+real vLLM (its CPU build here) on the bundled SmolLM2, and the official `openai` client, instructor
+and LangChain use it as they would any OpenAI endpoint. Every answer and chunk is checked against
+OpenAI's schemas on the way (`tests/contract/transport.py`).
+
+One worker for the run (`vllm_worker`, shared with the other modules that use it); requests are
+short, greedy where an exact answer is compared.
+"""
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+import httpx
+import instructor
+import openai
+import pytest
+from langchain_openai import ChatOpenAI
+from openai import OpenAI
+from pydantic import BaseModel, Field
+
+from services.cli.launcher import Service
+from tests.contract.transport import ContractTransport
+from tests.e2e.conftest import VLLM_ADAPTER, VLLM_MODEL
+from tests.e2e.stack import INTERNAL_AUTH
+from tests.e2e.test_workers import metric, wait_listed
+from tests.metric_names import Scrape, queried_metrics
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(300)]
+
+MODEL = VLLM_MODEL
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Tell me a story about a dog."}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def asked_weather(index: int, city: str) -> list[dict]:
+    call = {
+        "id": f"call_{index}",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+    }
+    return [
+        {"role": "user", "content": f"Weather in {city}?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+
+
+# Hand-written assistant turns that called the tool: the 135M model then writes a call of its own,
+# which vLLM's hermes parser reads.
+FEW_SHOT = [*asked_weather(0, "Paris"), *asked_weather(1, "Rome"), *asked_weather(2, "Oslo")]
+
+
+class City(BaseModel):
+    """A city."""
+
+    name: str = Field(max_length=24)
+    country: Literal["France", "Germany", "Italy", "Spain"]
+    capital: bool
+
+
+@pytest.fixture(scope="module")
+def checked() -> Iterator[ContractTransport]:
+    transport = ContractTransport()
+    yield transport
+    assert transport.violations == []
+
+
+@pytest.fixture(scope="module")
+def sdk(vllm_worker: Service, gateway: Service, api_key: str, checked: ContractTransport) -> OpenAI:
+    client = OpenAI(
+        base_url=f"{gateway.url}/v1",
+        api_key=api_key,
+        max_retries=0,
+        http_client=httpx.Client(transport=checked, timeout=120),
+    )
+    wait_listed(client, MODEL)
+    wait_listed(client, VLLM_ADAPTER)
+    return client
+
+
+def test_the_default_engine_is_vllm_and_says_so(sdk: OpenAI, gateway: Service, auth: dict) -> None:
+    raw = httpx.get(f"{gateway.url}/v1/models/{MODEL}", headers=auth, timeout=10).json()
+    assert raw["engines"] == ["vllm"]
+    assert raw["context_length"] == 8192
+    assert {"tools", "response_format", "logprobs", "logit_bias", "echo", "min_p", "presence_penalty"} <= set(
+        raw["capabilities"]
+    )
+    adapter = httpx.get(f"{gateway.url}/v1/models/{VLLM_ADAPTER}", headers=auth, timeout=10).json()
+    assert (adapter["parent"], adapter["engines"]) == (MODEL, ["vllm"])
+
+
+def test_streamed_and_whole_greedy_answers_are_the_same(sdk: OpenAI) -> None:
+    whole = sdk.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=32)
+    assert "Paris" in whole.choices[0].message.content and whole.choices[0].finish_reason == "stop"
+    stream = sdk.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=32, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens > 20
+
+
+def test_max_tokens_stop_seed_penalties_and_n_are_honoured(sdk: OpenAI) -> None:
+    short = sdk.chat.completions.create(model=MODEL, messages=STORY, temperature=0, max_tokens=3)
+    assert (short.choices[0].finish_reason, short.usage.completion_tokens) == ("length", 3)
+    cut = sdk.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=32, stop=["Paris"])
+    assert cut.choices[0].finish_reason == "stop" and "Paris" not in cut.choices[0].message.content
+    seeded = [
+        sdk.chat.completions.create(model=MODEL, messages=STORY, temperature=1.0, seed=seed, max_tokens=16)
+        for seed in (7, 7, 8)
+    ]
+    texts = [s.choices[0].message.content for s in seeded]
+    assert texts[0] == texts[1] != texts[2]
+    plain = sdk.chat.completions.create(model=MODEL, messages=STORY, temperature=0, max_tokens=24)
+    penalised = sdk.chat.completions.create(
+        model=MODEL, messages=STORY, temperature=0, max_tokens=24, frequency_penalty=2.0, presence_penalty=2.0
+    )
+    assert penalised.choices[0].message.content != plain.choices[0].message.content
+    two = sdk.chat.completions.create(model=MODEL, messages=STORY, temperature=1.0, seed=3, n=2, max_tokens=12)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].message.content != two.choices[1].message.content  # choice i samples with seed + i
+    assert two.usage.completion_tokens <= 2 * 12
+
+
+def test_logprobs_and_echo(sdk: OpenAI) -> None:
+    chat = sdk.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=8, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content).startswith(chat.choices[0].message.content)
+    prompt = "The capital of France is"
+    plain = sdk.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4, logprobs=2)
+    echoed = sdk.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4, logprobs=2, echo=True)
+    choice = echoed.choices[0]
+    assert choice.text == prompt + plain.choices[0].text
+    answer_tokens = plain.choices[0].logprobs.tokens
+    assert choice.logprobs.tokens[-len(answer_tokens) :] == answer_tokens
+    assert len(choice.logprobs.tokens) > len(answer_tokens)  # the prompt's tokens, scored by vLLM
+
+
+def test_structured_outputs_through_the_sdk_instructor_and_langchain(
+    sdk: OpenAI, gateway: Service, api_key: str
+) -> None:
+    paris = [{"role": "user", "content": "Describe Paris, the capital of France."}]
+    parsed = sdk.chat.completions.parse(model=MODEL, messages=paris, response_format=City, temperature=0, max_tokens=80)
+    assert isinstance(parsed.choices[0].message.parsed, City)
+    anything = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give the name and country of the capital of France as JSON."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=200,
+    )
+    assert anything.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    city = instructor.from_openai(sdk, mode=instructor.Mode.JSON_SCHEMA).chat.completions.create(
+        model=MODEL, messages=paris, response_model=City, temperature=0, max_tokens=80
+    )
+    assert isinstance(city, City)
+    chat = ChatOpenAI(model=MODEL, base_url=f"{gateway.url}/v1", api_key=api_key, temperature=0, max_tokens=80)
+    assert isinstance(chat.with_structured_output(City, method="json_schema").invoke("Describe Paris."), City)
+    assert "".join(part.content for part in chat.stream("What is the capital of France?"))
+
+
+def test_tool_calls_auto_required_and_named(sdk: OpenAI) -> None:
+    auto = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[*FEW_SHOT, {"role": "user", "content": "Weather in Berlin?"}],
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=60,
+    )
+    choice = auto.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Berlin"})
+    assert call.id.startswith("call_")
+    streamed = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[*FEW_SHOT, {"role": "user", "content": "Weather in Berlin?"}],
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=60,
+        stream=True,
+    )
+    deltas = [d for chunk in streamed if chunk.choices for d in (chunk.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    for choice_of_tool in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        forced = sdk.chat.completions.create(
+            model=MODEL, messages=FRANCE, tools=[WEATHER], tool_choice=choice_of_tool, temperature=0, max_tokens=40
+        )
+        (forced_call,) = forced.choices[0].message.tool_calls
+        assert forced_call.function.name == "get_weather"
+        assert set(json.loads(forced_call.function.arguments)) == {"city"}
+
+
+def test_the_lora_adapter_answers_differently_from_its_base(sdk: OpenAI) -> None:
+    base = sdk.chat.completions.create(model=MODEL, messages=STORY, temperature=0, max_tokens=16)
+    adapted = sdk.chat.completions.create(model=VLLM_ADAPTER, messages=STORY, temperature=0, max_tokens=16)
+    assert adapted.model == VLLM_ADAPTER
+    assert adapted.choices[0].message.content != base.choices[0].message.content
+
+
+def test_vllms_refusals_are_400s_naming_the_parameter(sdk: OpenAI) -> None:
+    cases = [
+        (
+            {"messages": [{"role": "user", "content": "hi " * 9000}], "max_tokens": 4},
+            "messages",
+            "context_length_exceeded",
+        ),
+        ({"messages": FRANCE, "logit_bias": {"60000": 5}}, "logit_bias", None),
+        (
+            {
+                "messages": FRANCE,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}},
+                },
+            },
+            "response_format",
+            None,
+        ),
+    ]
+    for body, param, code in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(model=MODEL, **body)
+        assert (info.value.param, info.value.code) == (param, code), info.value.message
+
+
+def test_a_sessions_second_turn_comes_from_vllms_prefix_cache(sdk: OpenAI, gateway: Service, auth: dict) -> None:
+    session = httpx.post(
+        f"{gateway.url}/v1/sessions",
+        headers=auth,
+        json={"system_prompt": "You are a patient teacher. " + "Answer every question in full sentences. " * 40},
+        timeout=10,
+    ).json()
+    first = sdk.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=8, extra_body={"session_id": session["id"]}
+    )
+    second = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "And of Italy?"}],
+        temperature=0,
+        max_tokens=8,
+        extra_body={"session_id": session["id"]},
+    )
+    assert first.usage.prompt_tokens > 300
+    assert second.usage.prompt_tokens_details.cached_tokens >= 256  # whole 128-token blocks of the first turn
+
+
+def test_a_client_that_leaves_stops_its_sequence_within_a_step(sdk: OpenAI, vllm_worker: Service) -> None:
+    before = metric(vllm_worker, "axon_worker_jobs_total", model=MODEL, outcome="cancelled")
+    stream = sdk.chat.completions.create(
+        model=MODEL, messages=STORY, max_tokens=2000, extra_body={"ignore_eos": True}, stream=True
+    )
+    for received, _chunk in enumerate(stream):
+        if received == 5:
+            break
+    stream.close()
+    left_at = time.monotonic()
+    while metric(vllm_worker, "axon_worker_jobs_total", model=MODEL, outcome="cancelled") <= before:
+        assert time.monotonic() - left_at < 5, "the job was not cancelled"
+        time.sleep(0.05)
+    assert metric(vllm_worker, "vllm:num_requests_running", engine="0", model_name=MODEL) == 0
+
+
+def test_vllms_own_metrics_are_on_the_workers_metrics(vllm_worker: Service, sdk: OpenAI) -> None:
+    text = httpx.get(f"{vllm_worker.url}/metrics", headers=INTERNAL_AUTH, timeout=10).text
+    scrape = Scrape(text)
+    on_dashboards = {name for name in queried_metrics() if name.startswith("vllm:")}
+    assert on_dashboards, "the worker dashboard has no vLLM panel"
+    assert on_dashboards <= scrape.declared, on_dashboards - scrape.declared
+    assert on_dashboards <= scrape.sampled, on_dashboards - scrape.sampled
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_bucket",
+    ):
+        assert f"\n{name}{{" in text, name
+    assert metric(vllm_worker, "vllm:prompt_tokens_total", engine="0", model_name=MODEL) > 0
+    assert "axon_worker_kv_cache_usage_ratio" in text
