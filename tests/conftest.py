@@ -36,9 +36,8 @@ _CHOICE = pytest.StashKey[Choice]()
 if importlib.util.find_spec("vllm") is None:
     collect_ignore = [
         "unit/worker/test_vllm_boundary.py",
-        "integration/test_vllm_engine.py",
         "e2e/test_vllm_engine.py",
-        "e2e/test_vllm_failover.py",
+        "e2e/test_vllm_parallel.py",
     ]
 
 

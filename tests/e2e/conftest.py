@@ -1,6 +1,5 @@
 """End-to-end fixtures: the three services as real processes, on the sim engine unless a test says otherwise."""
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -8,16 +7,11 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from services.cli.launcher import Service
-from shared.settings import DEFAULT_MODEL
 from tests.e2e.stack import Stack
-from tests.models import random_lora
 from tests.services import ServiceUrls
 
 SIM_MODEL = "sim-model"
 SIM_ENV = {"AXON_ENGINE": "sim", "AXON_MODEL": SIM_MODEL, "AXON_SIM_TTFT_MS": "20", "AXON_SIM_ITL_MS": "5"}
-# The default engine's worker (vLLM's CPU build here) serves the default model under its own name.
-VLLM_MODEL = DEFAULT_MODEL
-VLLM_ADAPTER = "smollm2-e2e-lora"
 
 
 @pytest.fixture(scope="session")
@@ -72,18 +66,3 @@ def aclient(gateway: Service, api_key: str) -> AsyncOpenAI:
 @pytest.fixture
 def auth(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"}
-
-
-@pytest.fixture(scope="session")
-def vllm_worker(stack: Stack, vllm_model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Service:
-    """The run's one worker on the default engine and model, with nothing chosen: vLLM (its CPU build
-    here) serving the bundled SmolLM2, plus a random LoRA adapter of it. Started by the first module
-    that asks for it (about 30 s) and shared by every module that drives the real vLLM through the
-    stack; the modules that kill or stop a worker start their own."""
-    adapter = random_lora(tmp_path_factory.mktemp("lora") / VLLM_ADAPTER)
-    env = {
-        "AXON_MODEL_CACHE_DIR": str(vllm_model_cache),
-        "AXON_LORA_ADAPTERS": json.dumps({VLLM_ADAPTER: str(adapter)}),
-        "AXON_MAX_SEQS": "16",
-    }
-    return stack.start("worker:vllm", env=env, ready_timeout_s=300)

@@ -5,6 +5,7 @@ compares through the official client."""
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -31,14 +32,11 @@ def make_adapter(folder: Path) -> dict[str, str]:
     the greedy answers to QUESTION of peft's `generate` with the adapter (`adapter`) and without it
     (`base`)."""
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    random_lora(folder)
+    peft_model = random_lora(folder)
     gguf = bundled_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    peft_model = PeftModel.from_pretrained(model, folder)
     encoded = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
     prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
@@ -62,9 +60,9 @@ def expected(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
 
 
 @pytest.fixture(scope="module")
-def lora_worker(stack: Stack, expected: tuple[Path, dict[str, str]]) -> Service:
+def lora_worker(stack: Stack, expected: tuple[Path, dict[str, str]]) -> Iterator[Service]:
     folder, _ = expected
-    return stack.start(
+    worker = stack.start(
         "worker:smollm2-lora",
         env={
             "AXON_ENGINE": "transformers",
@@ -74,6 +72,8 @@ def lora_worker(stack: Stack, expected: tuple[Path, dict[str, str]]) -> Service:
         },
         ready_timeout_s=300,
     )
+    yield worker
+    worker.stop()  # its 2 GB and its batching loops are not the later modules' to share
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 import asyncio
 import itertools
 import time
+from collections.abc import Iterator
 
 import pytest
 from openai import AsyncOpenAI, OpenAI
@@ -18,12 +19,24 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def model_worker(stack: Stack) -> Service:
-    return stack.start(
-        "worker:smollm2",
-        env={"AXON_ENGINE": "transformers", "AXON_MODEL": MODEL, "AXON_MAX_SEQS": "8"},
-        ready_timeout_s=240,
+def workers() -> Iterator[list[Service]]:
+    """This module's workers, stopped with it: their 2 GB each are not the later modules' to share."""
+    started: list[Service] = []
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def model_worker(stack: Stack, workers: list[Service]) -> Service:
+    workers.append(
+        stack.start(
+            "worker:smollm2",
+            env={"AXON_ENGINE": "transformers", "AXON_MODEL": MODEL, "AXON_MAX_SEQS": "8"},
+            ready_timeout_s=240,
+        )
     )
+    return workers[-1]
 
 
 @pytest.fixture
@@ -86,13 +99,14 @@ async def test_concurrent_requests_all_complete(model_client: OpenAI, gateway: S
 
 
 def test_failover_mid_stream_with_the_real_engine_at_temperature_0(
-    stack: Stack, model_worker: Service, model_client: OpenAI
+    stack: Stack, model_worker: Service, model_client: OpenAI, workers: list[Service]
 ) -> None:
     second = stack.start(
         "worker:smollm2-b",
         env={"AXON_ENGINE": "transformers", "AXON_MODEL": MODEL, "AXON_MAX_SEQS": "8"},
         ready_timeout_s=240,
     )
+    workers.append(second)
     story = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
     reference = model_client.chat.completions.create(model=MODEL, messages=story, temperature=0, max_tokens=48)
     stream = model_client.chat.completions.create(

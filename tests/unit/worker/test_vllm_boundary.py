@@ -1,7 +1,7 @@
 """services.worker.engines.vllm_*: what crosses into vLLM and back, against vLLM's own classes.
 
-No engine runs here (the real engine's behaviour is tested in tests/integration/test_vllm_engine.py
-and, through the whole stack, tests/e2e/test_vllm_engine.py): what Axon hands vLLM is built with
+No engine runs here (the real engine runs behind the whole stack in tests/e2e/test_vllm_engine.py
+and tests/e2e/test_vllm_parallel.py): what Axon hands vLLM is built with
 vLLM's real `SamplingParams`, `StructuredOutputsParams`, `AsyncEngineArgs` and `LoRARequest`, what
 vLLM hands back is read from its real `RequestOutput`, `CompletionOutput` and `Logprob`, and the
 tool-call adapter drives vLLM's real hermes parser with the bundled model's tokenizer.

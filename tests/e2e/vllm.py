@@ -1,0 +1,103 @@
+"""Workers on the real vLLM engine for end-to-end tests, and what a test needs to kill them and check
+that nothing of them is left."""
+
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from openai import OpenAI
+
+from services.cli.launcher import Service
+from tests.e2e.stack import Stack
+
+
+class VllmWorkers:
+    """A module's workers of one model on the vLLM engine (started with `env`), each with an
+    `AXON_WORKER_ID` of its own, which its processes (vLLM's too) carry in their environment."""
+
+    def __init__(self, stack: Stack, name: str, env: dict[str, str]) -> None:
+        self._stack = stack
+        self._name = name
+        self._env = env
+        self.started: list[Service] = []
+        self.ids: dict[int, str] = {}  # by pid
+        # Every worker id given, in order (a worker that failed to start has no pid here).
+        self.worker_ids: list[str] = []
+
+    def start(self, *, ready_path: str = "/ready", **env: str) -> Service:
+        """One more worker (with `env` on top of the module's), once `ready_path` answers."""
+        worker_id = f"{self._name}-{uuid.uuid4().hex[:8]}"
+        self.worker_ids.append(worker_id)
+        worker = self._stack.start(
+            f"worker:{self._name}-{len(self.worker_ids)}",
+            env={**self._env, **env, "AXON_WORKER_ID": worker_id},
+            ready_timeout_s=300,
+            ready_path=ready_path,
+        )
+        self.started.append(worker)
+        self.ids[worker.process.pid] = worker_id
+        return worker
+
+    def alive(self) -> list[Service]:
+        return [w for w in self.started if w.process.poll() is None]
+
+    def at_least(self, count: int) -> list[Service]:
+        while len(self.alive()) < count:
+            self.start()
+        return self.alive()
+
+    def stop(self) -> None:
+        for worker in self.alive():
+            worker.stop()
+
+
+def processes_of(worker_id: str) -> list[int]:
+    """Processes whose environment names this worker id: the worker and every process it started."""
+    found = []
+    marker = f"AXON_WORKER_ID={worker_id}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as environ:
+                    if marker in environ.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def no_process_left(worker_id: str, *, timeout_s: float = 15) -> None:
+    """Until no process of the worker is left (vLLM's engine core would outlive a SIGKILLed worker
+    but for services/worker/engines/orphans.py)."""
+    deadline = time.monotonic() + timeout_s
+    while processes_of(worker_id):
+        assert time.monotonic() < deadline, f"processes of worker {worker_id} still run: {processes_of(worker_id)}"
+        time.sleep(0.2)
+
+
+def engine_core_of(worker: Service) -> int:
+    """The pid of the worker's vLLM engine-core child process."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/comm") as comm:
+                    name = comm.read().strip()
+            except OSError:
+                continue
+            if int(fields[1]) == worker.process.pid and name.startswith("VLLM::EngineCor"):
+                return int(entry)
+    raise AssertionError("no engine-core process")
+
+
+def stream_killing(client: OpenAI, kill: Callable[[], None], **body: Any) -> str:
+    """Stream a greedy chat answer, calling `kill()` after its 8th chunk; the whole text received."""
+    pieces = []
+    for chunk in client.chat.completions.create(temperature=0, stream=True, **body):
+        pieces.append(chunk.choices[0].delta.content or "")
+        if len(pieces) == 8:
+            kill()
+    return "".join(pieces)
