@@ -4,10 +4,12 @@ the same prompts, lengths and concurrency; prints both and what the platform add
 
     .venv/bin/python benchmarks/engine_vs_stack.py --engine sim                 # 64 streams, ~2 min
     .venv/bin/python benchmarks/engine_vs_stack.py --engine transformers        # 16 streams, ~4 min
+    .venv/bin/python benchmarks/engine_vs_stack.py --engine vllm                # 16 streams, ~3 min
 
 The engine comes from the worker's own factory with the worker's settings (`sim`:
-AXON_SIM_TTFT_MS, AXON_SIM_ITL_MS from `--sim-ttft-ms`, `--sim-itl-ms`; `transformers`: the
-bundled SmolLM2 GGUF on the CPU). The platform is started here (its own database, Redis namespace
+AXON_SIM_TTFT_MS, AXON_SIM_ITL_MS from `--sim-ttft-ms`, `--sim-itl-ms`; `transformers` and
+`vllm`: the bundled SmolLM2 on the CPU). Against vLLM's own server instead of the engine in a
+process: benchmarks/vllm_serve_vs_stack.py. The platform is started here (its own database, Redis namespace
 and queues, removed at the end); the in-process engine is stopped before the platform's worker
 serves, so the two never compete for the CPU.
 
@@ -243,10 +245,10 @@ def report(args: argparse.Namespace, direct: Side, stack: Side, spacing_s: float
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=["sim", "transformers"], default="sim")
-    parser.add_argument("--streams", type=int, help="requests in flight (default: 64 sim, 16 transformers)")
+    parser.add_argument("--engine", choices=["sim", "transformers", "vllm"], default="sim")
+    parser.add_argument("--streams", type=int, help="requests in flight (default: 64 sim, else 16)")
     parser.add_argument("--rounds", type=int, default=3, help="requests per stream")
-    parser.add_argument("--max-tokens", type=int, help="tokens per answer (default: 128 sim, 64 transformers)")
+    parser.add_argument("--max-tokens", type=int, help="tokens per answer (default: 128 sim, else 64)")
     parser.add_argument("--arrival", choices=["steady", "burst"], default="steady")
     parser.add_argument("--sim-ttft-ms", type=float, default=50.0)
     parser.add_argument("--sim-itl-ms", type=float, default=20.0)

@@ -115,14 +115,17 @@ class BenchEnvironment:
         self.processes.append(process)
         return process
 
-    def start_service(self, kind: str, *, env: dict[str, str] | None = None, name: str | None = None) -> Service:
-        """An Axon service (`worker`, `sessions`, `gateway`) as its console script runs it, once ready."""
+    def start_service(
+        self, kind: str, *, env: dict[str, str] | None = None, name: str | None = None, ready_timeout_s: float = 300
+    ) -> Service:
+        """An Axon service (`worker`, `sessions`, `gateway`) as its console script runs it, once ready
+        (a vLLM worker's first start also converts the bundled model: minutes on a busy machine)."""
         name = name or kind
         process = launcher.start_service(
             kind, env=self.env(env), port=launcher.free_port(), name=name, log_path=self.log_dir / f"{name}.log"
         )
         self.processes.append(process)
-        launcher.wait_ready([process], timeout_s=120)
+        launcher.wait_ready([process], timeout_s=ready_timeout_s)
         return process
 
     def start_stack(self, worker_env: dict[str, str]) -> dict[str, Service]:

@@ -1,0 +1,111 @@
+"""Session affinity on vLLM's real prefix cache: `affinity.py`'s workload against two vLLM workers of one
+core each (the bundled SmolLM2), affinity on and off.
+
+    .venv/bin/python benchmarks/affinity_vllm.py             # about 8 minutes on 2 cores
+
+Two workers on the vLLM engine (`AXON_CPU_THREADS_BIND` 0 and 1: one core each), and two session
+managers with a gateway each: one with `AXON_AFFINITY_WAIT_MS=250` (a session's turn goes to the
+worker that served its last one), one with 0 (every turn to the model's shared queue, so to
+either worker). Two phases of `--sessions` sessions x `--turns` turns over the public API
+(`session_id`, streamed, usage included), each phase in words of its own: affinity on, then off.
+`--active` sessions are in progress at once, each sending its next turn as soon as its last one
+ended (a closed loop: the workers are kept busy). A conversation is `affinity.py`'s (a 50-word
+system prompt, per turn a user message and an answer of `max_tokens` tokens), shortened by
+`--scale` for a CPU.
+
+Printed per phase: turns, turns lost, cached prompt tokens / prompt tokens (vLLM's
+`cached_tokens`: whole 128-token blocks found in the worker's prefix cache; all turns, and turns
+after the first), time to first token p50 / p99, end-to-end p50 / p99 and turns/s; then on / off.
+"""
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+from affinity import Conversation, report, run_phase, workload
+from harness import BenchEnvironment
+
+from services.worker.engines.gguf import bundled_gguf_path
+
+MODEL = "affinity-vllm"
+
+
+def scaled(conversations: list[Conversation], scale: float) -> list[Conversation]:
+    """The conversations with user messages and answers `scale` times as long."""
+    for conversation in conversations:
+        conversation.turns = [
+            (" ".join(message.split()[: max(1, int(len(message.split()) * scale))]), max(1, int(tokens * scale)))
+            for message, tokens in conversation.turns
+        ]
+    return conversations
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--active", type=int, default=8, help="sessions in progress at once")
+    parser.add_argument("--scale", type=float, default=0.25, help="length of messages and answers vs affinity.py")
+    parser.add_argument("--affinity-wait-ms", type=int, default=250, help="AXON_AFFINITY_WAIT_MS when on")
+    args = parser.parse_args()
+    phases = {"affinity on": 1, "affinity off": 2}
+    loads = {name: scaled(workload(seed, args.sessions, args.turns), args.scale) for name, seed in phases.items()}
+    results = {}
+    with BenchEnvironment() as env:
+        env.models.add(MODEL)
+        for core in (0, 1):
+            env.start_service(
+                "worker",
+                name=f"worker-{core}",
+                env={
+                    "AXON_ENGINE": "vllm",
+                    "AXON_MODEL": MODEL,
+                    "AXON_MODEL_PATH": str(bundled_gguf_path()),
+                    "AXON_CPU_THREADS_BIND": str(core),
+                    "AXON_WORKER_ID": f"bench-vllm-{core}",
+                },
+                ready_timeout_s=600,
+            )
+        gateways = {}
+        for label, wait in (("on", args.affinity_wait_ms), ("off", 0)):
+            sessions = env.start_service("sessions", name=f"sessions-{label}", env={"AXON_AFFINITY_WAIT_MS": str(wait)})
+            gateways[label] = env.start_service(
+                "gateway", name=f"gateway-{label}", env={"AXON_SESSIONS_URL": sessions.url}
+            )
+        key = env.create_key()
+        print(f"stack ready (logs in {env.log_dir}); {os.cpu_count()} CPUs", file=sys.stderr, flush=True)
+        for name in phases:
+            print(f"{name}...", file=sys.stderr, flush=True)
+            started = time.perf_counter()
+            results[name] = asyncio.run(
+                run_phase(
+                    gateways["on" if name == "affinity on" else "off"].url,
+                    key,
+                    loads[name],
+                    sim_ttft=lambda _turn: float("nan"),
+                    rate=1000.0,  # arrivals far faster than answers: each session's next turn at once
+                    active=args.active,
+                    seed=phases[name],
+                )
+            )
+            print(f"  {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    print(
+        f"\n2 vLLM workers x 1 core (the bundled SmolLM2, bfloat16, eager); {args.sessions} sessions x {args.turns} "
+        f"turns per phase, {args.active} in progress at once, messages and answers x {args.scale:g} of affinity.py's"
+    )
+    print(
+        f"{'phase':<14} {'turns':>6} {'lost':>5} {'deferred':>8} {'hit ratio':>9} {'(turns 2+)':>10} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'':>8} {'':>8} {'e2e p50':>8} {'e2e p99':>8} {'turns/s':>9}"
+    )
+    for name, result in results.items():
+        report(name, result)
+    on, off = results["affinity on"], results["affinity off"]
+    p50, p99 = (on["ttft_ms"][q] / off["ttft_ms"][q] for q in ("p50", "p99"))
+    print(f"on / off: hit ratio {on['hit_ratio'] / off['hit_ratio']:.2f} x, TTFT p50 {p50:.2f} x, p99 {p99:.2f} x")
+    return 0 if on["lost"] == off["lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
