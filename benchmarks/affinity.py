@@ -56,7 +56,7 @@ from pathlib import Path
 
 import httpx
 import redis.asyncio as aioredis
-from harness import BenchEnvironment
+from harness import BenchEnvironment, start_gateways
 
 from services.cli.launcher import Service
 from shared.names import Names
@@ -397,12 +397,7 @@ def main() -> int:
             )
             for i in range(WORKERS)
         }
-        gateways = {}
-        for label, wait in (("on", args.affinity_wait_ms), ("off", 0)):
-            sessions = env.start_service("sessions", name=f"sessions-{label}", env={"AXON_AFFINITY_WAIT_MS": str(wait)})
-            gateways[label] = env.start_service(
-                "gateway", name=f"gateway-{label}", env={"AXON_SESSIONS_URL": sessions.url}
-            )
+        gateways = start_gateways(env, args.affinity_wait_ms)
         key = env.create_key()
         print(f"stack ready (logs in {env.log_dir}); {os.cpu_count()} CPUs", file=sys.stderr, flush=True)
         print(

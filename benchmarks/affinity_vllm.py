@@ -25,7 +25,7 @@ import sys
 import time
 
 from affinity import Conversation, report, run_phase, workload
-from harness import BenchEnvironment
+from harness import BenchEnvironment, start_gateways
 
 from services.worker.engines.gguf import bundled_gguf_path
 
@@ -68,12 +68,7 @@ def main() -> int:
                 },
                 ready_timeout_s=600,
             )
-        gateways = {}
-        for label, wait in (("on", args.affinity_wait_ms), ("off", 0)):
-            sessions = env.start_service("sessions", name=f"sessions-{label}", env={"AXON_AFFINITY_WAIT_MS": str(wait)})
-            gateways[label] = env.start_service(
-                "gateway", name=f"gateway-{label}", env={"AXON_SESSIONS_URL": sessions.url}
-            )
+        gateways = start_gateways(env, args.affinity_wait_ms)
         key = env.create_key()
         print(f"stack ready (logs in {env.log_dir}); {os.cpu_count()} CPUs", file=sys.stderr, flush=True)
         for name in phases:

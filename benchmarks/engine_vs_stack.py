@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
-from harness import BenchEnvironment
+from harness import BenchEnvironment, loop_factory
 
 from services.cli.bench import request_headers, send_one
 from services.worker.engines.base import Engine, GenerationRequest
@@ -258,13 +258,8 @@ def main() -> int:
     args.max_tokens = args.max_tokens or (128 if args.engine == "sim" else 64)
     args.model = "sim" if args.engine == "sim" else "SmolLM2-135M-Instruct"
 
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
+    loop = loop_factory()
+    with asyncio.Runner(loop_factory=loop) as runner:
         duration_s = runner.run(answer_duration_s(args))
         spacing_s = duration_s / args.streams if args.arrival == "steady" else 0.0
         print(f"one answer takes {duration_s:.2f} s; measuring the engine in-process...", file=sys.stderr, flush=True)
@@ -273,7 +268,7 @@ def main() -> int:
         stack = env.start_stack(worker_env(args))
         key = env.create_key()
         print(f"platform ready (logs in {env.log_dir}); measuring through it...", file=sys.stderr, flush=True)
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
+        with asyncio.Runner(loop_factory=loop) as runner:
             stacked = runner.run(measure_stack(args, stack["gateway"].url, key, spacing_s))
     figures = report(args, direct, stacked, spacing_s)
     if args.json:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from harness import UNLIMITED, BenchEnvironment, cpu_seconds
+from harness import UNLIMITED, BenchEnvironment, cpu_seconds, loop_factory
 
 from services.cli.launcher import Service, free_port, wait_ready
 from shared.http1 import Http1Pool
@@ -468,13 +468,8 @@ def main() -> int:
         wait_ready(list(variants.values()), timeout_s=120)
         check_variants(variants["A"], variants["B"], key)
         print(f"measuring (logs in {env.log_dir})", file=sys.stderr, flush=True)
-        try:  # the driver is not what is measured: keep it cheap
-            import uvloop
-
-            loop_factory = uvloop.new_event_loop
-        except ImportError:
-            loop_factory = None
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
+        # The driver is not what is measured: keep it cheap.
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             results = runner.run(measure(args, variants, key))
         summary = report(args, results)
         if args.json:

@@ -12,6 +12,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 
@@ -135,6 +136,25 @@ class BenchEnvironment:
         sessions = self.start_service("sessions")
         gateway = self.start_service("gateway", env={"AXON_SESSIONS_URL": sessions.url})
         return {"worker": worker, "sessions": sessions, "gateway": gateway}
+
+
+def loop_factory() -> Any:
+    """uvloop's event loop where it is installed (as the services run), else asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def start_gateways(env: "BenchEnvironment", affinity_wait_ms: int) -> dict[str, Service]:
+    """Two session managers, each with a gateway: `on` with `AXON_AFFINITY_WAIT_MS` = `affinity_wait_ms`,
+    `off` with 0 (every job to its model's shared queue)."""
+    gateways = {}
+    for label, wait in (("on", affinity_wait_ms), ("off", 0)):
+        sessions = env.start_service("sessions", name=f"sessions-{label}", env={"AXON_AFFINITY_WAIT_MS": str(wait)})
+        gateways[label] = env.start_service("gateway", name=f"gateway-{label}", env={"AXON_SESSIONS_URL": sessions.url})
+    return gateways
 
 
 class CpuMeter:

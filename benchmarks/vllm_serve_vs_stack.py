@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import orjson
 from engine_vs_stack import Result, Side, run_streams
-from harness import BenchEnvironment, cpu_seconds, server_pids
+from harness import BenchEnvironment, cpu_seconds, loop_factory, server_pids
 
 from services.cli import launcher
 from services.cli.bench import request_headers, send_one
@@ -158,13 +158,7 @@ def main() -> int:
         "AXON_CPU_THREADS_BIND": args.cpu_threads_bind,
     }
     print(f"vllm serve {' '.join(serve_flags(options, cpu))}", file=sys.stderr, flush=True)
-    loop_factory: Any = None
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        pass
+    loop = loop_factory()
     rows = []
     with BenchEnvironment() as env:
         serve = start_vllm_serve(env, options, cpu)
@@ -179,7 +173,7 @@ def main() -> int:
             "axon": [pid for p in stack.values() for pid in (p.process.pid, *descendants(p.process.pid))] + shared,
         }
         print(f"both up (logs in {env.log_dir}); measuring...", file=sys.stderr, flush=True)
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
+        with asyncio.Runner(loop_factory=loop) as runner:
             started = time.perf_counter()
             runner.run(measure(serve.url, None, streams=1, requests=1, max_tokens=args.max_tokens, spacing_s=0))
             answer_s = time.perf_counter() - started

@@ -16,9 +16,8 @@ import argparse
 import asyncio
 import sys
 import time
-from typing import Any
 
-from harness import BenchEnvironment, cpu_seconds
+from harness import BenchEnvironment, cpu_seconds, loop_factory
 from vllm_serve_vs_stack import measure, pooled
 
 from services.worker.engines.gguf import bundled_gguf_path
@@ -54,14 +53,8 @@ def main() -> int:
         gateway = env.start_service("gateway", env={"AXON_SESSIONS_URL": sessions.url})
         key = env.create_key()
         print(f"platform ready (logs in {env.log_dir}); measuring...", file=sys.stderr, flush=True)
-        loop_factory: Any = None
-        try:
-            import uvloop
-
-            loop_factory = uvloop.new_event_loop
-        except ImportError:
-            pass
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
+        loop = loop_factory()
+        with asyncio.Runner(loop_factory=loop) as runner:
             for streams in args.streams:
                 sides: dict[str, list] = {engine: [] for engine in MODELS}
                 idle: dict[str, float] = dict.fromkeys(MODELS, 0.0)

@@ -7,6 +7,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from services.cli.launcher import Service
+from tests.contract.transport import ContractTransport
 from tests.e2e.stack import Stack
 from tests.services import ServiceUrls
 
@@ -66,3 +67,12 @@ def aclient(gateway: Service, api_key: str) -> AsyncOpenAI:
 @pytest.fixture
 def auth(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"}
+
+
+@pytest.fixture(scope="module")
+def checked() -> Iterator[ContractTransport]:
+    """An httpx transport that checks every answer and chunk against OpenAI's schemas; the module
+    fails if any did not match."""
+    transport = ContractTransport()
+    yield transport
+    assert transport.violations == []

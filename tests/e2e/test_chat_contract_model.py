@@ -54,13 +54,6 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def checked() -> Iterator[ContractTransport]:
-    transport = ContractTransport()
-    yield transport
-    assert transport.violations == []
-
-
-@pytest.fixture(scope="module")
 def cpu_worker(stack: Stack) -> Iterator[Service]:
     worker = stack.start("worker:smollm2-contract", env=WORKER_ENV, ready_timeout_s=240)
     yield worker

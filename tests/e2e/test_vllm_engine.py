@@ -113,13 +113,6 @@ def vllm_worker(workers: VllmWorkers) -> Service:
 
 
 @pytest.fixture(scope="module")
-def checked() -> Iterator[ContractTransport]:
-    transport = ContractTransport()
-    yield transport
-    assert transport.violations == []
-
-
-@pytest.fixture(scope="module")
 def sdk(vllm_worker: Service, gateway: Service, api_key: str, checked: ContractTransport) -> OpenAI:
     client = OpenAI(
         base_url=f"{gateway.url}/v1",
@@ -219,26 +212,19 @@ def test_structured_outputs_through_the_sdk_instructor_and_langchain(
 
 
 def test_tool_calls_auto_required_and_named(sdk: OpenAI) -> None:
-    auto = sdk.chat.completions.create(
-        model=MODEL,
-        messages=[*FEW_SHOT, {"role": "user", "content": "Weather in Berlin?"}],
-        tools=[WEATHER],
-        temperature=0,
-        max_tokens=60,
-    )
-    choice = auto.choices[0]
+    berlin = {
+        "model": MODEL,
+        "messages": [*FEW_SHOT, {"role": "user", "content": "Weather in Berlin?"}],
+        "tools": [WEATHER],
+        "temperature": 0,
+        "max_tokens": 60,
+    }
+    choice = sdk.chat.completions.create(**berlin).choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     (call,) = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Berlin"})
     assert call.id.startswith("call_")
-    streamed = sdk.chat.completions.create(
-        model=MODEL,
-        messages=[*FEW_SHOT, {"role": "user", "content": "Weather in Berlin?"}],
-        tools=[WEATHER],
-        temperature=0,
-        max_tokens=60,
-        stream=True,
-    )
+    streamed = sdk.chat.completions.create(**berlin, stream=True)
     deltas = [d for chunk in streamed if chunk.choices for d in (chunk.choices[0].delta.tool_calls or [])]
     assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
