@@ -129,10 +129,10 @@ def capacity(
     return WORKERS * max_seqs / statistics.fmean(holds)
 
 
-async def send_turn(http: httpx.AsyncClient, conversation: Conversation, turn: Turn) -> None:
+async def send_turn(http: httpx.AsyncClient, conversation: Conversation, turn: Turn, model: str = MODEL) -> None:
     message, max_tokens = conversation.turns[turn.index]
     body = {
-        "model": MODEL,
+        "model": model,
         "session_id": conversation.session_id,
         "messages": [{"role": "user", "content": message}],
         "max_tokens": max_tokens,
@@ -209,6 +209,7 @@ async def run_phase(
     active: int,
     seed: int,
     kill: Kill | None = None,
+    model: str = MODEL,
 ) -> dict:
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
@@ -250,7 +251,7 @@ async def run_phase(
                 idle.append(i)
 
         async def run(conversation: Conversation, i: int, turn: Turn) -> None:
-            await send_turn(http, conversation, turn)
+            await send_turn(http, conversation, turn, model)
             conversation.done += 1
             free(i)
 

@@ -83,6 +83,7 @@ def main() -> int:
                     rate=1000.0,  # arrivals far faster than answers: each session's next turn at once
                     active=args.active,
                     seed=phases[name],
+                    model=MODEL,
                 )
             )
             print(f"  {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)

@@ -3,8 +3,10 @@ reads only from its own environment variables (set here, for the engine's proces
 
 Nothing here imports vLLM; `on_cpu` says which platform vLLM found. Defaults on CPU (measured on 2
 cores, benchmarks/RESULTS.md): a 1 GiB KV cache (vLLM's CPU backend otherwise reads
-`gpu_memory_utilization` as a share of the host's RAM), eager execution (torch.compile starts
-several times slower for little more throughput), and every core this process may use bound to the
+`gpu_memory_utilization` as a share of the host's RAM), eager execution (torch.compile takes the
+start from 25 s to 116 s for 1 % more tokens/s at one stream and 25 % at 16: a worker that must
+come up quickly, as `make up`'s, is better eager; set AXON_ENFORCE_EAGER=false for a long-running
+one under load), and every core this process may use bound to the
 engine's threads, split evenly between its ranks (vLLM's own `auto` keeps a core back, and fails
 tensor parallelism on a machine with one NUMA node).
 """
