@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 from tests.deploy.support import (
     DOCKER_DIR,
@@ -155,6 +156,9 @@ def test_gpu_image_is_built_on_vllms_official_image() -> None:
     final = stages[-1]
     assert final.base == "${VLLM_IMAGE}"
     assert global_args["VLLM_IMAGE"].startswith("vllm/vllm-openai:")
+    # The image's vLLM must satisfy the gpu extra, or pip would install another over it.
+    (gpu_pin,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert SpecifierSet(gpu_pin.removeprefix("vllm")).contains(global_args["VLLM_IMAGE"].rsplit(":v", 1)[1])
     instructions = final.instructions
     assert ("ENTRYPOINT", "[]") in instructions, "vLLM's image would start `vllm serve`"
     assert any(keyword == "RUN" and "'.[gpu]'" in rest for keyword, rest in instructions)
