@@ -45,7 +45,7 @@ def uniform(rng: random.Random) -> Route:
 
 
 def prefix_hash(messages: list[Message]) -> int:
-    """Like `services/sessions/jobs.py:conversation_home`: a request with an answer in it goes to the
+    """Like `services/sessions/job_publishing.py:conversation_home`: a request with an answer in it goes to the
     worker its system prompt, first question and first answer hash to; any other to any worker."""
     if not any(m.role == "assistant" for m in messages):
         return _SPREAD.randrange(WORKERS)

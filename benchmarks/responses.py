@@ -373,9 +373,9 @@ def session_bytes(tokens: int) -> str:
     """What the session manager holds for one stored response in flight, built here as it builds
     them: its target and record, the relay's per-request objects and the event builder fed
     `tokens` one-word chunks."""
-    from services.sessions.responses import Answer, ResponseBuilder
-    from services.sessions.responses_api import ResponseEvents, Target, response_object, skeleton_of
-    from services.sessions.service import Choice
+    from services.sessions.active_request import Choice
+    from services.sessions.chat.protocol import Answer, ResponseBuilder
+    from services.sessions.responses.service import ResponseEvents, Target, response_object, skeleton_of
     from shared.responses_requests import ResponseCreate
     from shared.schemas import Job, Message, Sampling, TokenChunk
 

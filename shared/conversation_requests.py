@@ -2,7 +2,7 @@
 
 Plain pydantic (no fastapi), like `shared/session_requests.py`: the session manager validates
 bodies with them and the gateway's OpenAPI document is generated from them. Items are checked
-and mapped onto session messages by `services/sessions/conversations.py` (a bad item gets a 400
+and mapped onto session messages by `services/sessions/conversations/protocol.py` (a bad item gets a 400
 naming it, `items[0].type`), so here they are only JSON objects.
 """
 

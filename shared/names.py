@@ -71,7 +71,7 @@ class Names:
         return f"{self.namespace}:chunks-meta:{job_id}"
 
     def response(self, response_id: str) -> str:
-        """A stored response's record (JSON: `responses_api.StoredResponse`), kept
+        """A stored response's record (JSON: `sessions/responses/store.py:StoredResponse`), kept
         `AXON_RESPONSE_TTL_S`."""
         return f"{self.namespace}:response:{response_id}"
 

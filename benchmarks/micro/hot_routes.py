@@ -18,7 +18,7 @@ dependency `CallerDep`, as its FastAPI routes take it), parse the body into the 
 model (`ChatCompletionRequest`, pydantic), wait for the service once per chunk (here one trip
 through the event loop, `next_chunk`, so the 100 requests are really in flight together) while
 watching for a client disconnect, and answer with the same bytes (checked before measuring). The
-hot routes do it as `services/sessions/api/routes.py`'s handlers do; the FastAPI routes as that
+hot routes do it as `services/sessions/chat/router.py`'s handlers do; the FastAPI routes as that
 file did before the hot routes (commit 42ee1e9's parent), less the service and metrics:
 
 - `json`: a chat completion as JSON. Hot: `read_body`, `model_validate_json`, a `DisconnectWatch`
@@ -47,11 +47,11 @@ from starlette.background import BackgroundTask
 from starlette.types import Message, Receive, Scope, Send
 
 from benchmarks.micro.common import Comparison, Contender, add_arguments, compare, report, run
-from services.sessions.api.deps import CallerDep, caller_from
-from services.sessions.service import Caller
+from services.sessions.deps import CallerDep, caller_from
 from shared.disconnects import DisconnectWatch, unless_disconnected
 from shared.hot_routes import HotRoute, HotRoutes, read_body, send_json
 from shared.http_errors import install_error_handlers
+from shared.internal_headers import Caller
 from shared.middleware import NO_FASTAPI_TELEMETRY
 from shared.openai_requests import ChatCompletionRequest
 from shared.responses import SSE_END, ORJSONResponse

@@ -8,15 +8,20 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from services.sessions.api import conversations as conversations_api
-from services.sessions.api import responses as responses_api
-from services.sessions.api import sessions as sessions_api
-from services.sessions.api.routes import HOT_ROUTES, router
+from services.sessions.chat import router as chat_router
+from services.sessions.chat.service import ChatService
+from services.sessions.completions import CompletionService
+from services.sessions.conversations import router as conversations_router
+from services.sessions.deps import SessionServices
 from services.sessions.metrics import SessionsMetrics
+from services.sessions.models import router as models_router
 from services.sessions.resources import SessionsResources, open_resources
-from services.sessions.response_runs import ResponseLeases
-from services.sessions.responses_api import ResponsesService, ResponseStore
-from services.sessions.service import CompletionService
+from services.sessions.responses import router as responses_router
+from services.sessions.responses.leases import ResponseLeases
+from services.sessions.responses.service import ResponsesService
+from services.sessions.responses.store import ResponseStore
+from services.sessions.run_on import RunOn
+from services.sessions.session_api import router as session_router
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import Turns
 from shared.hot_routes import HotRoutes
@@ -69,17 +74,15 @@ async def _update_outbox_gauges(app: FastAPI, metrics: SessionsMetrics) -> None:
 
 def _attach_services(
     app: FastAPI, opened: SessionsResources, *, settings: SessionsSettings, metrics: SessionsMetrics
-) -> None:
-    """Build the completion service on what is open and put it all on `app.state`, for the routes."""
+) -> SessionServices:
+    """Build the services on what is open; the probes' connections go on `app.state`, the routes'
+    services in `app.state.services` (`deps.SessionServices`)."""
     app.state.redis = opened.redis
     app.state.amqp = opened.amqp
-    app.state.catalog = opened.catalog
     app.state.db = opened.db
     app.state.database_seen = False
-    app.state.sessions = opened.store
     app.state.names = opened.names
-    app.state.chunk_log = opened.chunk_log
-    app.state.completions = CompletionService(
+    completions = CompletionService(
         settings=settings,
         catalog=opened.catalog,
         relay=opened.relay,
@@ -95,11 +98,20 @@ def _attach_services(
             affinity=opened.publisher.affinity,
         ),
         metrics=metrics,
-        chunk_log=opened.chunk_log,
     )
-    app.state.responses = ResponsesService(
+    run_on = RunOn(
+        ResponseLeases(
+            opened.redis,
+            namespace=settings.namespace,
+            instance_id=opened.instance_id,
+            lease_s=settings.response_lease_s,
+            leased=metrics.responses_leased,
+            taken_over=metrics.responses_taken_over,
+        )
+    )
+    responses = ResponsesService(
         settings=settings,
-        completions=app.state.completions,
+        completions=completions,
         catalog=opened.catalog,
         sessions=opened.store,
         store=ResponseStore(
@@ -110,16 +122,22 @@ def _attach_services(
             ttl_s=settings.response_ttl_s,
             pipe=opened.pipe,
         ),
-        chunk_log=app.state.chunk_log,
-        leases=ResponseLeases(
-            opened.redis,
-            namespace=settings.namespace,
-            instance_id=opened.instance_id,
-            lease_s=settings.response_lease_s,
-            leased=metrics.responses_leased,
-            taken_over=metrics.responses_taken_over,
-        ),
+        chunk_log=opened.chunk_log,
+        run_on=run_on,
     )
+    services = SessionServices(
+        completions=completions,
+        chat=ChatService(completions=completions, run_on=run_on, chunk_log=opened.chunk_log, metrics=metrics),
+        responses=responses,
+        run_on=run_on,
+        catalog=opened.catalog,
+        sessions=opened.store,
+        chunk_log=opened.chunk_log,
+        metrics=metrics,
+        request_limits=settings.request_limits,
+    )
+    app.state.services = services
+    return services
 
 
 def create_app(settings: SessionsSettings | None = None) -> FastAPI:
@@ -135,21 +153,18 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_resources(settings, metrics) as opened:
-            _attach_services(app, opened, settings=settings, metrics=metrics)
-            responses: ResponsesService = app.state.responses
+            services = _attach_services(app, opened, settings=settings, metrics=metrics)
             # Renews this process's leases on unfinished stored responses, takes over expired ones.
-            sweeping = asyncio.create_task(responses.leases.run(responses.take_over))
+            sweeping = asyncio.create_task(services.run_on.sweep(services.responses.take_over))
             log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)
             try:
                 yield
             finally:
                 sweeping.cancel()
                 await asyncio.gather(sweeping, return_exceptions=True)
-                await responses.leases.stop()
-                # With no request left, turns whose clients left may still be running: stored
-                # complete if their answers end within the stop's grace (the deadline hook ends the rest).
-                completions: CompletionService = app.state.completions
-                await completions.detached_ended()
+                # Stored responses are handed over at once; turns whose clients left may still be
+                # running: stored complete if they end within the stop's grace (`RunOn`).
+                await services.run_on.stop()
 
     app = FastAPI(
         title="Axon session manager",
@@ -158,20 +173,19 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         redoc_url=None,
         telemetry=NO_FASTAPI_TELEMETRY,
     )
-    app.state.metrics = metrics
-    app.state.request_limits = settings.request_limits
     install_error_handlers(app)
-    app.add_middleware(HotRoutes, routes=HOT_ROUTES + responses_api.HOT_ROUTES)  # inside the two below
+    app.add_middleware(HotRoutes, routes=chat_router.HOT_ROUTES + responses_router.HOT_ROUTES)  # inside the two below
     app.add_middleware(InternalAuth, settings=settings)
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics.http,
         quiet_paths=PROBE_PATHS,
     )
-    app.include_router(router)
-    app.include_router(sessions_api.router)
-    app.include_router(conversations_api.router)
-    app.include_router(responses_api.router)
+    app.include_router(models_router.router)
+    app.include_router(chat_router.router)
+    app.include_router(session_router.router)
+    app.include_router(conversations_router.router)
+    app.include_router(responses_router.router)
 
     install_probes(
         app,

@@ -10,7 +10,7 @@ def main() -> None:
     # is counted like any other, not a KeyboardInterrupt.
     signals = StopSignals.hold()
     from services.sessions.app import create_app
-    from services.sessions.service import CompletionService
+    from services.sessions.deps import SessionServices
     from services.sessions.settings import SessionsSettings
     from shared.logging import configure_logging, get_logger
     from shared.serving import grace_s, serve
@@ -25,8 +25,9 @@ def main() -> None:
         sys.exit(2)
 
     async def interrupt_streams() -> None:
-        completions: CompletionService = app.state.completions
-        await completions.interrupt_streams()
+        services: SessionServices = app.state.services
+        await services.run_on.call_off()
+        await services.completions.interrupt_streams()
 
     serve(
         app,

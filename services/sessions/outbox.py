@@ -157,7 +157,7 @@ class UsageRow(BaseModel):
 
 
 class ResponseRow(BaseModel):
-    """A stored response (`services/sessions/responses_api.py`): `body` is its Redis value's JSON."""
+    """A stored response (`services/sessions/responses/store.py`): `body` is its Redis value's JSON."""
 
     id: str
     tenant: str

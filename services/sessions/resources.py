@@ -15,7 +15,7 @@ from aio_pika.abc import AbstractRobustConnection
 from services.sessions.catalog import ModelCatalog
 from services.sessions.chunk_log import ChunkLog
 from services.sessions.history import SessionStore
-from services.sessions.jobs import JobPublisher
+from services.sessions.job_publishing import JobPublisher
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox
 from services.sessions.persister import Persister

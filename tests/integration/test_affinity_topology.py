@@ -12,7 +12,7 @@ import pytest
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
 from prometheus_client import CollectorRegistry, Counter
 
-from services.sessions.jobs import JobPublisher
+from services.sessions.job_publishing import JobPublisher
 from shared.clients import connect_amqp
 from shared.names import Names
 from shared.schemas import Job

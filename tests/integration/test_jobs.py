@@ -6,7 +6,7 @@ import uuid
 import aio_pika
 import pytest
 
-from services.sessions.jobs import JobPublisher
+from services.sessions.job_publishing import JobPublisher
 from shared.clients import connect_amqp
 from shared.errors import Unavailable
 from shared.names import Names

@@ -15,10 +15,11 @@ import orjson
 import pytest
 
 from services.sessions.chunk_log import ChunkLog
+from services.sessions.completions import CompletionService
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox
-from services.sessions.response_runs import ResponseLeases
-from services.sessions.responses_api import (
+from services.sessions.responses.leases import ResponseLeases
+from services.sessions.responses.service import (
     Pending,
     ResponseEvents,
     ResponsesService,
@@ -27,9 +28,10 @@ from services.sessions.responses_api import (
     finished_response,
     skeleton_of,
 )
-from services.sessions.service import Caller, CompletionService
+from services.sessions.run_on import RunOn
 from services.sessions.settings import SessionsSettings
 from shared.errors import InvalidRequest
+from shared.internal_headers import Caller
 from shared.keys import KeyLimits
 from shared.names import Names
 from shared.ratelimit import RateLimiter, budget_window
@@ -69,7 +71,7 @@ def _service(
         sessions=None,  # type: ignore[arg-type]
         store=store,
         chunk_log=ChunkLog(redis_client, names, block_s=0.5),
-        leases=_leases(redis_client, names, "taker"),
+        run_on=RunOn(_leases(redis_client, names, "taker")),
     )
 
 
@@ -162,7 +164,7 @@ async def test_a_resume_whose_log_is_complete_ends_once_the_response_is_stored(s
     log_key = names.chunk_log(stored.job_id or "")
     for chunk in chunks:  # as the worker logs them: the answer is complete, its relay has not stored it yet
         await redis_client.xadd(log_key, {"c": chunk.model_dump_json(exclude_none=True)}, id=f"0-{chunk.seq + 1}")
-    events = await service.replay("t", response_id, starting_after=3)
+    events = await service.replays.replay("t", response_id, starting_after=3)
 
     async def store_it_soon() -> None:
         await asyncio.sleep(0.3)
@@ -268,7 +270,7 @@ async def test_starting_after_past_the_end_of_a_running_response(setup, redis_cl
 
     try:
         await log(chunks[0])  # 2 opening events, 3 of the first text; its end is not known yet
-        events = await service.replay("t", response_id, starting_after=50)
+        events = await service.replays.replay("t", response_id, starting_after=50)
         ending = asyncio.create_task(end_it_soon())
         pieces = [piece async for piece in events]
         await ending
@@ -279,7 +281,7 @@ async def test_starting_after_past_the_end_of_a_running_response(setup, redis_cl
         await store.open(response_id, stored, owner="o", lease_expiry_ms=int(time.time() * 1000) + 60_000)
         for after in (9, 50):  # unfinished again, its log complete: its end is known
             with pytest.raises(InvalidRequest, match="its last event is 9"):
-                await service.replay("t", response_id, starting_after=after)
+                await service.replays.replay("t", response_id, starting_after=after)
     finally:
         await redis_client.delete(log_key)
 
@@ -289,13 +291,13 @@ async def test_a_followed_response_sends_keep_alives_while_nothing_comes(setup, 
     sends an SSE comment every `keepalive_s`, so idle timeouts on the way do not cut it."""
     names, store = setup
     service = _service(store, redis_client, names)
-    service.keepalive_s = 0.1
+    service.replays.keepalive_s = 0.1
     response_id = "resp_" + uuid.uuid4().hex
     stored = _unfinished(response_id, deadline=time.time() + 3600)
     await store.open(response_id, stored, owner="o", lease_expiry_ms=int(time.time() * 1000) + 60_000)
     log_key = names.chunk_log(stored.job_id or "")
     final = TokenChunk(seq=0, text="Hi", finish_reason="stop", usage=Usage())
-    events = await service.replay("t", response_id, starting_after=None)
+    events = await service.replays.replay("t", response_id, starting_after=None)
     try:
         assert (await anext(events)).startswith(b"event: response.created\n")
         async with asyncio.timeout(2):

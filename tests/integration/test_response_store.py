@@ -11,7 +11,7 @@ import pytest
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox
 from services.sessions.persister import Persister
-from services.sessions.responses_api import ResponseStore, StoredResponse
+from services.sessions.responses.store import ResponseStore, StoredResponse
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Message

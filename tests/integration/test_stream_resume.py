@@ -10,9 +10,9 @@ from typing import Any
 import orjson
 import pytest
 
-from services.sessions import stream_resume
+from services.sessions.chat import resume as stream_resume
+from services.sessions.chat.resume import open_chat_stream
 from services.sessions.chunk_log import ChunkLog, StreamMeta
-from services.sessions.stream_resume import open_chat_stream
 from shared.clients import create_redis
 from shared.errors import InvalidRequest, NotFound
 from shared.names import Names

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 
-from services.sessions.service import _MARK_BILLED
+from services.sessions.billing import _MARK_BILLED
 from services.worker.engines import EngineError, EngineOutput, GenerationRequest
 from services.worker.engines.sim import SimEngine
 from services.worker.failover import Failover, Progress

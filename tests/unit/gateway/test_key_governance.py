@@ -12,7 +12,7 @@ from services.cli.keys import _update_values, parse_duration, parse_limit, parse
 from services.cli.main import build_parser
 from services.gateway.api.admin import KeyCreate, KeyUpdate
 from services.gateway.service import budget_reservation
-from services.sessions.api.deps import caller_from
+from services.sessions.deps import caller_from
 from shared.errors import InvalidRequest, invalid_request
 from shared.keys import KeyRecord, model_allowed
 from shared.ratelimit import BudgetReservation

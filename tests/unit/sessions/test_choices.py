@@ -1,4 +1,4 @@
-"""services/sessions/service.py: a request's `n` jobs, published all or none, and each choice's seed."""
+"""sessions/job_publishing.py, job_building.py: a request's `n` jobs, published all or none, each choice's seed."""
 
 import asyncio
 import time
@@ -6,10 +6,9 @@ from typing import Any
 
 import pytest
 
-from services.sessions.metrics import SessionsMetrics
+from services.sessions.job_building import for_choice
+from services.sessions.job_publishing import publish_all
 from services.sessions.relay import TokenStream
-from services.sessions.service import CompletionService, _for_choice
-from services.sessions.settings import SessionsSettings
 from shared.errors import Unavailable
 from shared.schemas import Job, Sampling
 
@@ -42,18 +41,9 @@ class Pipe:
         return future
 
 
-def _service(publisher: Publisher, pipe: Pipe) -> CompletionService:
-    return CompletionService(
-        settings=SessionsSettings(),
-        catalog=None,  # type: ignore[arg-type]
-        relay=None,  # type: ignore[arg-type]
-        publisher=publisher,  # type: ignore[arg-type]
-        pipe=pipe,  # type: ignore[arg-type]
-        outbox=None,  # type: ignore[arg-type]
-        limiter=None,  # type: ignore[arg-type]
-        turns=None,  # type: ignore[arg-type]
-        metrics=SessionsMetrics(),
-    )
+async def _publish(publisher: Publisher, pipe: Pipe, jobs: list[Job]) -> None:
+    cancel = lambda job_id: pipe.submit("PUBLISH", "cancel", job_id)  # noqa: E731
+    await publish_all(publisher, jobs, priority=0, request_id="r", home=None, cancel=cancel)  # type: ignore[arg-type]
 
 
 def _job(job_id: str, seed: int | None = None) -> Job:
@@ -73,7 +63,7 @@ UNCONFIRMED = Unavailable("no confirm")
 
 async def test_all_jobs_are_published_and_nothing_is_cancelled() -> None:
     publisher, pipe = Publisher({}), Pipe()
-    await _service(publisher, pipe)._publish([_job("a"), _job("b"), _job("c")], priority=0, request_id="r")
+    await _publish(publisher, pipe, [_job("a"), _job("b"), _job("c")])
     assert sorted(publisher.published) == ["a", "b", "c"] and pipe.cancelled == []
 
 
@@ -92,7 +82,7 @@ async def test_one_failed_publish_calls_the_other_choices_off(
 ) -> None:
     publisher, pipe = Publisher(failures), Pipe()
     with pytest.raises(Unavailable):
-        await _service(publisher, pipe)._publish([_job("a"), _job("b"), _job("c")], priority=0, request_id="r")
+        await _publish(publisher, pipe, [_job("a"), _job("b"), _job("c")])
     assert sorted(pipe.cancelled) == cancelled
 
 
@@ -100,7 +90,7 @@ async def test_one_failed_publish_calls_the_other_choices_off(
 async def test_a_single_job_is_called_off_only_if_it_may_be_queued(failure: Exception, cancelled: list[str]) -> None:
     publisher, pipe = Publisher({"a": failure}), Pipe()
     with pytest.raises(Unavailable) as raised:
-        await _service(publisher, pipe)._publish([_job("a")], priority=0, request_id="r")
+        await _publish(publisher, pipe, [_job("a")])
     assert raised.value is failure and pipe.cancelled == cancelled
 
 
@@ -110,10 +100,10 @@ def _stream(job_id: str) -> TokenStream:
 
 def test_each_choice_has_its_job_id_channel_and_seed_plus_its_index() -> None:
     first = _job("a", seed=40)
-    second = _for_choice(first, 2, _stream("c"))
+    second = for_choice(first, 2, _stream("c"))
     assert (second.job_id, second.channel, second.sampling.seed) == ("c", "tokens:c", 42)
     assert second.prompt == first.prompt and first.sampling.seed == 40  # the first choice's job is unchanged
-    unseeded = _for_choice(_job("a"), 1, _stream("b"))
+    unseeded = for_choice(_job("a"), 1, _stream("b"))
     assert unseeded.sampling.seed is None
     # Seeds stay 64-bit: the last one wraps around.
-    assert _for_choice(_job("a", seed=2**63 - 1), 1, _stream("b")).sampling.seed == -(2**63)
+    assert for_choice(_job("a", seed=2**63 - 1), 1, _stream("b")).sampling.seed == -(2**63)

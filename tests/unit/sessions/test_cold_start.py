@@ -9,13 +9,15 @@ import orjson
 import pytest
 from redis.exceptions import RedisError
 
-from services.sessions import service
+from services.sessions import cold_start
+from services.sessions.active_request import ActiveRequest, Choice
 from services.sessions.catalog import ModelCatalog
+from services.sessions.chat.protocol import ResponseBuilder
+from services.sessions.cold_start import cold_start_job, first_after_cold_start
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.relay import TokenStream
-from services.sessions.responses import ResponseBuilder
-from services.sessions.service import ActiveRequest, Caller, Choice, _cold_start, first_after_cold_start
 from shared.errors import Unavailable
+from shared.internal_headers import Caller
 from shared.openai_requests import RequestLimits, parse_request
 from shared.registry import LiveModel, WorkerRegistry
 from shared.schemas import Job, TokenChunk
@@ -61,7 +63,7 @@ def _waiting(metrics: SessionsMetrics) -> float:
 
 @pytest.fixture(autouse=True)
 def short_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service, "KEEPALIVE_INTERVAL_S", 0.1)
+    monkeypatch.setattr(cold_start, "KEEPALIVE_INTERVAL_S", 0.1)
 
 
 def test_a_cold_start_job_waits_at_most_until_its_deadline_and_carries_the_parameters_it_uses() -> None:
@@ -71,10 +73,10 @@ def test_a_cold_start_job_waits_at_most_until_its_deadline_and_carries_the_param
         RequestLimits(),
     )
     before = time.time()
-    job = _cold_start(_job(start_by=None), body, 30)
+    job = cold_start_job(_job(start_by=None), body, 30)
     assert before + 30 <= (job.start_by or 0) <= time.time() + 30
     assert job.requires == ["seed", "stop"]
-    capped = _cold_start(_job(start_by=None, deadline_in_s=10), body, 30)
+    capped = cold_start_job(_job(start_by=None, deadline_in_s=10), body, 30)
     assert capped.start_by == capped.deadline
 
 

@@ -1,4 +1,4 @@
-"""services/sessions/conversations.py: conversation and item ids, session messages <-> OpenAI
+"""services/sessions/conversations/protocol.py: conversation and item ids, session messages <-> OpenAI
 items both ways, deleted items, and the 400s for items and metadata Axon cannot store."""
 
 import datetime as dt
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from services.sessions.conversations import (
+from services.sessions.conversations.protocol import (
     MAX_SEQ,
     conversation_id,
     conversation_public,

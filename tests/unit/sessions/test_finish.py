@@ -1,4 +1,4 @@
-"""services/sessions/service.py: a request's end is charged even when its task is cancelled while
+"""services/sessions/completions.py: a request's end is charged even when its task is cancelled while
 its answer is being stored (the client left right then)."""
 
 import asyncio
@@ -7,11 +7,13 @@ from typing import Any
 
 import pytest
 
+from services.sessions.active_request import ActiveRequest, Choice
+from services.sessions.chat.protocol import ResponseBuilder
+from services.sessions.completions import CompletionService
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox
-from services.sessions.responses import ResponseBuilder
-from services.sessions.service import ActiveRequest, Caller, Choice, CompletionService
 from services.sessions.settings import SessionsSettings
+from shared.internal_headers import Caller
 from shared.names import Names
 from shared.schemas import Job, Sampling, Usage
 

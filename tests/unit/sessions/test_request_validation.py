@@ -10,6 +10,8 @@ import pytest
 
 from services.sessions.app import create_app
 from services.sessions.catalog import require_supported
+from services.sessions.deps import SessionServices
+from services.sessions.metrics import SessionsMetrics
 from services.sessions.settings import SessionsSettings
 from shared.errors import Conflict, InvalidRequest
 from shared.openai_requests import RequestLimits, parse_request
@@ -36,8 +38,20 @@ class _Service:
 
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(SessionsSettings(max_choices=4, max_schema_bytes=2048, internal_token=INTERNAL_TOKEN))
-    app.state.completions = _Service()
+    settings = SessionsSettings(max_choices=4, max_schema_bytes=2048, internal_token=INTERNAL_TOKEN)
+    app = create_app(settings)
+    # Only what a request reaches before the service (the app is not started: nothing is open).
+    app.state.services = SessionServices(
+        completions=_Service(),  # type: ignore[arg-type]
+        chat=None,  # type: ignore[arg-type]
+        responses=None,  # type: ignore[arg-type]
+        run_on=None,  # type: ignore[arg-type]
+        catalog=None,  # type: ignore[arg-type]
+        sessions=None,  # type: ignore[arg-type]
+        chunk_log=None,  # type: ignore[arg-type]
+        metrics=SessionsMetrics(),
+        request_limits=settings.request_limits,
+    )
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://sessions", headers=HEADERS) as c:
         yield c

@@ -1,4 +1,4 @@
-"""services/sessions/responses.py: OpenAI's chunks and responses, checked against OpenAI's own
+"""services/sessions/chat/protocol.py: OpenAI's chunks and responses, checked against OpenAI's own
 schemas (tests/contract) and the `openai` SDK's types."""
 
 import time
@@ -7,15 +7,14 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from services.sessions.responses import (
+from services.sessions.chat.protocol import (
     Answer,
     ResponseBuilder,
     request_usage,
-    sse_event,
-    sse_named_event,
     usage_dict,
     work_usage,
 )
+from services.sessions.sse import sse_event, sse_named_event
 from shared.schemas import (
     FunctionCallDelta,
     PromptTokensDetails,

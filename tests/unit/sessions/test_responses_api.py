@@ -2,6 +2,7 @@
 the job) it runs as; an answer -> OpenAI's Response object, checked with the SDK's models."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
@@ -9,13 +10,9 @@ from pydantic import TypeAdapter
 from redis.exceptions import RedisError
 
 from services.gateway.service import _stream_end, budget_reservation, estimate_prompt_tokens
-from services.sessions.api.responses import parse_response_create
-from services.sessions.responses import Answer
-from services.sessions.responses_api import (
-    ResponseEvents,
-    ResponsesService,
-    StoredResponse,
-    Target,
+from services.sessions.chat.protocol import Answer
+from services.sessions.responses.events import ResponseEvents
+from services.sessions.responses.protocol import (
     answer_message,
     finished_response,
     input_messages,
@@ -25,6 +22,11 @@ from services.sessions.responses_api import (
     status_of,
     usage_object,
 )
+from services.sessions.responses.replay import ResponseReplays
+from services.sessions.responses.router import parse_response_create
+from services.sessions.responses.service import ResponsesService, Target
+from services.sessions.responses.store import StoredResponse
+from services.sessions.run_on import RunOn
 from services.sessions.turns import fit_history
 from shared.errors import InvalidRequest, Unavailable
 from shared.openai_requests import RequestLimits
@@ -339,7 +341,7 @@ async def test_a_response_that_cannot_be_stored_is_503_not_taken_for_kept() -> N
         sessions=None,  # type: ignore[arg-type]
         store=_DownStore(),  # type: ignore[arg-type]
         chunk_log=None,  # type: ignore[arg-type]
-        leases=None,  # type: ignore[arg-type]
+        run_on=RunOn(SimpleNamespace(lease_s=1.0)),  # type: ignore[arg-type]
     )
     response = finished_response(initial, status="completed", output=[], usage=Usage())
     with pytest.raises(Unavailable) as caught:
@@ -454,18 +456,10 @@ async def test_a_replay_from_any_event_is_the_rest_of_the_whole_replay() -> None
         built.chunk(chunk)
     final = finished_response(initial, status="completed", output=built.output("completed"), usage=None)
     stored = StoredResponse(tenant="t", response=final, input_items=[], context=[], job_id="j", last_seq=602)
-    service = ResponsesService(
-        settings=None,  # type: ignore[arg-type]
-        completions=None,  # type: ignore[arg-type]
-        catalog=None,  # type: ignore[arg-type]
-        sessions=None,  # type: ignore[arg-type]
-        store=None,  # type: ignore[arg-type]
-        chunk_log=None,  # type: ignore[arg-type]
-        leases=None,  # type: ignore[arg-type]
-    )
+    replays = ResponseReplays(settings=None, store=None, chunk_log=None, lease_s=1.0)  # type: ignore[arg-type]
 
     async def replay(after: int) -> list[dict]:
-        pieces = [piece async for piece in service._events("resp_cd", stored, chunks, after)]
+        pieces = [piece async for piece in replays._events("resp_cd", stored, chunks, after)]
         return _parse(pieces)
 
     whole = await replay(-1)

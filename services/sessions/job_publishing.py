@@ -4,9 +4,9 @@ waited `AXON_AFFINITY_WAIT_MS` there (per-message TTL and dead-lettering: the br
 a timer of ours)."""
 
 import asyncio
-import hashlib
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable
+from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
@@ -18,7 +18,7 @@ from prometheus_client import Counter
 from shared.errors import Unavailable
 from shared.logging import get_logger
 from shared.names import Names
-from shared.schemas import Job, Message
+from shared.schemas import Job
 from shared.topology import MAX_JOB_PRIORITY, declare_job_queue
 
 log = get_logger(__name__)
@@ -154,41 +154,43 @@ def _properties(job: Job, *, priority: int, request_id: str, expiration_ms: int)
     )
 
 
-def conversation_home(messages: Sequence[Message], homes: Collection[str]) -> str | None:
-    """The worker a sessionless chat that resends its own history goes to first, so its turns meet
-    their prefix in one worker's cache as a session's do (None: not such a request, or no worker).
+async def publish_all(
+    publisher: JobPublisher,
+    jobs: list[Job],
+    *,
+    priority: int,
+    request_id: str,
+    home: str | None,
+    cancel: Callable[[str], "asyncio.Future[Any]"],
+) -> None:
+    """Publish every job of a request (one per choice), or none: when one fails, the others are
+    called off (`cancel`). `home`: the worker whose own queue a session's (single) job goes to first.
 
-    The key is what stays the same across the conversation's turns: its system messages, first
-    user message and first answer. A request without an answer yet (most API traffic: one-shot
-    questions) shares nothing but its system prompt with others, which every worker caches
-    anyway, so it keeps going to the shared queue. Rendezvous hashing picks the worker: when one
-    joins or leaves, only the conversations it gains or had move.
+    Raises:
+        Unavailable: a job could not be queued.
     """
-    if not homes:
-        return None
-    answer = _first_answer(messages)
-    if answer is None:
-        return None
-    head = hashlib.blake2b(digest_size=16)
-    for message in messages[:answer]:
-        head.update(f"{message.role}\x00{message.content}\x00".encode())
-    first = messages[answer]
-    head.update(first.content.encode())
-    for call in first.tool_calls or ():
-        head.update(f"\x00{call.function.name}\x00{call.function.arguments}".encode())
-    key = head.digest()
-    return max(homes, key=lambda worker: hashlib.blake2b(key + worker.encode(), digest_size=8).digest())
+    publishes = [publisher.publish(job, priority=priority, request_id=request_id, home=home) for job in jobs]
+    results: list[BaseException | None]
+    if len(publishes) == 1:
+        try:
+            await publishes[0]
+            return
+        except Unavailable as exc:
+            results = [exc]
+    else:
+        results = await asyncio.gather(*publishes, return_exceptions=True)
+    failure = next((r for r in results if r is not None), None)
+    if failure is None:
+        return
+    for job, result in zip(jobs, results, strict=True):
+        # Unconfirmed (the broker went away before its confirm) or published, a job may be
+        # queued: workers skip a job they were told was cancelled, so none answers it for nobody.
+        if not (isinstance(result, Unavailable) and result.code == "queue_full"):
+            cancel(job.job_id).add_done_callback(_cancel_sent)
+    raise failure
 
 
-def _first_answer(messages: Sequence[Message]) -> int | None:
-    """The index of the first assistant message if it answers the first user message (and only
-    that one), else None; by roles alone, before any text is hashed."""
-    seen_user = False
-    for index, message in enumerate(messages):
-        if message.role == "user":
-            if seen_user:
-                return None  # several questions before any answer: not a resent conversation
-            seen_user = True
-        elif message.role == "assistant" and seen_user:
-            return index
-    return None
+def _cancel_sent(future: "asyncio.Future[Any]") -> None:
+    """A cancel notice's outcome: an error is only logged."""
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("cancel_publish_failed", error=repr(future.exception()))

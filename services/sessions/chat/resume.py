@@ -2,7 +2,7 @@
 client whose connection dropped (an Axon extension).
 
 The events are rebuilt from the job's chunk log (`chunk_log.py`) exactly as the session manager that
-relayed the job built them (`CompletionService.sse`): the same ids, `created`, `model`, deltas and
+relayed the job built them (`ChatService.sse`): the same ids, `created`, `model`, deltas and
 usage event, so the events before `Last-Event-ID` and those after it make the one stream. The log
 outlives that session manager, and a running job is followed live, so any replica answers.
 """
@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator
 import orjson
 from redis.exceptions import RedisError
 
+from services.sessions.active_request import chunk_error
+from services.sessions.chat.protocol import ResponseBuilder, has_event
 from services.sessions.chunk_log import ChunkLog, StreamMeta
-from services.sessions.responses import ResponseBuilder, has_event, sse_event
-from services.sessions.service import chunk_error
+from services.sessions.sse import sse_event
 from shared.errors import AxonError, InvalidRequest, NotFound, UpstreamError
 from shared.logging import get_logger
 from shared.responses import SSE_END

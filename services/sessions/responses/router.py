@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (`/v1/responses`) on the caller's tenant (`services/sessions/responses_api.py`).
+"""OpenAI's Responses API (`/v1/responses`) on the caller's tenant (`responses/service.py`).
 
 `POST /v1/responses` runs a completion, so it is a hot route like `/v1/chat/completions` (a client
 that disconnects cancels an unstored response's job; a stored one runs on); the stored responses'
@@ -11,24 +11,25 @@ from collections.abc import AsyncGenerator
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from services.sessions.api.deps import CallerDep, caller_from
-from services.sessions.api.routes import MAX_BODY_BYTES, StreamKeepAlive
-from services.sessions.conversations import item_list
-from services.sessions.responses_api import ResponsesService, StoredResponse, response_not_found
-from services.sessions.service import Caller
+from services.sessions.conversations.protocol import item_list
+from services.sessions.deps import MAX_BODY_BYTES, CallerDep, ServicesDep, SessionServices, caller_from, services_of
+from services.sessions.responses.protocol import response_not_found
+from services.sessions.responses.service import ResponsesService
+from services.sessions.responses.store import StoredResponse
+from services.sessions.sse import SSE_HEADERS, StreamKeepAlive
 from shared.disconnects import DisconnectWatch
 from shared.errors import AxonError, InvalidRequest, ModelNotFound, invalid_request
 from shared.hot_routes import HotRoute, read_body, send_json
+from shared.internal_headers import Caller
 from shared.logging import bind_contextvars
 from shared.responses_requests import ResponseCreate
 
 PATH = "/v1/responses"
-_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 router = APIRouter(prefix=PATH)
 
 
@@ -46,8 +47,8 @@ def parse_response_create(raw: bytes) -> ResponseCreate:
 
 
 async def _create(scope: Scope, receive: Receive, send: Send) -> None:
-    service: ResponsesService = scope["app"].state.responses
-    metrics = scope["app"].state.metrics
+    services = services_of(scope)
+    service, metrics = services.responses, services.metrics
     caller = caller_from(scope)
     body = parse_response_create(await read_body(scope, receive, max_bytes=MAX_BODY_BYTES))
     if body.user is not None:
@@ -82,7 +83,7 @@ async def _respond(
     if body.background:  # runs on its own: the client follows its events in its chunk log
         created = await service.create(body, caller=caller, request_id=request_id)
         await _send_events(
-            await service.replay(caller.tenant, created["id"], starting_after=None), scope, receive, send
+            await service.replays.replay(caller.tenant, created["id"], starting_after=None), scope, receive, send
         )
         return 200
     prepared = await service.prepare(body, caller=caller)
@@ -90,7 +91,7 @@ async def _respond(
     watch = DisconnectWatch(scope, receive)
     keepalive = None
     if active.job.start_by is not None:  # queued for a model with no live worker
-        keepalive = StreamKeepAlive(send, _SSE_HEADERS)
+        keepalive = StreamKeepAlive(send, SSE_HEADERS)
     try:
         # Failures before any token get a real status, unless the head went out with a keep-alive.
         first, rest = await service.first_chunk(prepared, active, on_wait=keepalive.beat if keepalive else None)
@@ -117,12 +118,12 @@ async def _send_events(
         async with contextlib.aclosing(events):
             async for piece in events:
                 if not started:
-                    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
                     started = True
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
         watch.stop()
         if not started:
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
         watch.stop()
@@ -131,13 +132,8 @@ async def _send_events(
 HOT_ROUTES = [HotRoute("POST", PATH, _create)]
 
 
-def _service(request: Request) -> ResponsesService:
-    service: ResponsesService = request.app.state.responses
-    return service
-
-
-async def _stored(request: Request, tenant: str, response_id: str) -> StoredResponse:
-    stored = await _service(request).store.get(tenant, response_id)
+async def _stored(services: SessionServices, tenant: str, response_id: str) -> StoredResponse:
+    stored = await services.responses.store.get(tenant, response_id)
     if stored is None:
         raise response_not_found()
     return stored
@@ -147,46 +143,46 @@ async def _stored(request: Request, tenant: str, response_id: str) -> StoredResp
 async def get_response(
     response_id: str,
     caller: CallerDep,
-    request: Request,
+    services: ServicesDep,
     stream: Annotated[bool, Query(description="Stream its events (replayed, then live until it ends).")] = False,
     starting_after: Annotated[
         int | None, Query(ge=-1, description="With stream: only the events after this sequence_number.")
     ] = None,
 ) -> dict[str, Any] | StreamingResponse:
     """A stored response (an unfinished one with its output so far), or with `stream` its events."""
-    service = _service(request)
+    service = services.responses
     if not stream:
         return await service.current(caller.tenant, response_id)
-    events = await service.replay(caller.tenant, response_id, starting_after=starting_after)
+    events = await service.replays.replay(caller.tenant, response_id, starting_after=starting_after)
     return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
 @router.delete("/{response_id}")
-async def delete_response(response_id: str, caller: CallerDep, request: Request) -> dict[str, Any]:
+async def delete_response(response_id: str, caller: CallerDep, services: ServicesDep) -> dict[str, Any]:
     """Delete a stored response (a later `previous_response_id` naming it gets 404)."""
-    if not await _service(request).store.delete(caller.tenant, response_id):
+    if not await services.responses.store.delete(caller.tenant, response_id):
         raise response_not_found()
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 @router.post("/{response_id}/cancel")
-async def cancel_response(response_id: str, caller: CallerDep, request: Request) -> dict[str, Any]:
+async def cancel_response(response_id: str, caller: CallerDep, services: ServicesDep) -> dict[str, Any]:
     """Cancel an unfinished stored response, background or not (an Axon extension: OpenAI cancels
     only background ones); 400 for a finished one."""
-    return await _service(request).cancel(caller.tenant, response_id)
+    return await services.responses.cancel(caller.tenant, response_id)
 
 
 @router.get("/{response_id}/input_items")
 async def list_input_items(
     response_id: str,
     caller: CallerDep,
-    request: Request,
+    services: ServicesDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Annotated[Literal["asc", "desc"], Query()] = "desc",
     after: Annotated[str | None, Query(max_length=64, description="id of the last item of the previous page")] = None,
 ) -> dict[str, Any]:
     """A stored response's input items, newest first unless `order=asc`."""
-    items = (await _stored(request, caller.tenant, response_id)).input_items
+    items = (await _stored(services, caller.tenant, response_id)).input_items
     if order == "desc":
         items = items[::-1]
     if after is not None:

@@ -4,7 +4,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from services.sessions.api.deps import CallerDep
+from services.sessions.deps import CallerDep, services_of
 from services.sessions.history import SessionStore
 from shared.logging import bind_contextvars
 from shared.session_requests import SessionCreate, SessionUpdate
@@ -20,8 +20,7 @@ router = APIRouter(prefix="/v1/sessions", dependencies=[Depends(_bind_session_id
 
 
 def _store(request: Request) -> SessionStore:
-    store: SessionStore = request.app.state.sessions
-    return store
+    return services_of(request.scope).sessions
 
 
 @router.post("", status_code=201)

@@ -1,21 +1,34 @@
-"""The caller identity the gateway forwards (`caller_from`, read by the hot completion routes
-too) and the FastAPI dependency for it.
+"""What a route handler needs, typed: the caller identity the gateway forwards (`caller_from`,
+read by the hot completion routes too, and `CallerDep`), and the session manager's services
+(`services_of` for the hot routes, `ServicesDep` for FastAPI routes), built once at start-up.
 
 Every dependency is `async def`: FastAPI runs a plain `def` one in a thread pool, a thread hop
 per request.
 """
 
-from typing import Annotated
+from dataclasses import dataclass
+from typing import Annotated, cast
 
 from fastapi import Depends, Request
 from starlette.types import Scope
 
-from services.sessions.service import Caller
+from services.sessions.catalog import ModelCatalog
+from services.sessions.chat.service import ChatService
+from services.sessions.chunk_log import ChunkLog
+from services.sessions.completions import CompletionService
+from services.sessions.history import SessionStore
+from services.sessions.metrics import SessionsMetrics
+from services.sessions.responses.service import ResponsesService
+from services.sessions.run_on import RunOn
 from shared.errors import InvalidRequest
 from shared.hot_routes import header
+from shared.internal_headers import Caller
 from shared.logging import bind_contextvars
+from shared.openai_requests import RequestLimits
 from shared.ratelimit import BudgetReservation
 
+# The gateway forwards bodies of at most AXON_MAX_BODY_BYTES; this only bounds a bad internal caller.
+MAX_BODY_BYTES = 64 * 1024 * 1024
 # Headers the gateway sets after authenticating the caller. The session manager is internal:
 # only the gateway can reach it (NetworkPolicy in the Helm chart).
 TENANT_HEADER = b"x-axon-tenant"
@@ -77,3 +90,30 @@ async def get_caller(request: Request) -> Caller:
 
 
 CallerDep = Annotated[Caller, Depends(get_caller)]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionServices:
+    """The session manager's services, as the routes use them (`app.state.services`)."""
+
+    completions: CompletionService
+    chat: ChatService
+    responses: ResponsesService
+    run_on: RunOn
+    catalog: ModelCatalog
+    sessions: SessionStore
+    chunk_log: ChunkLog
+    metrics: SessionsMetrics
+    request_limits: RequestLimits
+
+
+def services_of(scope: Scope) -> SessionServices:
+    """The services, from a hot route's ASGI scope."""
+    return cast(SessionServices, scope["app"].state.services)
+
+
+async def get_services(request: Request) -> SessionServices:
+    return services_of(request.scope)
+
+
+ServicesDep = Annotated[SessionServices, Depends(get_services)]

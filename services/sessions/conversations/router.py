@@ -1,13 +1,12 @@
 """OpenAI's Conversations API (`/v1/conversations`) on the caller's tenant's sessions: a
 conversation is a session and its items are the session's messages
-(`services/sessions/conversations.py`). Another tenant's conversation gets 404."""
+(`services/sessions/conversations/protocol.py`). Another tenant's conversation gets 404."""
 
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from services.sessions.api.deps import CallerDep
-from services.sessions.conversations import (
+from services.sessions.conversations.protocol import (
     MAX_SEQ,
     conversation_not_found,
     conversation_public,
@@ -18,6 +17,7 @@ from services.sessions.conversations import (
     message_items,
     session_id_of,
 )
+from services.sessions.deps import CallerDep, services_of
 from services.sessions.history import SessionInfo, SessionStore, StoredMessage
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
 from shared.errors import InvalidRequest, NotFound
@@ -35,8 +35,7 @@ router = APIRouter(prefix="/v1/conversations", dependencies=[Depends(_bind_conve
 
 
 def _store(request: Request) -> SessionStore:
-    store: SessionStore = request.app.state.sessions
-    return store
+    return services_of(request.scope).sessions
 
 
 async def _conversation(store: SessionStore, tenant: str, conversation: str) -> SessionInfo:

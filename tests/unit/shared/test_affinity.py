@@ -1,6 +1,6 @@
 """Which worker a sessionless chat that resends its history goes to first (prefix affinity)."""
 
-from services.sessions.jobs import conversation_home
+from shared.affinity import conversation_home
 from shared.schemas import FunctionCall, Message, ToolCall
 
 WORKERS = frozenset({"w0", "w1", "w2"})

@@ -8,7 +8,7 @@ it: each is looked at only when the request or the chunk carries it.
 Every streamed event has an SSE `id:` (an Axon extension; OpenAI's chat streams have none). With
 one choice it is the chunk's `seq`, and the usage event's is the final chunk's `seq` + 1: a client
 that reconnects sends the last one it received as `Last-Event-ID` to
-`GET /v1/chat/completions/{id}/stream` and gets the events after it (`stream_resume.py`). With `n`
+`GET /v1/chat/completions/{id}/stream` and gets the events after it (`chat/resume.py`). With `n`
 choices an event's id is `<seq>.<choice index>` and the usage event's `usage`: they name the event
 (such streams are not resumable: only a session turn's are, which has one choice).
 """
@@ -17,8 +17,6 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
-
-import orjson
 
 from shared.schemas import (
     FinishReason,
@@ -37,27 +35,6 @@ Kind = Literal["chat", "completion"]
 def openai_finish_reason(reason: FinishReason | None) -> str | None:
     """Axon's finish reasons as OpenAI's: a cancelled answer simply stopped."""
     return "stop" if reason == "cancelled" else reason
-
-
-# The usage event's id in a stream of several choices.
-USAGE_EVENT_ID = b"usage"
-
-
-# The heads of the events of seqs 0..4095 (about 230 kB): every chunk of a chat stream takes
-# `sse_event`, and its id from here costs nothing measurable, formatted about 60 ns (a tenth of
-# the event's bytes besides its JSON).
-_EVENT_HEADS = tuple(b"id: %d\ndata: " % seq for seq in range(4096))
-
-
-def sse_event(seq: int, payload: dict[str, Any]) -> bytes:
-    """One server-sent event whose id is a number (a stream of one choice)."""
-    head = _EVENT_HEADS[seq] if seq < len(_EVENT_HEADS) else b"id: %d\ndata: " % seq
-    return head + orjson.dumps(payload) + b"\n\n"
-
-
-def sse_named_event(event_id: bytes, payload: dict[str, Any]) -> bytes:
-    """One server-sent event with its id."""
-    return b"id: %b\ndata: %b\n\n" % (event_id, orjson.dumps(payload))
 
 
 def has_event(chunk: TokenChunk, first: bool) -> bool:

@@ -1,0 +1,169 @@
+"""What a request costs and who is charged: its usage row, the correction of the gateway's
+estimate against the key's TPM, the settlement of its budget reservation and the release of its
+concurrency lease, in one Redis write when its answer ends.
+
+A request whose jobs were still running when it ended (its client left, a choice failed, a
+deadline) is settled in the background once its workers' final chunks say what they generated
+(`settle_later`); a job whose final chunk never comes is charged what its worker recorded as
+published, and marked billed so that worker does not record it again (`shared/usage.py`).
+"""
+
+import asyncio
+import datetime as dt
+import time
+from typing import Any
+
+from services.sessions.active_request import ActiveRequest, Choice
+from services.sessions.chat.protocol import request_usage, work_usage
+from services.sessions.metrics import SessionsMetrics
+from services.sessions.outbox import Outbox, UsageRow
+from shared.internal_headers import Caller
+from shared.logging import get_logger
+from shared.names import Names
+from shared.ratelimit import RateLimiter
+from shared.redis_pipe import PipeScript, RedisPipe
+from shared.schemas import Usage
+from shared.tasks import BackgroundTasks
+
+log = get_logger(__name__)
+
+# How long a request that ended before its jobs did waits for their final chunks, which carry the
+# tokens they generated, before charging what their progress records (`Billing.settle_later`).
+USAGE_SETTLE_WAIT_S = 5.0
+# A job's `billed` mark outlives its deadline by this much (as its worker's progress does).
+_BILLED_MARK_GRACE_S = 60
+# KEYS: a job's progress hash. ARGV: expiry (s) if the hash has none (the job has not started).
+# Marks the job charged by a session manager and returns its published completion and prompt tokens.
+_MARK_BILLED = PipeScript("""
+redis.call('HSET', KEYS[1], 'billed', '1')
+if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1])) end
+return redis.call('HMGET', KEYS[1], 'completion_tokens', 'prompt_tokens')
+""")
+
+
+class Billing:
+    """Charges and settles requests (see the module's docstring)."""
+
+    def __init__(
+        self, *, pipe: RedisPipe, names: Names, outbox: Outbox, limiter: RateLimiter, metrics: SessionsMetrics
+    ) -> None:
+        self._pipe = pipe
+        self._names = names
+        self._outbox = outbox
+        self._limiter = limiter
+        self._metrics = metrics
+        self._background = BackgroundTasks()
+
+    async def charge(self, active: ActiveRequest, cancels: list[asyncio.Future[Any]]) -> None:
+        """Record and charge the usage every choice's answer carries."""
+        usages = [c.answer.usage for c in active.choices]
+        active.usage = request_usage(usages)
+        work = work_usage(usages)
+        if work is not None:
+            self._metrics.output_tokens.labels(active.job.model).inc(work.completion_tokens)
+        await self._bill_and_release(active, cancels, work)
+
+    def settle_later(self, active: ActiveRequest, unfinished: list[Choice], cancels: list[asyncio.Future[Any]]) -> None:
+        """Charge, in a task of its own, a request that ended before the final chunks of its
+        `unfinished` choices came (`_settle`)."""
+        self._background.spawn(self._settle(active, unfinished, cancels))
+
+    async def _settle(
+        self, active: ActiveRequest, unfinished: list[Choice], cancels: list[asyncio.Future[Any]]
+    ) -> None:
+        """Their workers were told to stop, and a stopped (or failed) job's final chunk carries every
+        token it generated, over all its attempts: it is awaited for up to `USAGE_SETTLE_WAIT_S`.
+        A choice whose final chunk does not come (its worker died, or the job is still queued) is
+        charged what its worker recorded as published (`<ns>:progress:<job>`), or at least what
+        was received."""
+        try:
+            missing = await active.finals(unfinished, USAGE_SETTLE_WAIT_S)
+        finally:
+            await active.stream.close()
+        if missing:
+            await self._recorded_usage(missing)
+        for choice in unfinished:
+            if choice.answer.usage is None:
+                choice.answer.usage = Usage(completion_tokens=choice.tokens)
+        await self.charge(active, cancels)
+
+    async def _recorded_usage(self, choices: list[Choice]) -> None:
+        """Set each choice's usage from its job's progress in Redis: the tokens its attempts
+        published (at least those received), and the prompt's. The progress is marked `billed`
+        at the same time, so a final chunk its worker publishes later does not record the job's
+        usage again (`services/worker/publisher.py`)."""
+        now = time.time()
+        reads = [
+            self._pipe.submit_script(
+                _MARK_BILLED,
+                [self._names.job_progress(c.job.job_id)],
+                [max(1, int(c.job.deadline - now) + _BILLED_MARK_GRACE_S)],
+            )
+            for c in choices
+        ]
+        results = await asyncio.gather(*reads, return_exceptions=True)
+        for choice, result in zip(choices, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("usage_progress_read_failed", error=repr(result))
+                continue
+            completion, prompt = result
+            choice.answer.usage = Usage(
+                prompt_tokens=int(prompt or 0), completion_tokens=max(int(completion or 0), choice.tokens)
+            )
+
+    async def _bill_and_release(
+        self, active: ActiveRequest, cancels: list[asyncio.Future[Any]], usage: Usage | None
+    ) -> None:
+        """The request's bookkeeping, in one Redis write: its usage row, the charge of its real
+        token use `usage` (every choice's job; correcting the gateway's estimate, once for the
+        whole request), the settlement of its token budget reservation to that use and the
+        release of the caller's concurrency lease; then the outcome of those and of the cancel
+        notices. None of it may fail the answer."""
+        writes: list[tuple[str, asyncio.Future[Any]]] = [("cancel_publish", cancel) for cancel in cancels]
+        job, caller = active.job, active.caller
+        if usage is not None:
+            row = UsageRow(
+                job_id=job.job_id,
+                tenant=caller.tenant,
+                key_id=caller.key_id,
+                model=job.adapter or job.model,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                latency_ms=int((time.perf_counter() - active.started) * 1000),
+                created_at=dt.datetime.now(dt.UTC),
+            )
+            writes.append(("usage_record", self._pipe.submit(*self._outbox.append_command("usage", row))))
+        writes += self._settlement(caller, usage)
+        await _written(writes)
+
+    def _settlement(self, caller: Caller, usage: Usage | None) -> list[tuple[str, asyncio.Future[Any]]]:
+        """The writes that settle `caller`'s admission to its real token use `usage` (None: not
+        known): the charge of the difference from the gateway's estimate, the settlement of its
+        token budget reservation, the release of its concurrency lease."""
+        writes: list[tuple[str, asyncio.Future[Any]]] = []
+        if caller.key_id is None:
+            return writes
+        if usage is not None:
+            cost = usage.completion_tokens + usage.prompt_tokens - caller.prompt_estimate
+            if caller.tpm_limit and cost:
+                writes.append(("token_charge", self._limiter.submit_charge(caller.key_id, caller.tpm_limit, cost)))
+        if caller.budget is not None:
+            spent = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
+            writes.append(("budget_settle", self._limiter.submit_budget_settle(caller.key_id, caller.budget, spent)))
+        if caller.lease_id is not None:
+            writes.append(("lease_release", self._limiter.submit_release(caller.key_id, caller.lease_id)))
+        return writes
+
+    async def settle(self, caller: Caller, usage: Usage | None) -> None:
+        """Settle the admission of a request whose relay handed it over to its real token use
+        `usage`, as `charge` does. Its usage row is its worker's: nobody received its final
+        chunk. None of it may fail the caller."""
+        await _written(self._settlement(caller, usage))
+
+
+async def _written(writes: list[tuple[str, asyncio.Future[Any]]]) -> None:
+    """Await `writes` (what, future), logging those that failed."""
+    results = await asyncio.gather(*(future for _, future in writes), return_exceptions=True)
+    for (what, _), result in zip(writes, results, strict=True):
+        if isinstance(result, Exception):
+            log.warning(f"{what}_failed", error=repr(result))

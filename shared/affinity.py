@@ -1,0 +1,94 @@
+"""Affinity: which worker a job goes to first, so a conversation's turns meet their prefix in one
+worker's KV cache. The whole rule, across the three services:
+
+1. A worker that answers a session's turn names itself the session's home: its final chunk's
+   publish sets `<ns>:affinity:<session>` to its id for `AFFINITY_TTL_S`
+   (`services/worker/publisher.py`; past that the prefix would be evicted anyway).
+2. The session manager reads that record with the session's history (`SessionStore.history_and_home`)
+   and picks the job's home (`job_home`): a session's home while that worker is live and not
+   draining (`LiveModel.homes`); for a sessionless chat that resends its own history (most API
+   traffic is such), the worker its first exchange hashes to (`conversation_home`); else none.
+3. A job with a home goes to that worker's own queue (`Names.worker_queue`) with a per-message TTL
+   of `AXON_AFFINITY_WAIT_MS`; expired there, RabbitMQ dead-letters it to the model's shared queue
+   (`shared/topology.py`), so a busy home spills its job to any worker, the broker's timer, not
+   ours (`JobPublisher.publish`). A home whose queue is gone gets the job returned and published
+   to the shared queue at once.
+4. Each worker consumes its own queue beside the model's; a draining worker leaves `homes` first,
+   and what waits in its queue expires into the shared one within the affinity wait.
+
+`AXON_AFFINITY_WAIT_MS=0` turns it all off: every job goes to the shared queue.
+"""
+
+import hashlib
+from collections.abc import Collection, Sequence
+
+from shared.schemas import Message
+
+# How long a session's affinity record names the worker that answered its last turn.
+AFFINITY_TTL_S = 3600
+
+
+def job_home(
+    *,
+    session_home: str | None,
+    session: bool,
+    messages: Sequence[Message] | None,
+    choices: int,
+    homes: Collection[str],
+    prefix_affinity: bool,
+) -> str | None:
+    """The worker whose own queue a request's job goes to first (None: the shared queue).
+
+    Args:
+        session_home: the worker that served the session's last turn (a session turn; None: none known).
+        session: the request is a session turn.
+        messages: the request's messages (None: a text completion).
+        choices: the request's `n` (several choices go to the shared queue: they would queue on one worker).
+        homes: the model's live workers that take jobs of their own.
+        prefix_affinity: `AXON_PREFIX_AFFINITY`, sessionless conversations hashed to a worker.
+    """
+    if session:
+        return session_home if session_home in homes else None
+    if choices == 1 and messages is not None and prefix_affinity:
+        return conversation_home(messages, homes)
+    return None
+
+
+def conversation_home(messages: Sequence[Message], homes: Collection[str]) -> str | None:
+    """The worker a sessionless chat that resends its own history goes to first, so its turns meet
+    their prefix in one worker's cache as a session's do (None: not such a request, or no worker).
+
+    The key is what stays the same across the conversation's turns: its system messages, first
+    user message and first answer. A request without an answer yet (most API traffic: one-shot
+    questions) shares nothing but its system prompt with others, which every worker caches
+    anyway, so it keeps going to the shared queue. Rendezvous hashing picks the worker: when one
+    joins or leaves, only the conversations it gains or had move.
+    """
+    if not homes:
+        return None
+    answer = _first_answer(messages)
+    if answer is None:
+        return None
+    head = hashlib.blake2b(digest_size=16)
+    for message in messages[:answer]:
+        head.update(f"{message.role}\x00{message.content}\x00".encode())
+    first = messages[answer]
+    head.update(first.content.encode())
+    for call in first.tool_calls or ():
+        head.update(f"\x00{call.function.name}\x00{call.function.arguments}".encode())
+    key = head.digest()
+    return max(homes, key=lambda worker: hashlib.blake2b(key + worker.encode(), digest_size=8).digest())
+
+
+def _first_answer(messages: Sequence[Message]) -> int | None:
+    """The index of the first assistant message if it answers the first user message (and only
+    that one), else None; by roles alone, before any text is hashed."""
+    seen_user = False
+    for index, message in enumerate(messages):
+        if message.role == "user":
+            if seen_user:
+                return None  # several questions before any answer: not a resent conversation
+            seen_user = True
+        elif message.role == "assistant" and seen_user:
+            return index
+    return None
