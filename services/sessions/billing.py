@@ -16,29 +16,21 @@ from typing import Any
 from services.sessions.active_request import ActiveRequest, Choice
 from services.sessions.chat.protocol import request_usage, work_usage
 from services.sessions.metrics import SessionsMetrics
-from services.sessions.outbox import Outbox, UsageRow
+from services.sessions.outbox import Outbox
 from shared.internal_headers import Caller
 from shared.logging import get_logger
 from shared.names import Names
 from shared.ratelimit import RateLimiter
-from shared.redis_pipe import PipeScript, RedisPipe
+from shared.redis_pipe import RedisPipe
 from shared.schemas import Usage
 from shared.tasks import BackgroundTasks
+from shared.usage import MARK_BILLED, PROGRESS_GRACE_S, UsageRow
 
 log = get_logger(__name__)
 
 # How long a request that ended before its jobs did waits for their final chunks, which carry the
 # tokens they generated, before charging what their progress records (`Billing.settle_later`).
 USAGE_SETTLE_WAIT_S = 5.0
-# A job's `billed` mark outlives its deadline by this much (as its worker's progress does).
-_BILLED_MARK_GRACE_S = 60
-# KEYS: a job's progress hash. ARGV: expiry (s) if the hash has none (the job has not started).
-# Marks the job charged by a session manager and returns its published completion and prompt tokens.
-_MARK_BILLED = PipeScript("""
-redis.call('HSET', KEYS[1], 'billed', '1')
-if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1])) end
-return redis.call('HMGET', KEYS[1], 'completion_tokens', 'prompt_tokens')
-""")
 
 
 class Billing:
@@ -95,9 +87,9 @@ class Billing:
         now = time.time()
         reads = [
             self._pipe.submit_script(
-                _MARK_BILLED,
+                MARK_BILLED,
                 [self._names.job_progress(c.job.job_id)],
-                [max(1, int(c.job.deadline - now) + _BILLED_MARK_GRACE_S)],
+                [max(1, int(c.job.deadline - now) + PROGRESS_GRACE_S)],
             )
             for c in choices
         ]

@@ -8,13 +8,14 @@ so a batch written twice is harmless.
 
 import datetime as dt
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 import redis.asyncio as redis
 from pydantic import BaseModel, field_validator
 
 from shared.names import Names
+from shared.postgres_text import postgres_text
 from shared.redis_pipe import Arg
 from shared.schemas import ToolCall
 
@@ -22,20 +23,6 @@ if TYPE_CHECKING:
     from services.sessions.history import StoredMessage
 
 RowKind = Literal["message", "usage", "response"]
-
-
-@overload
-def postgres_text(value: str) -> str: ...
-@overload
-def postgres_text(value: None) -> None: ...
-def postgres_text(value: str | None) -> str | None:
-    """`value` as PostgreSQL can store it: its text type cannot hold U+0000, which becomes U+FFFD.
-
-    One row PostgreSQL refuses would stop its whole batch, and so every later row, from persisting.
-    """
-    if value is None or "\x00" not in value:
-        return value
-    return value.replace("\x00", "\ufffd")
 
 
 def _storable_json(value: Any) -> Any:
@@ -137,23 +124,6 @@ def _copy_escape(value: str | None) -> str:
 
 
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
-
-
-class UsageRow(BaseModel):
-    job_id: str
-    tenant: str
-    key_id: str | None
-    model: str
-    prompt_tokens: int
-    completion_tokens: int
-    # None in a row its worker recorded (nobody received the final chunk, see `services/worker/publisher.py`).
-    latency_ms: int | None
-    created_at: dt.datetime
-
-    @field_validator("tenant", "key_id", "model")
-    @classmethod
-    def _storable(cls, value: str | None) -> str | None:
-        return postgres_text(value)
 
 
 class ResponseRow(BaseModel):

@@ -14,6 +14,10 @@ from services.worker.engines import Resume
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Job, Sampling
+from shared.usage import PROGRESS_COMPLETION_TOKENS, PROGRESS_PROMPT_TOKENS
+
+# The progress hash's token counts, as Redis returns their field names.
+_COMPLETION_TOKENS, _PROMPT_TOKENS = PROGRESS_COMPLETION_TOKENS.encode(), PROGRESS_PROMPT_TOKENS.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +54,14 @@ class Failover:
         if b"done" in recorded:
             return Progress(done=True)
         if b"seq" not in recorded:
-            return Progress()  # only a session manager's `billed` mark: nothing was published
+            return Progress()  # only a session manager's billed mark (`shared/usage.py`): nothing was published
         return Progress(
             seq=int(recorded[b"seq"]),
-            prompt_tokens=int(recorded[b"prompt_tokens"]),
+            prompt_tokens=int(recorded[_PROMPT_TOKENS]),
             resume=Resume(
                 text=(text or b"").decode(),
                 token_ids=tuple(int(t) for t in token_ids),
-                completion_tokens=int(recorded[b"completion_tokens"]),
+                completion_tokens=int(recorded[_COMPLETION_TOKENS]),
             ),
         )
 

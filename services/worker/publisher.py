@@ -12,8 +12,8 @@ import datetime as dt
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 
-import orjson
 from redis.exceptions import RedisError
 
 from services.worker.engines import EngineOutput
@@ -33,11 +33,9 @@ from shared.schemas import (
     ToolCallDelta,
     Usage,
 )
+from shared.usage import BILLED_FIELD, PROGRESS_COMPLETION_TOKENS, PROGRESS_GRACE_S, PROGRESS_PROMPT_TOKENS, UsageRow
 
 log = get_logger(__name__)
-
-# Progress outlives the job's deadline by this much, then Redis forgets it.
-_PROGRESS_GRACE_S = 60
 
 # KEYS: progress hash, text, token ids[, the job's chunk log][, a final chunk's session affinity record].
 # ARGV: channel, chunk JSON, final (0/1), next seq, completion tokens, prompt tokens, new text,
@@ -48,18 +46,18 @@ _PROGRESS_GRACE_S = 60
 # a chunk republished after a failover whose seq is already logged is refused by Redis (its id is
 # not past the stream's last), the refusal caught by `pcall`, so the log holds each seq once, as
 # first published. An attempt's first chunk keeps the log for its lifetime past the progress's
-# expiry (the job's deadline + `_PROGRESS_GRACE_S`), the final chunk for its lifetime from then:
+# expiry (the job's deadline + `PROGRESS_GRACE_S`), the final chunk for its lifetime from then:
 # no chunk comes between them that could outlive the first's, and an `EXPIRE` with every chunk
 # cost Redis about half as much as the `XADD`.
 # The final chunk replaces the progress with `done` and the job's final token counts: a job
 # redelivered after its answer was complete (its ack was lost with the broker connection) is then
 # acked, not generated again, and a session manager that never saw the final chunk can still
 # charge what was generated. It returns 2 when nobody received it (the session manager that
-# published the job is gone) and no session manager has charged the job (`billed`, set by
-# `CompletionService._recorded_usage`): the worker then records the job's usage row itself.
+# published the job is gone) and no session manager has charged the job (`BILLED_FIELD`, set by
+# `shared.usage.MARK_BILLED`): the worker then records the job's usage row itself.
 # A session's answer also names this worker as the session's home (`<ns>:affinity:<session>`), in
 # the same call: the session manager sends the next turn to its queue, where its prefix is cached.
-_PUBLISH_WITH_PROGRESS = PipeScript("""
+_PUBLISH_WITH_PROGRESS = PipeScript(f"""
 local receivers = redis.call('PUBLISH', ARGV[1], ARGV[2])
 local home = 4
 local log_ttl = tonumber(ARGV[9])
@@ -73,15 +71,17 @@ if log_ttl > 0 then
   home = 5
 end
 if ARGV[3] == '1' then
-  local billed = redis.call('HEXISTS', KEYS[1], 'billed')
+  local billed = redis.call('HEXISTS', KEYS[1], '{BILLED_FIELD}')
   redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-  redis.call('HSET', KEYS[1], 'done', '1', 'completion_tokens', ARGV[5], 'prompt_tokens', ARGV[6])
+  redis.call('HSET', KEYS[1], 'done', '1',
+    '{PROGRESS_COMPLETION_TOKENS}', ARGV[5], '{PROGRESS_PROMPT_TOKENS}', ARGV[6])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
   if #KEYS >= home then redis.call('SET', KEYS[home], ARGV[11], 'EX', tonumber(ARGV[12])) end
   if receivers == 0 and billed == 0 then return 2 end
   return 1
 end
-redis.call('HSET', KEYS[1], 'seq', ARGV[4], 'completion_tokens', ARGV[5], 'prompt_tokens', ARGV[6])
+redis.call('HSET', KEYS[1], 'seq', ARGV[4],
+  '{PROGRESS_COMPLETION_TOKENS}', ARGV[5], '{PROGRESS_PROMPT_TOKENS}', ARGV[6])
 if ARGV[7] ~= '' then redis.call('APPEND', KEYS[2], ARGV[7]) end
 if #ARGV > 10 then redis.call('RPUSH', KEYS[3], unpack(ARGV, 11)) end
 local ttl = tonumber(ARGV[8])
@@ -273,7 +273,7 @@ class ChunkPublisher:
         final = chunk.finish_reason is not None
         expire_s = 0
         if final or not self._expiry_set:
-            expire_s = max(1, int(self._deadline - time.time()) + _PROGRESS_GRACE_S)
+            expire_s = max(1, int(self._deadline - time.time()) + PROGRESS_GRACE_S)
             self._expiry_set = True
         keys = list(self._keys)
         tail: list[str | int] = [*token_ids]
@@ -301,24 +301,20 @@ class ChunkPublisher:
             await self._record_usage(self._owner)
 
     async def _record_usage(self, owner: UsageOwner) -> None:
-        """Put the job's usage row in the outbox (as `services/sessions/outbox.py:UsageRow`): its final
-        chunk reached nobody. Its latency is unknown here (the request's, not the job's). Its text
-        needs no U+0000 replacement: the tenant and key id come from PostgreSQL, the model from a
-        worker's environment, and neither can hold one."""
-        row = orjson.dumps(
-            {
-                "job_id": self._job_id,
-                "tenant": owner.tenant,
-                "key_id": owner.key_id,
-                "model": owner.model,
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "latency_ms": None,
-                "created_at": dt.datetime.now(dt.UTC).isoformat(),
-            }
+        """Put the job's usage row in the outbox: its final chunk reached nobody. Its latency is
+        unknown here (the request's, not the job's)."""
+        row = UsageRow(
+            job_id=self._job_id,
+            tenant=owner.tenant,
+            key_id=owner.key_id,
+            model=owner.model,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            latency_ms=None,
+            created_at=dt.datetime.now(dt.UTC),
         )
         try:
-            await self._pipe.execute("XADD", self._outbox, "*", "kind", "usage", "row", row)
+            await self._pipe.execute("XADD", self._outbox, "*", *chain(*row.outbox_fields().items()))
         except (RedisError, ConnectionError, TimeoutError) as exc:
             # The answer is complete; only its record is lost (Redis is away).
             log.warning("usage_record_failed", error=repr(exc))

@@ -10,10 +10,11 @@ import pytest
 
 from services.sessions.history import SessionInfo, SessionStore, StoredMessage
 from services.sessions.metrics import SessionsMetrics
-from services.sessions.outbox import MessageRow, Outbox, UsageRow
+from services.sessions.outbox import MessageRow, Outbox
 from services.sessions.persister import Persister
 from shared.names import Names
 from shared.schemas import FunctionCall, ToolCall
+from shared.usage import UsageRow
 from tests.e2e.tcpproxy import TcpProxy
 
 

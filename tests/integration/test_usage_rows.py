@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 
-from services.sessions.billing import _MARK_BILLED
 from services.worker.engines import EngineError, EngineOutput, GenerationRequest
 from services.worker.engines.sim import SimEngine
 from services.worker.failover import Failover, Progress
@@ -22,6 +21,7 @@ from services.worker.service import JobRunner
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Job, Message, Sampling, TokenChunk
+from shared.usage import MARK_BILLED
 from tests.integration.test_chunks import Channel
 
 OWNER = UsageOwner(tenant="acme", key_id="key_usage", model="sim-model")
@@ -94,7 +94,7 @@ async def test_job_its_session_manager_charged_from_progress_is_not_recorded_aga
     first = publisher_for(pipe, names, job_id)
     await first.publish(EngineOutput("one two", 2, 5, 2))  # then its worker dies
     # The session manager gave up waiting for the final chunk: it charges the progress, marking it.
-    published = await pipe.evalsha(_MARK_BILLED, [names.job_progress(job_id)], [60])
+    published = await pipe.evalsha(MARK_BILLED, [names.job_progress(job_id)], [60])
     assert published == [b"2", b"5"]
     progress = await Failover(pipe, names, max_deliveries=3).load_progress(job_id)
     resumed = publisher_for(pipe, names, job_id, progress)
@@ -104,7 +104,7 @@ async def test_job_its_session_manager_charged_from_progress_is_not_recorded_aga
 
 async def test_a_queued_job_marked_billed_starts_from_the_beginning(pipe, names) -> None:
     job_id = str(uuid.uuid4())
-    assert await pipe.evalsha(_MARK_BILLED, [names.job_progress(job_id)], [60]) == [None, None]
+    assert await pipe.evalsha(MARK_BILLED, [names.job_progress(job_id)], [60]) == [None, None]
     assert 0 < await pipe.execute("TTL", names.job_progress(job_id)) <= 60
     assert await Failover(pipe, names, max_deliveries=3).load_progress(job_id) == Progress()
 

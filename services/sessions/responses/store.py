@@ -9,10 +9,11 @@ import asyncpg
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
-from services.sessions.outbox import Outbox, ResponseRow, postgres_text
+from services.sessions.outbox import Outbox, ResponseRow
 from services.sessions.responses.protocol import RESPONSE_PREFIX
 from shared.internal_headers import Caller
 from shared.names import Names
+from shared.postgres_text import postgres_text
 from shared.redis_pipe import PipeScript, RedisPipe
 from shared.schemas import Message
 

@@ -5,7 +5,7 @@ import datetime as dt
 import orjson
 
 from services.sessions.history import StoredMessage
-from services.sessions.outbox import MESSAGE_COLUMNS, MessageRow, UsageRow, _entry_fields
+from services.sessions.outbox import MESSAGE_COLUMNS, MessageRow, _entry_fields
 from shared.schemas import FunctionCall, ToolCall
 
 NOW = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
@@ -28,17 +28,6 @@ def test_text_without_nul_is_unchanged() -> None:
         id="m", conversation_id="c", seq=1, role="user", content="plain é", status="complete", created_at=NOW
     )
     assert row.content == "plain é"
-    usage = UsageRow(
-        job_id="j",
-        tenant="t\x00",
-        key_id=None,
-        model="m",
-        prompt_tokens=1,
-        completion_tokens=2,
-        latency_ms=3,
-        created_at=NOW,
-    )
-    assert (usage.tenant, usage.key_id, usage.model) == ("t\ufffd", None, "m")
 
 
 def test_tool_calls_travel_as_json_text_that_jsonb_can_store() -> None:
