@@ -20,14 +20,17 @@ from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.admission import Admission, Admitter, ModelAccess
 from services.gateway.auth import Authenticator
+from shared import internal_headers
 from shared.disconnects import DisconnectWatch, unless_disconnected
 from shared.errors import DeadlineExceeded, InvalidRequest, Unavailable, error_body
 from shared.hot_routes import header, read_body
 from shared.http1 import ConnectError, Http1Client, ReadTimeout, RemoteProtocolError
 from shared.http1 import Response as UpstreamResponse
+from shared.internal_headers import Caller
 from shared.keys import KeyRecord
 from shared.logging import bind_contextvars, get_logger
 from shared.openai_requests import MAX_CHOICES
+from shared.ratelimit import BudgetReservation
 from shared.responses import SSE_END
 from shared.tokens import estimate_tokens
 
@@ -147,6 +150,22 @@ def _segment(value: str) -> str:
     return quote(value, safe="")
 
 
+def caller_of(
+    record: KeyRecord, *, prompt_estimate: int, lease_id: str | None = None, budget: BudgetReservation | None = None
+) -> Caller:
+    """Whom the gateway vouches for to the session manager: the key's tenant, priority, id and tokens
+    per minute, and what its admission charged (`prompt_estimate`), leased and reserved."""
+    return Caller(
+        tenant=record.tenant,
+        priority=record.limits.priority,
+        key_id=record.id,
+        tpm_limit=record.limits.tpm or 0,
+        prompt_estimate=prompt_estimate,
+        lease_id=lease_id,
+        budget=budget,
+    )
+
+
 def _relayed_headers(upstream: UpstreamResponse) -> list[tuple[bytes, bytes]]:
     return [(name, value) for name, value in upstream.headers if name not in _HOP_HEADERS]
 
@@ -229,16 +248,8 @@ class GatewayService:
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
 
-    def _upstream_headers(self, request_id: str, record: KeyRecord, *, prompt_estimate: int) -> dict[str, str]:
-        return {
-            "content-type": "application/json",
-            "x-request-id": request_id,
-            "x-axon-tenant": record.tenant,
-            "x-axon-priority": str(record.limits.priority),
-            "x-axon-key-id": record.id,
-            "x-axon-tpm-limit": str(record.limits.tpm or 0),
-            "x-axon-prompt-estimate": str(prompt_estimate),
-        }
+    def _upstream_headers(self, request_id: str, caller: Caller) -> dict[str, str]:
+        return {"content-type": "application/json", "x-request-id": request_id, **internal_headers.encode(caller)}
 
     async def completion(self, scope: Scope, receive: Receive, send: Send) -> None:
         """`POST /v1/chat/completions` and `/v1/completions` as a plain ASGI handler: take an
@@ -260,11 +271,14 @@ class GatewayService:
                 parsed, cost, default_max_tokens=self._default_max_tokens, limit=self._max_tokens_limit
             )
         admission = await self._admitter.admit(record, token_cost=cost, reserve=reserve)
-        headers = self._upstream_headers(scope["state"]["request_id"], record, prompt_estimate=cost)
-        if admission.holds_lease:
-            headers["x-axon-lease-id"] = admission.lease_id
-        if admission.reservation is not None:
-            headers["x-axon-budget-reservation"] = admission.reservation.header()
+        # The session manager releases the lease and settles the reservation when the answer ends.
+        caller = caller_of(
+            record,
+            prompt_estimate=cost,
+            lease_id=admission.lease_id if admission.holds_lease else None,
+            budget=admission.reservation,
+        )
+        headers = self._upstream_headers(scope["state"]["request_id"], caller)
         handed_over = False
         try:
             watch = DisconnectWatch(scope, receive)
@@ -311,7 +325,7 @@ class GatewayService:
                 parse_json_object(body)
         admission: Admission = await self._admitter.admit(record, token_cost=0)
         held.push_async_callback(self._admitter.release, admission)
-        headers = self._upstream_headers(request.scope["state"]["request_id"], record, prompt_estimate=0)
+        headers = self._upstream_headers(request.scope["state"]["request_id"], caller_of(record, prompt_estimate=0))
         last_event_id = request.headers.get("last-event-id")
         if last_event_id is not None:  # where a resumed stream (`GET .../stream`) goes on from
             headers["last-event-id"] = last_event_id

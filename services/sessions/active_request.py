@@ -16,7 +16,7 @@ from services.sessions.chunk_log import LoggedStream
 from services.sessions.relay import STREAM_LOST, MergedStream, TokenStream
 from services.sessions.turns import Turn
 from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, UpstreamError
-from shared.internal_headers import Caller
+from shared.internal_headers import HISTORY_DROPPED_HEADER, Caller
 from shared.logging import get_logger
 from shared.schemas import Job, TokenChunk, Usage
 
@@ -26,7 +26,6 @@ _ERROR_TYPES: dict[str, type[AxonError]] = {
     "timeout_error": DeadlineExceeded,
     "invalid_request_error": InvalidRequest,
 }
-HISTORY_DROPPED_HEADER = "x-axon-history-dropped"
 
 
 def chunk_error(chunk: TokenChunk) -> AxonError:

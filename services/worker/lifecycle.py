@@ -16,6 +16,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.service import Heartbeat, JobRunner, consume, listen_for_cancellations
 from services.worker.settings import WorkerSettings
 from shared.clients import connect_amqp, create_redis
+from shared.internal_headers import DEAD_REASON_HEADER
 from shared.logging import get_logger
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
@@ -127,7 +128,7 @@ class Worker:
         await exchange.publish(
             aio_pika.Message(
                 body=message.body,
-                headers={**(message.headers or {}), "x-axon-dead-reason": reason},
+                headers={**(message.headers or {}), DEAD_REASON_HEADER: reason},
                 message_id=message.message_id,
                 content_type=message.content_type,
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
