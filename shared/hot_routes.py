@@ -3,8 +3,10 @@ the helpers they read requests and write answers with."""
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from fastapi import APIRouter
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,6 +27,23 @@ class HotRoute:
     method: str
     path: str
     handler: AsgiHandler
+    # How the OpenAPI document describes it (`APIRouter.add_api_route`'s keywords: summary,
+    # description, responses, openapi_extra...; empty: not in the document). `document` adds it.
+    openapi: dict[str, Any] = field(default_factory=dict)
+
+
+async def _answered_by_hot_route() -> None:
+    """FastAPI never calls this: `HotRoutes` answers a hot route before FastAPI's routing; it is
+    on the router only so that the OpenAPI document describes the route (`document`)."""
+    raise RuntimeError("a hot route is answered by HotRoutes")
+
+
+def document(router: APIRouter, routes: Sequence[HotRoute]) -> None:
+    """Describe each of `routes` that has `openapi` in the OpenAPI document of `router`'s app,
+    from the same declaration that `HotRoutes` answers it by."""
+    for route in routes:
+        if route.openapi:
+            router.add_api_route(route.path, _answered_by_hot_route, methods=[route.method], **route.openapi)
 
 
 class HotRoutes:

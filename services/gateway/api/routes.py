@@ -2,8 +2,8 @@
 
 The routes read bodies raw and forward them; the OpenAPI schema describes them with the session
 manager's own models (`api/openapi.py`).
-The two completion routes are answered by `GatewayService.completion` ahead of FastAPI
-(`HOT_ROUTES`); FastAPI only documents them.
+The completion routes are answered by `GatewayService.completion` ahead of FastAPI
+(`HOT_ROUTES`), and documented from the same declarations.
 """
 
 from fastapi import APIRouter, Request, Security
@@ -20,7 +20,7 @@ from services.gateway.api.openapi import (
     query,
 )
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
-from shared.hot_routes import HotRoute
+from shared.hot_routes import HotRoute, document
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.responses_requests import ResponseCreate
 from shared.session_requests import SessionCreate, SessionUpdate
@@ -48,36 +48,30 @@ async def _completion(scope: Scope, receive: Receive, send: Send) -> None:
     await scope["app"].state.gateway.completion(scope, receive, send)
 
 
-HOT_ROUTES = [
-    HotRoute("POST", "/v1/chat/completions", _completion),
-    HotRoute("POST", "/v1/completions", _completion),
-    HotRoute("POST", "/v1/responses", _completion),
-]
-"""The completion routes: plain ASGI handlers ahead of FastAPI (`shared.hot_routes.HotRoutes`)."""
-
-
-async def _answered_by_hot_route() -> None:
-    """FastAPI never calls this: `HotRoutes` answers these routes before FastAPI's routing. The
-    routes are declared here only so that the OpenAPI schema describes them."""
-    raise RuntimeError("the completion routes are answered by HotRoutes")
-
-
-_COMPLETION_ROUTES: list[tuple[str, str, str, type[BaseModel]]] = [
-    ("/v1/chat/completions", "chat_completions", "chat completion", ChatCompletionRequest),
-    ("/v1/completions", "completions", "text completion", CompletionRequest),
-    ("/v1/responses", "responses", "response (OpenAI's Responses API)", ResponseCreate),
-]
-for _path, _name, _what, _body in _COMPLETION_ROUTES:
-    router.add_api_route(
-        _path,
-        _answered_by_hot_route,
-        methods=["POST"],
-        responses=COMPLETION_RESPONSES,
-        openapi_extra=json_body(_body),
-        summary=_name.replace("_", " ").title(),
-        description=f"Create a {_what} (OpenAI-compatible; `stream: true` for server-sent events).",
-        operation_id=f"{_name}{_path.replace('/', '_')}_post",
+def _completion_route(path: str, name: str, what: str, body: type[BaseModel]) -> HotRoute:
+    """A completion route, answered by `_completion` and documented from `body`'s model."""
+    return HotRoute(
+        "POST",
+        path,
+        _completion,
+        openapi={
+            "responses": COMPLETION_RESPONSES,
+            "openapi_extra": json_body(body),
+            "summary": name.replace("_", " ").title(),
+            "description": f"Create a {what} (OpenAI-compatible; `stream: true` for server-sent events).",
+            "operation_id": f"{name}{path.replace('/', '_')}_post",
+        },
     )
+
+
+HOT_ROUTES = [
+    _completion_route("/v1/chat/completions", "chat_completions", "chat completion", ChatCompletionRequest),
+    _completion_route("/v1/completions", "completions", "text completion", CompletionRequest),
+    _completion_route("/v1/responses", "responses", "response (OpenAI's Responses API)", ResponseCreate),
+]
+"""The completion routes: plain ASGI handlers ahead of FastAPI (`shared.hot_routes.HotRoutes`),
+each declared once: `document` puts it in the OpenAPI document from the same declaration."""
+document(router, HOT_ROUTES)
 
 
 _RESUME_STREAM = [
