@@ -13,11 +13,11 @@ from services.sessions.chat.service import ChatService
 from services.sessions.completions import CompletionService
 from services.sessions.conversations import router as conversations_router
 from services.sessions.deps import SessionServices
+from services.sessions.leases import ResponseLeases
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.models import router as models_router
 from services.sessions.resources import SessionsResources, open_resources
 from services.sessions.responses import router as responses_router
-from services.sessions.responses.leases import ResponseLeases
 from services.sessions.responses.service import ResponsesService
 from services.sessions.responses.store import ResponseStore
 from services.sessions.run_on import RunOn

@@ -2,7 +2,7 @@
 
 Two kinds of answer run on after the request that started them ended:
 - a leased one (a stored response; later a batch line): its record in Redis names this process as
-  its owner for a lease it renews (`responses/leases.py`), so any other session manager can take
+  its owner for a lease it renews (`leases.py`), so any other session manager can take
   it over from its job's chunk log when the lease expires;
 - an unleased one (a streamed session turn whose client left or whose stream was lost): nobody
   else knows of it, so it can only end here.
@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
-from services.sessions.responses.leases import ResponseLeases
+from services.sessions.leases import ResponseLeases
 from shared.tasks import BackgroundTasks
 
 

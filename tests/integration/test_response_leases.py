@@ -16,9 +16,9 @@ import pytest
 
 from services.sessions.chunk_log import ChunkLog
 from services.sessions.completions import CompletionService
+from services.sessions.leases import ResponseLeases
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox
-from services.sessions.responses.leases import ResponseLeases
 from services.sessions.responses.service import (
     Pending,
     ResponseEvents,

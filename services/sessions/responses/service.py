@@ -13,7 +13,7 @@ tenant, its Response object, its input items, its context and its job's id, expi
 outbox once it is finished (read when Redis misses). Another tenant's response, or one not
 stored, is 404. It is written when its job is published (`pending`: what finishing it needs) and
 again when finished, by whoever finishes it first (`ResponseStore.finish`): the session manager
-relaying it, even once its client left, or one that took it over (`responses/leases.py`). Its events
+relaying it, even once its client left, or one that took it over (`leases.py`). Its events
 are rebuilt from its job's chunk log (`chunk_log.py`) exactly as they were streamed (item ids
 follow from the response id and output index), so any replica can replay and follow them.
 """

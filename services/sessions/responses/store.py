@@ -1,6 +1,6 @@
 """Stored responses: one Redis key each (`<ns>:response:<id>`), written behind to PostgreSQL's
 `responses` through the outbox once finished; an unfinished one is leased to the session manager
-relaying it (`responses/leases.py`) and finished once, by whoever finishes it first."""
+relaying it (`leases.py`) and finished once, by whoever finishes it first."""
 
 import datetime as dt
 from typing import Any
@@ -51,7 +51,7 @@ class StoredResponse(BaseModel):
 class ResponseStore:
     """Stored responses: in Redis for `ttl_s`, written behind to PostgreSQL's `responses` through
     the outbox once finished, by tenant. A read that misses Redis (evicted, or Redis lost it)
-    reads PostgreSQL. An unfinished one is leased (`responses/leases.py`)."""
+    reads PostgreSQL. An unfinished one is leased (`leases.py`)."""
 
     def __init__(
         self, redis: Redis, db: asyncpg.Pool, outbox: Outbox, *, namespace: str, ttl_s: int, pipe: RedisPipe

@@ -1,5 +1,6 @@
-"""Leases on unfinished stored responses, so that each is finished by exactly one live session
-manager, whichever dies.
+"""Leases on answers that run on without their clients and that any session manager can finish
+(today stored responses; `run_on.py` holds them), so that each is finished by exactly one live
+session manager, whichever dies.
 
 An unfinished stored response is a member of the sorted set `<ns>:responses:running`, scored by
 the time (ms) its lease expires, and `<ns>:responses:owners` maps it to the instance holding the
