@@ -3,7 +3,7 @@ worker's KV cache. The whole rule, across the three services:
 
 1. A worker that answers a session's turn names itself the session's home: its final chunk's
    publish sets `<ns>:affinity:<session>` to its id for `AFFINITY_TTL_S`
-   (`services/worker/publisher.py`; past that the prefix would be evicted anyway).
+   (`services/worker/chunk_publisher.py`; past that the prefix would be evicted anyway).
 2. The session manager reads that record with the session's history (`SessionStore.history_and_home`)
    and picks the job's home (`job_home`): a session's home while that worker is live and not
    draining (`LiveModel.homes`); for a sessionless chat that resends its own history (most API

@@ -6,7 +6,7 @@ PostgreSQL's `usage` table):
   the job's final chunk (which carries the job's usage) or, when it stopped waiting for that chunk,
   from the job's progress hash (`Names.job_progress`), which it marks billed (`MARK_BILLED`) in the
   same call;
-- by the job's worker (`services/worker/publisher.py`) when nobody received its final chunk (the
+- by the job's worker (`services/worker/chunk_publisher.py`) when nobody received its final chunk (the
   session manager that published the job is gone) and the progress carries no billed mark.
 
 The progress hash is the worker's (it records `PROGRESS_COMPLETION_TOKENS` and

@@ -10,7 +10,7 @@ The commands are the two the hot path sends most, with their real scripts and ar
   script by `EVALSHA`: 3 keys, 7 arguments, a 6-element reply). The key's limits are far above the
   load and it has no concurrency limit, so every call is admitted and no lease piles up.
 - `publish`: the worker's per-chunk script, once per chunk of every answer
-  (`services.worker.publisher`: `PUBLISH` of the chunk plus its progress record, 3 keys, 11 arguments;
+  (`services.worker.chunk_publisher`: `PUBLISH` of the chunk plus its progress record, 3 keys, 11 arguments;
   a job without a chunk log).
 
 Each of the 100 coroutines uses keys of its own (as 100 API keys or 100 jobs would), and the
@@ -45,7 +45,7 @@ import coredis
 import orjson
 
 from benchmarks.micro.common import Comparison, Contender, add_arguments, close_all, compare, report, run
-from services.worker.publisher import _PUBLISH_WITH_PROGRESS
+from services.worker.chunk_publisher import _PUBLISH_WITH_PROGRESS
 from shared.clients import create_redis
 from shared.ratelimit import _CHECK, PERIOD_MS
 from shared.redis_pipe import Arg, PipeScript, RedisPipe

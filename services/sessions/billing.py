@@ -83,7 +83,7 @@ class Billing:
         """Set each choice's usage from its job's progress in Redis: the tokens its attempts
         published (at least those received), and the prompt's. The progress is marked `billed`
         at the same time, so a final chunk its worker publishes later does not record the job's
-        usage again (`services/worker/publisher.py`)."""
+        usage again (`services/worker/chunk_publisher.py`)."""
         now = time.time()
         reads = [
             self._pipe.submit_script(

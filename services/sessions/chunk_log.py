@@ -2,7 +2,7 @@
 
 A job that asks for it (`Job.chunk_log_ttl_s`) has its worker append every chunk it publishes to a
 capped stream (`Names.chunk_log`), in the same script call as the publish
-(`services/worker/publisher.py`): entry `0-<seq + 1>`, field `c` the chunk's JSON, each seq once.
+(`services/worker/chunk_publisher.py`): entry `0-<seq + 1>`, field `c` the chunk's JSON, each seq once.
 The log outlives the session manager that relayed the job, and a worker that takes a job over
 continues it, so any replica can replay the whole answer in order, and follow it live until its
 final chunk.

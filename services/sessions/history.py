@@ -296,7 +296,7 @@ class SessionStore:
 
     async def history_and_home(self, info: SessionInfo) -> tuple[list[StoredMessage], str | None]:
         """The session's recent messages, and the worker that served its last turn (its affinity
-        record, `services/worker/publisher.py`), read in one round trip."""
+        record, `services/worker/chunk_publisher.py`), read in one round trip."""
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.lrange(self._names.history(info.id), 0, -1)
             pipe.get(self._names.affinity(info.id))

@@ -1,7 +1,7 @@
 """What happens when a worker dies mid-stream.
 
 RabbitMQ hands the dead worker's unacked jobs to another worker of the model. That worker reads
-back the progress recorded with every chunk (`publisher.py`) and continues the answer where it
+back the progress recorded with every chunk (`chunk_publisher.py`) and continues the answer where it
 stopped, with what is left of its token budget. A job whose final chunk was already published is
 only acked; a job delivered more than `max_deliveries` times is given up (dead-lettered).
 """

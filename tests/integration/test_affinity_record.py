@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as redis
 
+from services.worker.chunk_publisher import AFFINITY_TTL_S, ChunkPublisher, Home
 from services.worker.engines import EngineOutput
 from services.worker.failover import Progress
-from services.worker.publisher import AFFINITY_TTL_S, ChunkPublisher, Home
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 

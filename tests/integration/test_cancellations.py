@@ -4,7 +4,7 @@ reaches the runner, and after its connection drops it subscribes again."""
 import asyncio
 import time
 
-from services.worker.service import listen_for_cancellations
+from services.worker.job_runner import listen_for_cancellations
 from shared.names import Names
 from tests.e2e.tcpproxy import TcpProxy
 

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from services.sessions.chunk_log import ChunkLog
+from services.worker.chunk_publisher import CHUNK_LOG_MARGIN, ChunkLogTarget, ChunkPublisher, Home
 from services.worker.engines import EngineOutput
 from services.worker.failover import Failover, Progress
-from services.worker.publisher import CHUNK_LOG_MARGIN, ChunkLogTarget, ChunkPublisher, Home
 from shared.clients import create_redis
 from shared.names import Names
 from shared.redis_pipe import RedisPipe

@@ -11,9 +11,9 @@ from functools import partial
 import orjson
 import pytest
 
+from services.worker.chunk_publisher import ChunkPublisher
 from services.worker.engines import EngineOutput
 from services.worker.failover import Failover, Progress
-from services.worker.publisher import ChunkPublisher
 from services.worker.tools import answer_finish_reason, parser_for, tool_call_id
 from shared.names import Names
 from shared.redis_pipe import RedisPipe, RedisSubscriber

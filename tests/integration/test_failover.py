@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 
+from services.worker.chunk_publisher import ChunkPublisher
 from services.worker.engines import EngineOutput
 from services.worker.failover import Failover, Progress
-from services.worker.publisher import ChunkPublisher
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Job

@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 
+from services.worker.chunk_publisher import ChunkPublisher, UsageOwner
 from services.worker.engines import EngineError, EngineOutput, GenerationRequest
 from services.worker.engines.sim import SimEngine
 from services.worker.failover import Failover, Progress
+from services.worker.job_runner import JobRunner
 from services.worker.metrics import WorkerMetrics
-from services.worker.publisher import ChunkPublisher, UsageOwner
-from services.worker.service import JobRunner
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Job, Message, Sampling, TokenChunk

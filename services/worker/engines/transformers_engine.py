@@ -3,7 +3,7 @@
 The model runs in transformers' own background generation thread; this class only
 moves requests in and token ids out, so the worker's event loop never blocks.
 Everything a request asks of the sampler (temperature, top_k, top_p, min_p, a grammar, logit
-bias, penalties, min_tokens, ignore_eos, a seed, logprobs) goes through `cb_extension.py`, which
+bias, penalties, min_tokens, ignore_eos, a seed, logprobs) goes through `cpu_sampling.py`, which
 does the sampling inside transformers' batching; grammars come from `grammar.py`. Parameters a request leaves
 unset take the model's generation config where it sets them, else OpenAI's defaults.
 Tools are written into the prompt by `tools.tool_prompt_messages` (the bundled model's chat
@@ -105,7 +105,7 @@ class _Lane:
     """One generation loop: the base model's, or one adapter's (`with_adapter`)."""
 
     manager: Any  # transformers' ContinuousBatchingManager
-    # A cb_extension.SamplingExtension: it holds the rows of its manager's current batch.
+    # A cpu_sampling.SamplingExtension: it holds the rows of its manager's current batch.
     extension: Any
     scorer: "PromptScorer"
 
@@ -190,7 +190,7 @@ class TransformersEngine(Engine):
         # Per request: transformers' outputs (untyped), or `_CANCELLED`; and the lane it runs in.
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._lane_of: dict[str, _Lane] = {}
-        # Prompt tokens each request found in transformers' prefix cache (`cb_extension.prefix_hits`).
+        # Prompt tokens each request found in transformers' prefix cache (`cpu_sampling.prefix_hits`).
         self._prefix_hits: dict[str, int] = {}
         # Set by `stop()`: requests still running fail with `EngineStopped`, not as engine errors.
         self._stopping = False
@@ -202,7 +202,7 @@ class TransformersEngine(Engine):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from services.worker.engines.cb_extension import prefix_hits
+        from services.worker.engines.cpu_sampling import prefix_hits
         from services.worker.engines.grammar import Grammars
 
         if not self._gguf_path.is_file():
@@ -242,7 +242,7 @@ class TransformersEngine(Engine):
         """Start a batching manager on `model` with a sampling extension of its own."""
         from transformers import ContinuousBatchingConfig
 
-        from services.worker.engines.cb_extension import SamplingExtension, manager_generation_config
+        from services.worker.engines.cpu_sampling import SamplingExtension, manager_generation_config
 
         extension = SamplingExtension(
             self._vocab_size, sorted(self._eos_ids), blocked_in_grammar=self._grammars.blocked_ids
@@ -319,8 +319,8 @@ class TransformersEngine(Engine):
         return text
 
     async def _controls(self, request: GenerationRequest, prompt_ids: list[int], resumed: list[int]) -> Any:
-        """The extension's controls for `request` (a `cb_extension.Controls`); compiles its grammar."""
-        from services.worker.engines.cb_extension import Controls
+        """The extension's controls for `request` (a `cpu_sampling.Controls`); compiles its grammar."""
+        from services.worker.engines.cpu_sampling import Controls
 
         sampling, defaults = request.sampling, self._defaults
         outside = sorted(t for t in sampling.logit_bias if not 0 <= t < self._vocab_size)

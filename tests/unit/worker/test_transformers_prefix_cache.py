@@ -1,5 +1,5 @@
 """The CPU engine's prefix-cache hits: transformers' continuous batching shares a new request's
-leading full pages already in its paged cache, and `cb_extension.record_prefix_hits` notes how many
+leading full pages already in its paged cache, and `cpu_sampling.record_prefix_hits` notes how many
 prompt tokens that was per request (reported as `cached_tokens`). A tiny random Llama through a
 real `ContinuousBatchingManager`, with 16-token pages."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import ContinuousBatchingConfig, LlamaConfig, LlamaForCausalLM
 
-from services.worker.engines.cb_extension import Controls, SamplingExtension, manager_generation_config, prefix_hits
+from services.worker.engines.cpu_sampling import Controls, SamplingExtension, manager_generation_config, prefix_hits
 
 EOS, V, PAGE = 0, 64, 16
 

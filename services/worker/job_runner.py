@@ -15,6 +15,7 @@ from aio_pika.exceptions import AMQPError
 from aiormq.exceptions import ChannelInvalidStateError
 from pydantic import ValidationError
 
+from services.worker.chunk_publisher import ChunkLogTarget, ChunkPublisher, Coalescer, Home, UsageOwner
 from services.worker.engines import (
     Engine,
     EngineDied,
@@ -27,7 +28,6 @@ from services.worker.engines import (
 )
 from services.worker.failover import Failover, Progress, remaining_sampling
 from services.worker.metrics import WorkerMetrics
-from services.worker.publisher import ChunkLogTarget, ChunkPublisher, Coalescer, Home, UsageOwner
 from services.worker.tools import answer_finish_reason, guide_for
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names

@@ -1,9 +1,9 @@
-"""services.worker.publisher: outputs that pile up during a publish go out as one chunk."""
+"""services.worker.chunk_publisher: outputs that pile up during a publish go out as one chunk."""
 
 import asyncio
 
+from services.worker.chunk_publisher import Coalescer
 from services.worker.engines import EngineOutput
-from services.worker.publisher import Coalescer
 from shared.schemas import TokenLogprob
 
 

@@ -441,5 +441,5 @@ def check_internals() -> None:
             missing.append(f"ContinuousBatchingManager: {name}")
     if missing:
         raise RuntimeError(
-            "transformers changed what services/worker/engines/cb_extension.py relies on: " + "; ".join(missing)
+            "transformers changed what services/worker/engines/cpu_sampling.py relies on: " + "; ".join(missing)
         )

@@ -1,4 +1,4 @@
-"""The CPU engine's sampling extension (services/worker/engines/cb_extension.py), without the bundled model.
+"""The CPU engine's sampling extension (services/worker/engines/cpu_sampling.py), without the bundled model.
 
 Two levels: the processors driven through transformers' own `ContinuousBatchingLogitsProcessorList`
 (exact numbers on hand-made logits), and a tiny random Llama generating through a real
@@ -18,7 +18,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.continuous_batching.requests import FutureRequestState, RequestState
 from transformers.generation.logits_process import LogitsProcessorList
 
-from services.worker.engines.cb_extension import Controls, SamplingExtension, check_internals, manager_generation_config
+from services.worker.engines.cpu_sampling import Controls, SamplingExtension, check_internals, manager_generation_config
 from services.worker.engines.grammar import compile_schema
 
 EOS, SPECIAL = 0, 17
