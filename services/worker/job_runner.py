@@ -32,7 +32,6 @@ from services.worker.tools import answer_finish_reason, guide_for
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
 from shared.redis_pipe import RedisPipe, RedisSubscriber
-from shared.registry import WorkerRegistry
 from shared.schemas import FinishReason, Job
 from shared.topology import spilled_from_worker_queue
 
@@ -326,69 +325,6 @@ async def _ack_or_requeue(message: AbstractIncomingMessage, *, requeue: bool = F
             await message.ack()
     except (AMQPError, ChannelInvalidStateError, ConnectionError) as exc:
         log.warning("job_settle_failed", action="nack" if requeue else "ack", error=repr(exc))
-
-
-class Heartbeat:
-    """Keeps this worker's entry in the registry fresh while its engine is healthy."""
-
-    def __init__(
-        self,
-        registry: WorkerRegistry,
-        *,
-        worker_id: str,
-        engine: Engine,
-        interval_s: float,
-        ttl_s: float,
-        on_engine_failure: Callable[[str], None],
-    ) -> None:
-        self._registry = registry
-        self._worker_id = worker_id
-        self._engine = engine
-        self._interval_s = interval_s
-        self._ttl_s = ttl_s
-        self._on_engine_failure = on_engine_failure
-        # Announced with every beat: a draining worker is no session's home any more.
-        self._draining = False
-
-    async def run(self) -> None:
-        while True:
-            try:
-                await self._engine.check_health()
-            except EngineError as exc:
-                log.error("engine_unhealthy", error=str(exc))
-                await self.withdraw()
-                self._on_engine_failure(str(exc))
-                return
-            await self._beat()
-            await asyncio.sleep(self._interval_s)
-
-    async def draining(self) -> None:
-        """Announce at once that this worker drains: session managers stop sending it sessions' jobs
-        (within their registry cache's lifetime) while it stays listed for its model."""
-        self._draining = True
-        await self._beat()
-
-    async def _beat(self) -> None:
-        try:
-            await self._registry.heartbeat(
-                worker_id=self._worker_id,
-                model=self._engine.model_name,
-                ttl_s=self._ttl_s,
-                max_seqs=self._engine.max_seqs,
-                context_tokens=self._engine.context_tokens,
-                supports=self._engine.supports,
-                draining=self._draining,
-                adapters=self._engine.adapters,
-                engine=self._engine.name,
-            )
-        except Exception as exc:  # noqa: BLE001 - a failed beat must not end the loop
-            log.warning("heartbeat_failed", error=repr(exc))
-
-    async def withdraw(self) -> None:
-        try:
-            await self._registry.remove(self._worker_id)
-        except Exception as exc:  # noqa: BLE001 - the entry expires on its own anyway
-            log.warning("withdraw_failed", error=repr(exc))
 
 
 async def listen_for_cancellations(url: str, names: Names, runner: JobRunner, *, timeout_s: float) -> None:

@@ -12,7 +12,8 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
 
 from services.worker.engines import Engine
-from services.worker.job_runner import Heartbeat, JobRunner, consume, listen_for_cancellations
+from services.worker.heartbeat import Heartbeat
+from services.worker.job_runner import JobRunner, consume, listen_for_cancellations
 from services.worker.metrics import WorkerMetrics
 from services.worker.settings import WorkerSettings
 from shared.clients import connect_amqp, create_redis
