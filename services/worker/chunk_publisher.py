@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from services.worker.engines import EngineOutput
 from services.worker.engines.base import ToolCallParser
 from services.worker.failover import Progress
-from services.worker.tools import merge_deltas
+from services.worker.tool_parsers import merge_deltas
 from shared.logging import get_logger
 from shared.names import Names
 from shared.redis_pipe import PipeScript, RedisPipe

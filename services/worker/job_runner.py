@@ -16,6 +16,7 @@ from aiormq.exceptions import ChannelInvalidStateError
 from pydantic import ValidationError
 
 from services.worker.chunk_publisher import ChunkLogTarget, ChunkPublisher, Coalescer, Home, UsageOwner
+from services.worker.constraints import guide_for
 from services.worker.engines import (
     Engine,
     EngineDied,
@@ -28,7 +29,7 @@ from services.worker.engines import (
 )
 from services.worker.failover import Failover, Progress, remaining_sampling
 from services.worker.metrics import WorkerMetrics
-from services.worker.tools import answer_finish_reason, guide_for
+from services.worker.tool_parsers import answer_finish_reason
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
 from shared.redis_pipe import RedisPipe, RedisSubscriber

@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 import jsonschema
 import pytest
 
+from services.worker.constraints import guide_for
 from services.worker.engines.base import EngineOutput, GenerationRequest, Guide, Resume
 from services.worker.engines.gguf import bundled_gguf_path
 from services.worker.engines.transformers_engine import TransformersEngine
-from services.worker.tools import guide_for
 from shared.schemas import FunctionSpec, Job, Message, NamedToolChoice, Sampling
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]

@@ -14,7 +14,7 @@ import pytest
 from services.worker.chunk_publisher import ChunkPublisher
 from services.worker.engines import EngineOutput
 from services.worker.failover import Failover, Progress
-from services.worker.tools import answer_finish_reason, parser_for, tool_call_id
+from services.worker.tool_parsers import answer_finish_reason, parser_for, tool_call_id
 from shared.names import Names
 from shared.redis_pipe import RedisPipe, RedisSubscriber
 from shared.schemas import FunctionSpec, Job, NamedToolChoice, TokenChunk, TokenLogprob, ToolChoice

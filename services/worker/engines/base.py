@@ -172,10 +172,10 @@ class Engine(ABC):
     def tool_call_parser(self, job: Job) -> ToolCallParser | None:
         """The parser that splits this job's answer into content and tool calls (None: all content).
 
-        The default reads Axon's own formats (`services/worker/tools.py`); an engine whose model
+        The default reads Axon's own formats (`services/worker/tool_parsers.py`); an engine whose model
         writes tool calls its own way overrides this.
         """
-        from services.worker.tools import parser_for  # tools.py imports this module
+        from services.worker.tool_parsers import parser_for  # tool_parsers.py imports this module
 
         return parser_for(job)
 

@@ -47,7 +47,8 @@ from typing import Any, ClassVar
 
 from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest, Guide, InvalidPrompt
 from services.worker.engines.text import StopMatcher
-from services.worker.tools import TOOL_CALL_END, TOOL_CALL_START, tool_prompt_messages
+from services.worker.prompts import tool_prompt_messages
+from services.worker.tool_parsers import TOOL_CALL_END, TOOL_CALL_START
 from shared.schemas import Capability, FinishReason, TokenLogprob, TopLogprob
 
 _TOKENS_PER_STEP = 64

@@ -6,7 +6,7 @@ Everything a request asks of the sampler (temperature, top_k, top_p, min_p, a gr
 bias, penalties, min_tokens, ignore_eos, a seed, logprobs) goes through `cpu_sampling.py`, which
 does the sampling inside transformers' batching; grammars come from `grammar.py`. Parameters a request leaves
 unset take the model's generation config where it sets them, else OpenAI's defaults.
-Tools are written into the prompt by `tools.tool_prompt_messages` (the bundled model's chat
+Tools are written into the prompt by `prompts.tool_prompt_messages` (the bundled model's chat
 template knows nothing of tools). Completions' `echo` with `logprobs` scores the prompt with
 `PromptScorer`. Stop strings are cut here.
 
@@ -38,7 +38,7 @@ from services.worker.engines.base import (
 )
 from services.worker.engines.grammar import GrammarLimits
 from services.worker.engines.text import IncrementalDetokenizer, StopMatcher
-from services.worker.tools import tool_prompt_messages
+from services.worker.prompts import tool_prompt_messages
 from shared.logging import get_logger
 from shared.schemas import Capability, FinishReason, TokenLogprob, TopLogprob
 

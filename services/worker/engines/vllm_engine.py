@@ -16,7 +16,7 @@ request asks for is mapped onto vLLM's own machinery, written against its public
 - tools: a chat template that renders tools gets `tools=`, history keeps `tool_calls` (arguments as
   parsed JSON, as vLLM passes them) and `tool_call_id`; a template that knows nothing of tools (the
   bundled SmolLM2's) gets them written into the conversation as the transformers engine writes them
-  (`tools.tool_prompt_messages`). Under `tool_choice: auto` the answer is parsed by vLLM's tool
+  (`prompts.tool_prompt_messages`). Under `tool_choice: auto` the answer is parsed by vLLM's tool
   parser `AXON_TOOL_PARSER` (`vllm_tools.py`), built as vLLM's server builds it;
 - refusals: vLLM's validation errors (`VLLMValidationError`, and the `ValueError`s some checks
   still raise) are the client's 400, naming the parameter at fault; a prompt that leaves no room in
@@ -66,7 +66,7 @@ from services.worker.engines.orphans import ChildReaper, descendants
 from services.worker.engines.vllm_config import VllmOptions, check_platform, engine_kwargs, vllm_environment
 from services.worker.engines.vllm_outputs import AnswerOutputs, PrefixReplay, ReplayDiverged
 from services.worker.engines.vllm_tools import Specials, VllmToolCallParser
-from services.worker.tools import tool_prompt_messages
+from services.worker.prompts import tool_prompt_messages
 from shared.logging import get_logger
 from shared.schemas import Capability, FunctionSpec, Job, Message, Sampling
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from services.worker.engines.base import EngineError
-from services.worker.tools import merge_deltas, tool_call_id
+from services.worker.tool_parsers import merge_deltas, tool_call_id
 from shared.schemas import FunctionCallDelta, ToolCallDelta
 
 # A run of spaces, a run of word characters, or any other single character.

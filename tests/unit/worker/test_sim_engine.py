@@ -10,9 +10,10 @@ from typing import Any
 import jsonschema
 import pytest
 
+from services.worker.constraints import required_tools_schema
 from services.worker.engines.base import EngineOutput, GenerationRequest, Guide, InvalidPrompt, Resume
 from services.worker.engines.sim import SimEngine, sim_word
-from services.worker.tools import AutoCallsParser, RequiredCallsParser, required_tools_schema
+from services.worker.tool_parsers import AutoCallsParser, RequiredCallsParser
 from shared.schemas import FunctionCall, FunctionSpec, Message, Sampling, ToolCall
 
 

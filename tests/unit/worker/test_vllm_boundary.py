@@ -57,7 +57,7 @@ from services.worker.engines.vllm_outputs import (
 )
 from services.worker.engines.vllm_tools import Segmenter, Specials, VllmToolCallParser
 from services.worker.settings import WorkerSettings
-from services.worker.tools import tool_call_id
+from services.worker.tool_parsers import tool_call_id
 from shared.schemas import FunctionCall, Message, Sampling, ToolCall, ToolCallDelta
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

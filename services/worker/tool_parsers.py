@@ -1,110 +1,35 @@
-"""Tools and structured outputs on the worker's side: what a job's answer is constrained to, how its
-text splits into content and tool calls, and how tools are written into a prompt.
+"""Tool-call parsers: how a job's answer text splits into content and tool calls as it streams.
 
-- `guide_for(job)`: the `Guide` an engine enforces. A `required` or named `tool_choice` wins over
-  `response_format`, as in vLLM: `required` is vLLM's JSON array of `{"name", "parameters"}` objects
-  (`maxItems: 1` when `parallel_tool_calls` is false, which vLLM leaves to the model), named is the
-  function's `parameters` schema.
 - `parser_for(job)`: a `ToolCallParser` for the job's `tool_choice`. Named: the whole answer is the
-  arguments. Required: the answer is that JSON array, scanned as it streams. Auto: content until a
-  Hermes-style `<tool_call>{"name": …, "arguments": …}</tool_call>` (or a JSON array in one tag).
+  arguments. Required: the answer is that JSON array (`constraints.required_tools_schema`), scanned
+  as it streams. Auto: content until a Hermes-style `<tool_call>{"name": …, "arguments": …}</tool_call>`
+  (or a JSON array in one tag).
   Every parser's output is a function of the text so far, never of how it was cut, so a resumed
   job replays the published raw text and continues; call ids derive from the job id and the
   call's index, so the replay finds the same ones.
-- `tool_prompt_messages(messages, tools)`: a conversation with tools, tool calls and tool results
-  as plain role/content turns, for chat templates that know nothing of tools (Qwen2.5's wording).
+- `answer_finish_reason`, `tool_call_id`, `merge_deltas`: what the answer's chunks carry, also used
+  by the vLLM engine's own parsers (`engines/vllm_tools.py`).
+
+What the answer is constrained to is `constraints.py`; how tools are written into a prompt,
+`prompts.py`.
 """
 
 import hashlib
 import json
 import string
-from typing import Any
 
-from services.worker.engines.base import Guide, InvalidPrompt, ToolCallParser
+from services.worker.engines.base import ToolCallParser
 from shared.schemas import (
     FinishReason,
     FunctionCallDelta,
-    FunctionSpec,
     Job,
-    Message,
     NamedToolChoice,
-    ToolCall,
     ToolCallDelta,
 )
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
-# A function declared without `parameters` takes none (OpenAI's rule; vLLM's schema for it).
-_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 _ID_ALPHABET = string.ascii_letters + string.digits
-
-
-# --- constraints -------------------------------------------------------------------------------
-
-
-def guide_for(job: Job) -> Guide | None:
-    """The constraint on `job`'s answer, or None when it is free text.
-
-    Raises:
-        InvalidPrompt: the tools cannot be combined into one schema (a `$defs` name two tools
-            define differently), or a named tool is not among them.
-    """
-    if job.tools:
-        if isinstance(job.tool_choice, NamedToolChoice):
-            return Guide("json_schema", _schema_text(named_tool_schema(job.tools, job.tool_choice.name)), "tools")
-        if job.tool_choice == "required":
-            schema = required_tools_schema(job.tools, job.parallel_tool_calls)
-            return Guide("json_schema", _schema_text(schema), "tools")
-    fmt = job.response_format
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return Guide("json_object")
-    if fmt.json_schema is None:
-        raise InvalidPrompt("response_format of type json_schema needs its json_schema.", param="response_format")
-    return Guide("json_schema", _schema_text(fmt.json_schema.schema_))
-
-
-def named_tool_schema(tools: list[FunctionSpec], name: str) -> dict[str, Any]:
-    """The schema of a call forced by name: the function's parameters."""
-    for tool in tools:
-        if tool.name == name:
-            return tool.parameters or _NO_PARAMETERS
-    raise InvalidPrompt(f"tool_choice names the function {name!r}, which is not in tools.", param="tool_choice")
-
-
-def required_tools_schema(tools: list[FunctionSpec], parallel: bool) -> dict[str, Any]:
-    """vLLM's schema for `tool_choice: required`: a non-empty array of calls of the tools, each
-    `{"name": <one tool's name>, "parameters": <its parameters>}`; the tools' `$defs` are lifted
-    to the top, where their `#/$defs/…` references point."""
-    defs: dict[str, Any] = {}
-    branches = []
-    for tool in tools:
-        params = dict(tool.parameters or _NO_PARAMETERS)
-        for name, definition in params.pop("$defs", {}).items():
-            if name in defs and defs[name] != definition:
-                raise InvalidPrompt(f"Two tools define $defs.{name} differently; rename one of them.", param="tools")
-            defs[name] = definition
-        branches.append(
-            {
-                "properties": {"name": {"type": "string", "enum": [tool.name]}, "parameters": params},
-                "required": ["name", "parameters"],
-            }
-        )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": branches}}
-    if not parallel:
-        schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
-    return schema
-
-
-def _schema_text(schema: dict[str, Any]) -> str:
-    # Key order kept: it is the order the answer's properties are generated in.
-    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-
-
-# --- parsing the answer ------------------------------------------------------------------------
 
 
 def parser_for(job: Job) -> ToolCallParser | None:
@@ -466,64 +391,3 @@ def _partial_tag_length(text: str) -> int:
         if TOOL_CALL_START.startswith(text[-size:]):
             return size
     return 0
-
-
-# --- tools in a prompt -------------------------------------------------------------------------
-
-DEFAULT_SYSTEM = "You are a helpful assistant."
-_TOOLS_INTRO = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-_TOOLS_OUTRO = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
-    "\n</tool_call>"
-)
-
-
-def tool_prompt_messages(
-    messages: list[Message], tools: list[FunctionSpec] | None, *, default_system: str = DEFAULT_SYSTEM
-) -> list[dict[str, str]]:
-    """`messages` as role/content turns for a chat template that knows nothing of tools, in the
-    Hermes/Qwen2.5 way: the tools in a system block (appended to the conversation's system
-    message, else to `default_system`), an assistant's calls as `<tool_call>` text, and tool
-    results as a user turn of `<tool_response>` blocks (consecutive results in one turn).
-    `developer` messages become `system` ones."""
-    turns: list[dict[str, str]] = []
-    for message in messages:
-        if message.role == "tool":
-            response = f"<tool_response>\n{message.content}\n</tool_response>"
-            if turns and turns[-1]["role"] == "user" and turns[-1].get("_tool") == "1":
-                turns[-1]["content"] += "\n" + response
-            else:
-                turns.append({"role": "user", "content": response, "_tool": "1"})
-            continue
-        content = message.content
-        if message.tool_calls:
-            calls = "\n".join(_call_text(call) for call in message.tool_calls)
-            content = f"{content}\n{calls}" if content else calls
-        turns.append({"role": "system" if message.role == "developer" else message.role, "content": content})
-    for turn in turns:
-        turn.pop("_tool", None)
-    if tools:
-        block = _TOOLS_INTRO + "".join("\n" + _tool_json(tool) for tool in tools) + _TOOLS_OUTRO
-        if turns and turns[0]["role"] == "system":
-            turns[0]["content"] += "\n\n" + block
-        else:
-            turns.insert(0, {"role": "system", "content": f"{default_system}\n\n{block}"})
-    return turns
-
-
-def _tool_json(tool: FunctionSpec) -> str:
-    function = tool.model_dump(exclude_none=True, exclude={"strict"})
-    return json.dumps({"type": "function", "function": function}, ensure_ascii=False)
-
-
-def _call_text(call: ToolCall) -> str:
-    try:
-        arguments = json.dumps(json.loads(call.function.arguments), ensure_ascii=False)
-    except ValueError:
-        arguments = json.dumps(call.function.arguments, ensure_ascii=False)
-    name = json.dumps(call.function.name, ensure_ascii=False)
-    return f'{TOOL_CALL_START}\n{{"name": {name}, "arguments": {arguments}}}\n{TOOL_CALL_END}'
