@@ -34,7 +34,7 @@ from pathlib import Path
 from capacity import best_clean_level, run_level
 from harness import BenchEnvironment
 
-from services.gateway.service import OVERLOADED_MESSAGE
+from services.gateway.proxy import OVERLOADED_MESSAGE
 
 MODEL = "sim"
 SAMPLE_EVERY_S = 5.0

@@ -13,8 +13,8 @@ from services.gateway.api import admin, docs, routes
 from services.gateway.api.openapi import install_request_schemas
 from services.gateway.auth import Authenticator
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.proxy import Forwarder, GatewayService, InFlightLimit
 from services.gateway.resources import GatewayClients, open_clients
-from services.gateway.service import Forwarder, GatewayService, InFlightLimit
 from services.gateway.settings import GatewaySettings
 from shared.hot_routes import HotRoutes
 from shared.http1 import RemoteProtocolError

@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 
 from services.gateway.auth import Authenticator
-from services.gateway.service import GatewayService
+from services.gateway.proxy import GatewayService
 from shared.errors import Unauthorized
 from shared.keys import KeyRecord, KeyRepository
 from shared.logging import bind_contextvars

@@ -5,7 +5,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from services.gateway.service import estimate_prompt_tokens, upstream_target
+from services.gateway.proxy import estimate_prompt_tokens, upstream_target
 from shared.url_params import ANY
 
 

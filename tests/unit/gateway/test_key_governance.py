@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from services.cli.keys import _update_values, parse_duration, parse_limit, parse_models, parse_time
 from services.cli.main import build_parser
 from services.gateway.api.admin import KeyCreate, KeyUpdate
-from services.gateway.service import budget_reservation
+from services.gateway.proxy import budget_reservation
 from services.sessions.deps import caller_from
 from shared.errors import InvalidRequest, invalid_request
 from shared.keys import KeyRecord, model_allowed

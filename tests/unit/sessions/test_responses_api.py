@@ -9,7 +9,7 @@ from openai.types.responses import Response, ResponseItemList, ResponseStreamEve
 from pydantic import TypeAdapter
 from redis.exceptions import RedisError
 
-from services.gateway.service import _stream_end, budget_reservation, estimate_prompt_tokens
+from services.gateway.proxy import _stream_end, budget_reservation, estimate_prompt_tokens
 from services.sessions.chat.protocol import Answer
 from services.sessions.responses.events import ResponseEvents
 from services.sessions.responses.protocol import (

@@ -5,7 +5,7 @@ import datetime as dt
 
 import pytest
 
-from services.gateway.service import caller_of
+from services.gateway.proxy import caller_of
 from shared.errors import InvalidRequest
 from shared.internal_headers import Caller, decode, encode
 from shared.keys import KeyLimits, KeyRecord
