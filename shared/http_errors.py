@@ -10,8 +10,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.disconnects import ClientGone
 from shared.errors import AxonError, Unavailable, error_body, invalid_request
+from shared.http_responses import ORJSONResponse
 from shared.logging import get_logger
-from shared.responses import ORJSONResponse
 
 log = get_logger(__name__)
 

@@ -8,9 +8,9 @@ from fastapi.telemetry import TelemetryConfig
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.errors import error_body
+from shared.http_responses import ORJSONResponse
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.metrics import HttpMetrics
-from shared.responses import ORJSONResponse
 
 REQUEST_ID_HEADER = "x-request-id"
 _MAX_REQUEST_ID_LEN = 128

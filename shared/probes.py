@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from shared.responses import ORJSONResponse
+from shared.http_responses import ORJSONResponse
 
 # Asked every few seconds by orchestrators and Prometheus: kept out of the access log.
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})

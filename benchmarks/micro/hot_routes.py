@@ -51,10 +51,10 @@ from services.sessions.deps import CallerDep, caller_from
 from shared.disconnects import DisconnectWatch, unless_disconnected
 from shared.hot_routes import HotRoute, HotRoutes, read_body, send_json
 from shared.http_errors import install_error_handlers
+from shared.http_responses import SSE_END, ORJSONResponse
 from shared.internal_headers import Caller
 from shared.middleware import NO_FASTAPI_TELEMETRY
 from shared.openai_requests import ChatCompletionRequest
-from shared.responses import SSE_END, ORJSONResponse
 
 MODES = ("json", "sse")
 MAX_BODY_BYTES = 64 * 1024 * 1024

@@ -26,12 +26,12 @@ from shared.errors import DeadlineExceeded, InvalidRequest, Unavailable, error_b
 from shared.hot_routes import header, read_body
 from shared.http1 import ConnectError, Http1Client, ReadTimeout, RemoteProtocolError
 from shared.http1 import Response as UpstreamResponse
+from shared.http_responses import SSE_END
 from shared.internal_headers import Caller
 from shared.keys import KeyRecord
 from shared.logging import bind_contextvars, get_logger
 from shared.openai_requests import MAX_CHOICES
 from shared.ratelimit import BudgetReservation
-from shared.responses import SSE_END
 from shared.tokens import estimate_tokens
 
 log = get_logger(__name__)

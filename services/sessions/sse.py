@@ -8,7 +8,7 @@ import orjson
 from starlette.types import Send
 
 from shared.errors import AxonError
-from shared.responses import SSE_END
+from shared.http_responses import SSE_END
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 # An SSE comment: clients ignore it, proxies see the connection is not idle.

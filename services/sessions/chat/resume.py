@@ -19,8 +19,8 @@ from services.sessions.chat.protocol import ResponseBuilder, has_event
 from services.sessions.chunk_log import ChunkLog, StreamMeta
 from services.sessions.sse import sse_event
 from shared.errors import AxonError, InvalidRequest, NotFound, UpstreamError
+from shared.http_responses import SSE_END
 from shared.logging import get_logger
-from shared.responses import SSE_END
 from shared.schemas import TokenChunk
 
 log = get_logger(__name__)

@@ -19,10 +19,10 @@ from services.sessions.sse import SSE_HEADERS, StreamKeepAlive, sse_error
 from shared.disconnects import DisconnectWatch
 from shared.errors import AxonError, ModelNotFound
 from shared.hot_routes import HotRoute, read_body, send_json
+from shared.http_responses import SSE_END
 from shared.internal_headers import Caller
 from shared.logging import bind_contextvars
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest, Kind, parse_request
-from shared.responses import SSE_END
 
 router = APIRouter()
 

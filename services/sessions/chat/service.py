@@ -18,8 +18,8 @@ from services.sessions.metrics import SessionsMetrics
 from services.sessions.run_on import RunOn
 from services.sessions.sse import USAGE_EVENT_ID, sse_error, sse_event, sse_named_event
 from shared.errors import AxonError, Unavailable, UpstreamError
+from shared.http_responses import SSE_END
 from shared.logging import get_logger
-from shared.responses import SSE_END
 from shared.schemas import TokenChunk
 
 log = get_logger(__name__)

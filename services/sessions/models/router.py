@@ -4,7 +4,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from services.sessions.deps import ServicesDep
-from shared.responses import ORJSONResponse
+from shared.http_responses import ORJSONResponse
 from shared.url_params import ANY
 
 router = APIRouter()
