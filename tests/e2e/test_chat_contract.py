@@ -385,7 +385,8 @@ def test_langchain_responses_invoke_and_stream_give_the_same_answer(
     assert message.response_metadata["status"] == "incomplete"
     assert len(message.text.split()) == 6 and message.usage_metadata["output_tokens"] == 6
     chunks = list(model.stream("Tell me a story."))
-    assert len([c for c in chunks if c.text]) == 6  # one delta per token, as they came
+    # Streamed as they came: a delta per chunk, and a worker under load may put several tokens in one.
+    assert 1 < len([c for c in chunks if c.text]) <= 6
     streamed = sum(chunks[1:], chunks[0])
     assert streamed.text == message.text
     assert streamed.usage_metadata == message.usage_metadata
