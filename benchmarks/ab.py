@@ -3,7 +3,7 @@ measured by its own `benchmarks/engine_vs_stack.py` and `benchmarks/capacity.py`
 alternating, for `--rounds` rounds; prints every round's figures of both trees, each tree's mean,
 min and max, and head against base, under the command line, the two commits and the date.
 
-    .venv/bin/python benchmarks/ab.py df8ece0 4dd1cf1                      # 3 rounds, about 6 minutes
+    .venv/bin/python benchmarks/ab.py df8ece0 4dd1cf1                      # 3 rounds, about 5 minutes
     .venv/bin/python benchmarks/ab.py BASE HEAD --rounds 5 --benchmarks capacity \\
         --capacity-args="--workload both --concurrency 64 128 256"
 
@@ -21,7 +21,8 @@ capacity, per workload, the requests/s and output tokens/s at the best level wit
 the CPU milliseconds per request of all processes and of the gateway, the session manager and the
 worker. Each run's output is kept in `--output-dir` (default:
 a new folder under the system's temporary folder, named on stderr at the end); the load average
-before each run is printed with its figures, since other work on the machine moves them.
+before each run is printed with its figures, since other work on the machine moves them; with
+`--max-load`, each run first waits (at most `--max-wait-s`) for the load average to fall that low.
 
 `head vs base` is the ratio of the means (head / base), or, for a figure that is already a
 difference (TTFT added, ITL added), head's mean minus base's.
@@ -322,6 +323,15 @@ def run_benchmark(
     return run
 
 
+def wait_for_quiet(max_load: float, max_wait_s: float, *, poll_s: float = 5.0) -> float:
+    """Wait until the 1-minute load average is at most `max_load`, or `max_wait_s` has passed;
+    returns how long it waited."""
+    started = time.monotonic()
+    while os.getloadavg()[0] > max_load and time.monotonic() - started < max_wait_s:
+        time.sleep(poll_s)
+    return time.monotonic() - started
+
+
 def order(round_: int, trees: Sequence[Tree]) -> list[Tree]:
     """Base first in odd rounds, head first in even ones."""
     return list(trees) if round_ % 2 else list(reversed(trees))
@@ -354,6 +364,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repo", type=Path, help="the git repository (default: the one holding this script)")
     parser.add_argument("--output-dir", type=Path, help="where each run's output is kept (default: a new folder)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="longest one run may take (default: 1800)")
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        help="before each run, wait until the 1-minute load average is at most this (default: do not wait)",
+    )
+    parser.add_argument(
+        "--max-wait-s", type=float, default=300.0, help="longest wait for --max-load before a run (default: 300)"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -374,6 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for round_ in range(1, args.rounds + 1):
             for benchmark in args.benchmarks:
                 for tree in order(round_, trees):
+                    if args.max_load is not None:
+                        waited = wait_for_quiet(args.max_load, args.max_wait_s)
+                        if waited >= 1:
+                            _say(f"waited {waited:.0f} s for the load average ({os.getloadavg()[0]:.2f} now)")
                     _say(f"round {round_}: {benchmark} on {tree.label} ({tree.sha[:7]})...")
                     output = output_dir / f"round{round_}-{tree.label}-{benchmark}.txt"
                     run = run_benchmark(
@@ -407,7 +429,7 @@ def report(
     lines = [
         f".venv/bin/python {command}",
         "",
-        *(f"{t.label} {t.sha[:10]} ({t.date}) {t.subject[:80]}" for t in trees),
+        *(f"{t.label} {t.sha[:10]} ({t.date}) {t.subject[:80].rstrip()}" for t in trees),
         f"run {started:%Y-%m-%d %H:%M}-{finished:%H:%M} UTC on {platform.node()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}; base first in odd rounds, head first in even ones",
     ]

@@ -174,3 +174,8 @@ def test_a_whole_ab_runs_each_commits_own_scripts_and_removes_its_worktrees(
         ["git", "-C", str(repo), "worktree", "list"], capture_output=True, text=True, check=True
     ).stdout
     assert worktrees.count("\n") == 1  # only the repository's own
+
+
+def test_waiting_for_a_quiet_machine_is_bounded() -> None:
+    assert ab.wait_for_quiet(1e9, 10.0) < 1.0  # quiet enough at once
+    assert 0.05 <= ab.wait_for_quiet(-1.0, 0.05, poll_s=0.01) < 1.0  # never quiet: gives up in time
