@@ -13,7 +13,10 @@ share one write instead of a hundred.
 `RedisPipe` failure semantics: a command is never retried (most of these are not idempotent). If the
 connection drops, every command in flight fails with `redis.exceptions.ConnectionError`;
 if the oldest command in flight gets no reply within `timeout_s`, the connection is dropped
-and they fail with `redis.exceptions.TimeoutError`. The next command reconnects.
+and they fail with `redis.exceptions.TimeoutError`. Either way a command may or may not have
+run. A command that was never written, because no connection could be opened, fails with
+`NotSent` (a `ConnectionError`): it did not run, and its caller may send it again. The next
+command reconnects.
 """
 
 import asyncio
@@ -31,6 +34,11 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Arg = bytes | str | int | float
+
+
+class NotSent(RedisConnectionError):
+    """The command was never written to Redis (no connection could be opened): it did not run."""
+
 
 _ProtocolT = TypeVar("_ProtocolT", bound=asyncio.Protocol)
 
@@ -266,6 +274,7 @@ class RedisPipe:
 
     def _fail_queued(self, error: Exception) -> None:
         queued, self._queued = self._queued, []
+        error = error if isinstance(error, NotSent) else NotSent(str(error))
         for _, future in queued:
             if not future.done():
                 future.set_exception(error)

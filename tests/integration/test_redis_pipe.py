@@ -9,7 +9,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.cli.launcher import free_port
-from shared.redis_pipe import PipeScript, RedisPipe, pack
+from shared.redis_pipe import NotSent, PipeScript, RedisPipe, pack
 from tests.e2e.tcpproxy import TcpProxy
 
 
@@ -56,6 +56,8 @@ async def test_a_lost_connection_fails_what_is_in_flight_and_the_next_command_re
         assert await pipe.execute("PING") == b"PONG"
         proxy.cut()
         with pytest.raises(RedisConnectionError):
+            await pipe.execute("PING")  # written on the connection the cut dropped: it may have run
+        with pytest.raises(NotSent):  # a ConnectionError that says the command never left
             await pipe.execute("PING")  # refused: the proxy is not listening
         proxy.restore()
         assert await pipe.execute("PING") == b"PONG"
@@ -75,8 +77,9 @@ async def test_a_server_that_never_answers_times_out() -> None:
     pipe = RedisPipe(f"redis://127.0.0.1:{port}/0", timeout_s=0.3)
     try:
         started = asyncio.get_running_loop().time()
-        with pytest.raises(RedisTimeoutError):
+        with pytest.raises(RedisTimeoutError) as timed_out:
             await pipe.execute("PING")
+        assert not isinstance(timed_out.value, NotSent)  # sent: it may have run
         assert asyncio.get_running_loop().time() - started < 2
     finally:
         await pipe.aclose()
