@@ -160,8 +160,8 @@ def _switch_off_auth_and_limits(app) -> None:
             return record
 
     class AdmitEverything:
-        async def admit(self, record: KeyRecord, *, token_cost: int, reserve: int = 0) -> Admission:
-            return Admission(record, "", None)  # decision None: no headers, nothing to release
+        async def admit(self, record: KeyRecord, *, tokens: int) -> Admission:
+            return Admission(record, None)  # decision None: no headers, nothing to release
 
         async def release(self, admission: Admission) -> None:
             return None

@@ -20,8 +20,11 @@ TENANT_HEADER = "x-axon-tenant"
 PRIORITY_HEADER = "x-axon-priority"
 KEY_ID_HEADER = "x-axon-key-id"
 TPM_LIMIT_HEADER = "x-axon-tpm-limit"
-PROMPT_ESTIMATE_HEADER = "x-axon-prompt-estimate"
-# The concurrency lease a completion holds: the session manager releases it when the answer ends.
+# The tokens a completion's admission charged against its key's tokens per minute (the most it may
+# use: its prompt estimate and n x max_tokens): corrected to the real usage when the answer ends.
+TPM_CHARGED_HEADER = "x-axon-tpm-charged"
+# The lease a completion holds (a concurrency slot, and the record of its tokens-per-minute
+# charge): the session manager releases it when the answer ends.
 LEASE_HEADER = "x-axon-lease-id"
 # The tokens of the key's budget the gateway reserved: settled to the real usage when the answer ends.
 BUDGET_HEADER = "x-axon-budget-reservation"
@@ -46,8 +49,9 @@ class Caller:
     priority: int = 0
     key_id: str | None = None
     tpm_limit: int = 0
-    prompt_estimate: int = 0
-    # The gateway's concurrency lease for this request, released when the answer ends.
+    # What the gateway's admission charged against the key's tokens per minute.
+    tpm_charged: int = 0
+    # The gateway's lease for this request, released when the answer ends.
     lease_id: str | None = None
     # What the gateway reserved of the key's token budget, settled to the usage when the answer ends.
     budget: BudgetReservation | None = None
@@ -59,7 +63,7 @@ def encode(caller: Caller) -> dict[str, str]:
     if caller.key_id is not None:
         headers[KEY_ID_HEADER] = caller.key_id
     headers[TPM_LIMIT_HEADER] = str(caller.tpm_limit)
-    headers[PROMPT_ESTIMATE_HEADER] = str(caller.prompt_estimate)
+    headers[TPM_CHARGED_HEADER] = str(caller.tpm_charged)
     if caller.lease_id is not None:
         headers[LEASE_HEADER] = caller.lease_id
     if caller.budget is not None:
@@ -72,7 +76,7 @@ _TENANT = TENANT_HEADER.encode()
 _PRIORITY = PRIORITY_HEADER.encode()
 _KEY_ID = KEY_ID_HEADER.encode()
 _TPM_LIMIT = TPM_LIMIT_HEADER.encode()
-_PROMPT_ESTIMATE = PROMPT_ESTIMATE_HEADER.encode()
+_TPM_CHARGED = TPM_CHARGED_HEADER.encode()
 _LEASE = LEASE_HEADER.encode()
 _BUDGET = BUDGET_HEADER.encode()
 
@@ -106,7 +110,7 @@ def decode(scope: Scope) -> Caller:
         priority=_int_header(scope, _PRIORITY, high=MAX_PRIORITY),
         key_id=key_id,
         tpm_limit=_int_header(scope, _TPM_LIMIT),
-        prompt_estimate=_int_header(scope, _PROMPT_ESTIMATE),
+        tpm_charged=_int_header(scope, _TPM_CHARGED),
         lease_id=lease_id,
         budget=budget,
     )

@@ -5,36 +5,54 @@ smooth sliding window with a burst of one full minute); concurrent requests are 
 leases that expire on their own if a gateway dies. One Lua script checks and commits all
 three atomically, with Redis' clock, so replicas never disagree.
 
-A token budget per UTC calendar day or month is checked in the same script: a completion
-reserves what it may use (its `max_tokens` and its prompt estimate) at admission, and the
-reservation is settled to the real usage when the answer ends (`submit_budget_settle`). A
-request is admitted while the period's spent and reserved tokens are below the budget, so
-concurrent requests on any number of gateways overspend by at most one request's reservation.
+A completion is charged against tokens per minute the most it may use (its prompt estimate and
+`n` x its `max_tokens`) at admission, so that a burst cannot run past the limit; the charge is
+corrected to the real usage when the answer ends. A token budget per UTC calendar day or month
+is checked in the same script and reserved the same way. A request is admitted while the
+period's spent and reserved tokens are below the budget, so concurrent requests on any number
+of gateways overspend by at most one request's reservation.
+
+What an admission holds (its lease, which is also the record of its tokens-per-minute charge,
+and its budget reservation) is given back in one script call, `RateLimiter.submit_settle`: by the
+session manager with the real usage when the answer ends, or by the gateway with nothing when it
+did not hand the answer over. Whichever comes first replaces the charge and the reservation by
+its usage; the other adds only its own (nothing, or the usage), so the two may come in either
+order. A settlement Redis could not take (it was unreachable) is sent again until Redis takes it
+(`_Unsettled`): a Redis blip leaves no lease or reservation behind.
 """
 
 import asyncio
 import datetime as dt
 import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError, ResponseError
+
 from shared.errors import RateLimited
 from shared.keys import BudgetPeriod, KeyLimits
+from shared.logging import get_logger
 from shared.names import Names
-from shared.redis_pipe import Arg, PipeScript, RedisPipe
+from shared.redis_pipe import Arg, NotSent, PipeScript, RedisPipe
+
+log = get_logger(__name__)
 
 PERIOD_MS = 60_000
 
-# KEYS: rpm state, tpm state, concurrency leases, token budget of the period (a hash: `used`,
-#       the spent and reserved tokens, and `r:<reservation id>`, each reservation not yet settled).
-# ARGV: rpm limit, tpm limit, concurrency limit (0 = unlimited), token cost, lease id (also the
-#       reservation's id), lease ttl ms, period ms, token budget (0 = none), tokens to reserve
-#       (0 = no budget check), Unix time at which the budget's state expires.
+# KEYS: rpm state, tpm state, leases (a sorted set: lease id -> expiry, ms), token budget of the
+#       period (a hash: `used`, the spent and reserved tokens, and `r:<reservation id>`, each
+#       reservation not yet settled).
+# ARGV: rpm limit, tpm limit, concurrency limit (0 = unlimited), tokens (charged against tpm and
+#       reserved of the budget), lease id (also the reservation's id), lease ttl ms, period ms,
+#       token budget (0 = none, or nothing to reserve), Unix time at which the budget's state
+#       expires, whether to hold a lease (1: the key has a concurrency limit, or tokens are
+#       charged against its tpm: the lease is the record of that charge until it is settled).
 _CHECK = PipeScript("""
-local budget, reserve = tonumber(ARGV[8]), tonumber(ARGV[9])
+local budget, cost = tonumber(ARGV[8]), tonumber(ARGV[4])
 local used = 0
-if budget > 0 and reserve > 0 then
+if budget > 0 then
   used = tonumber(redis.call('HGET', KEYS[4], 'used') or '0')
   if used >= budget then return {'budget', 0, 0, 0, 0, 0, used} end
 end
@@ -42,12 +60,12 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local period = tonumber(ARGV[7])
 
-local function gcra(key, limit, cost)
+local function gcra(key, limit, tokens)
   if limit <= 0 then return {1, 0, -1, 0, 0} end
   local interval = period / limit
   local tat = tonumber(redis.call('GET', key) or now)
   if tat < now then tat = now end
-  local new_tat = tat + cost * interval
+  local new_tat = tat + tokens * interval
   local allow_at = new_tat - period
   if allow_at > now then
     return {0, tat, math.max(0, math.floor((period - (tat - now)) / interval)), math.ceil(tat - now),
@@ -57,16 +75,16 @@ local function gcra(key, limit, cost)
 end
 
 local rpm_limit, tpm_limit, conc_limit = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local cost = tonumber(ARGV[4])
+local hold = ARGV[10] == '1'
 local req = gcra(KEYS[1], rpm_limit, 1)
 local tok = gcra(KEYS[2], tpm_limit, cost)
 local denied, retry_ms = '', 0
-if conc_limit > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  if redis.call('ZCARD', KEYS[3]) >= conc_limit then
-    -- A slot frees when some request ends, which no clock predicts: suggest a short wait.
-    denied, retry_ms = 'concurrent', 1000
-  end
+if hold then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now) end
+if conc_limit > 0 and redis.call('ZCARD', KEYS[3]) >= conc_limit then
+  -- A slot frees when one of the requests ends, which no clock predicts, and at the latest when
+  -- the oldest lease expires: that is the wait that is certain.
+  local oldest = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+  denied, retry_ms = 'concurrent', math.max(1, math.ceil(tonumber(oldest[2]) - now))
 end
 if denied == '' and req[1] == 0 then denied, retry_ms = 'requests', req[5] end
 if denied == '' and tok[1] == 0 then
@@ -75,37 +93,68 @@ end
 if denied == '' then
   if rpm_limit > 0 then redis.call('SET', KEYS[1], req[2], 'PX', math.max(1, math.ceil(req[2] - now))) end
   if tpm_limit > 0 and cost > 0 then redis.call('SET', KEYS[2], tok[2], 'PX', math.max(1, math.ceil(tok[2] - now))) end
-  if conc_limit > 0 then
+  if hold then
     redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[5])
     redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[6]))
   end
-  if budget > 0 and reserve > 0 then
-    used = redis.call('HINCRBY', KEYS[4], 'used', reserve)
-    redis.call('HSET', KEYS[4], 'r:' .. ARGV[5], reserve)
-    redis.call('EXPIREAT', KEYS[4], ARGV[10])
+  if budget > 0 then
+    used = redis.call('HINCRBY', KEYS[4], 'used', cost)
+    redis.call('HSET', KEYS[4], 'r:' .. ARGV[5], cost)
+    redis.call('EXPIREAT', KEYS[4], ARGV[9])
   end
 end
 return {denied, retry_ms, req[3], req[4], tok[3], tok[4], used}
 """)
 
-# KEYS: token budget of the reservation's period. ARGV: reservation id, tokens really used,
-# Unix time at which the budget's state expires. The reservation is replaced by the real usage
-# once: settling again (or the gateway's release, a settlement of 0 tokens, after the session
-# manager's) adds only the tokens given, so the two sides may settle in either order.
+# KEYS: leases, tpm state, token budget of the reservation's period.
+# ARGV: lease id ('' = none), tokens really used, tpm limit, tokens charged against tpm at
+#       admission, the budget reservation's id ('' = none), Unix time at which the budget's state
+#       expires, period ms, only if still held (1: do nothing unless the lease or the reservation
+#       is still there).
+# The first settlement (its lease is still there) replaces the admission's tpm charge and budget
+# reservation by the tokens used; a later one adds only the tokens it is given (the gateway's,
+# after the session manager's, gives nothing; the session manager's, after the gateway's, the
+# usage). Returns the tpm and the budget correction.
 _SETTLE = PipeScript("""
-local field = 'r:' .. ARGV[1]
-local delta = tonumber(ARGV[2])
-local reserved = redis.call('HGET', KEYS[1], field)
-if reserved then
-  redis.call('HDEL', KEYS[1], field)
-  delta = delta - tonumber(reserved)
+local first = ARGV[1] ~= '' and redis.call('ZREM', KEYS[1], ARGV[1]) == 1
+local field = 'r:' .. ARGV[5]
+local reserved = false
+if ARGV[5] ~= '' then reserved = redis.call('HGET', KEYS[3], field) end
+if ARGV[8] == '1' and not first and not reserved then return {0, 0} end
+local used, limit = tonumber(ARGV[2]), tonumber(ARGV[3])
+local delta = used
+if first then delta = used - tonumber(ARGV[4]) end
+if limit > 0 and delta ~= 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local tat = tonumber(redis.call('GET', KEYS[2]) or now)
+  if tat < now then tat = now end
+  local new_tat = tat + delta * tonumber(ARGV[7]) / limit
+  if new_tat <= now then redis.call('DEL', KEYS[2])
+  else redis.call('SET', KEYS[2], new_tat, 'PX', math.ceil(new_tat - now)) end
 end
-if delta ~= 0 then
-  redis.call('HINCRBY', KEYS[1], 'used', delta)
-  redis.call('EXPIREAT', KEYS[1], ARGV[3])
+local budget_delta = 0
+if ARGV[5] ~= '' then
+  budget_delta = used
+  if reserved then
+    redis.call('HDEL', KEYS[3], field)
+    budget_delta = used - tonumber(reserved)
+  end
+  if budget_delta ~= 0 then
+    redis.call('HINCRBY', KEYS[3], 'used', budget_delta)
+    redis.call('EXPIREAT', KEYS[3], ARGV[6])
+  end
 end
-return delta
+return {delta, budget_delta}
 """)
+
+# A settlement Redis could not take is sent again for this long at most, and this many wait per
+# process at most; past either it is dropped (and logged): its lease lapses with its expiry
+# (`AXON_CONCURRENCY_LEASE_S`) and its budget reservation counts as spent.
+SETTLE_RETRY_FOR_S = 600.0
+MAX_UNSETTLED = 10_000
+# What waits is sent again this often: once Redis is back, it is settled within about this long.
+_RETRY_S = 0.1
 
 # A period's budget state outlives the period by this much, so that answers that end after it
 # (a request's deadline is minutes) still settle against it.
@@ -170,22 +219,6 @@ class BudgetReservation:
         return int(period_end(self.period_id).timestamp()) + _BUDGET_GRACE_S
 
 
-# KEYS: tpm state. ARGV: tpm limit, token cost (may be negative: a refund), period ms.
-_CHARGE = PipeScript("""
-local limit = tonumber(ARGV[1])
-if limit <= 0 then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local interval = tonumber(ARGV[3]) / limit
-local tat = tonumber(redis.call('GET', KEYS[1]) or now)
-if tat < now then tat = now end
-local new_tat = tat + tonumber(ARGV[2]) * interval
-if new_tat <= now then redis.call('DEL', KEYS[1]) return 0 end
-redis.call('SET', KEYS[1], new_tat, 'PX', math.ceil(new_tat - now))
-return 1
-""")
-
-
 @dataclass(frozen=True, slots=True)
 class WindowState:
     """One limit's state as OpenAI's `x-ratelimit-*` headers report it."""
@@ -198,7 +231,8 @@ class WindowState:
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The limiter's answer: `denied` is None, or which limit refused (`budget`, `requests`,
-    `tokens`, `concurrent`, or `too_large` for a request bigger than the whole token budget)."""
+    `tokens`, `concurrent`, or `too_large` for a request that may use more tokens than the key's
+    whole tokens per minute)."""
 
     denied: str | None
     retry_after_ms: int
@@ -208,6 +242,10 @@ class Decision:
     # when it was admitted), and the reservation to settle; 0 and None without a budget.
     budget_used: int = 0
     reservation: BudgetReservation | None = None
+    # What an admitted request holds until it is settled (`RateLimiter.submit_settle`): its lease
+    # (None: it holds none) and the tokens charged against the key's tokens per minute.
+    lease_id: str | None = None
+    tpm_charged: int = 0
 
     @property
     def allowed(self) -> bool:
@@ -250,14 +288,27 @@ def budget_refusal(limits: KeyLimits, used: int, now: dt.datetime) -> RateLimite
     )
 
 
-_LIMIT_NAMES = {"requests": "requests per minute", "tokens": "tokens per minute", "concurrent": "concurrent requests"}
+_LIMIT_NAMES = {"requests": "requests per minute", "tokens": "tokens per minute"}
 
 
 def refusal(decision: Decision) -> RateLimited:
-    """The 429 for a refused decision, with `Retry-After` (s) and `retry-after-ms` from the limiter's state."""
+    """The 429 for a refused decision, with `Retry-After` (s) and `retry-after-ms` from the
+    limiter's state: when the request would be admitted (requests and tokens per minute), or,
+    for concurrent requests, when the oldest lease expires, the latest a slot frees (one frees
+    sooner when one of the requests in flight ends)."""
     retry_ms = max(1, decision.retry_after_ms)
+    if decision.denied == "concurrent":
+        message = (
+            "Rate limit reached for concurrent requests: a slot frees when one of this key's requests in flight "
+            f"ends, at the latest in {math.ceil(retry_ms / 1000)} s."
+        )
+    else:
+        message = (
+            f"Rate limit reached for {_LIMIT_NAMES.get(decision.denied or '', decision.denied)}; "
+            f"retry in {retry_ms} ms."
+        )
     return RateLimited(
-        f"Rate limit reached for {_LIMIT_NAMES.get(decision.denied or '', decision.denied)}; retry in {retry_ms} ms.",
+        message,
         headers={
             **rate_limit_headers(decision),
             "Retry-After": str(max(1, math.ceil(retry_ms / 1000))),
@@ -272,6 +323,7 @@ class RateLimiter:
     def __init__(self, pipe: RedisPipe, names: Names) -> None:
         self._pipe = pipe
         self._names = names
+        self._unsettled = _Unsettled(pipe)
 
     def _budget_key(self, key_id: str, period_id: str) -> str:
         return self._names.rate_limit("budget", f"{key_id}:{period_id}")
@@ -281,34 +333,37 @@ class RateLimiter:
         key_id: str,
         limits: KeyLimits,
         *,
-        token_cost: int,
+        tokens: int,
         lease_id: str,
         lease_ttl_s: float,
-        reserve: int = 0,
         period_id: str = "",
     ) -> Decision:
-        """Admit one request costing `token_cost` tokens, or say which limit refuses it.
+        """Admit one request that may use `tokens` tokens, or say which limit refuses it.
 
-        An admitted request holds a concurrency lease until `release` (or `lease_ttl_s`). With a
-        key's `token_budget` and `reserve` > 0, it is admitted only while the budget of period
-        `period_id` (`budget_window`'s) is not used up, and reserves `reserve` tokens of it
-        under `lease_id` until `submit_budget_settle`.
+        An admitted request is charged `tokens` against the key's tokens per minute and, with a
+        `token_budget`, is admitted only while the budget of period `period_id`
+        (`budget_window`'s) is not used up and reserves `tokens` of it under `lease_id`. It holds
+        a lease (`Decision.lease_id`) when the key has a concurrency limit or it was charged
+        tokens per minute, until `submit_settle` (or `lease_ttl_s`).
         """
-        budget = (limits.token_budget or 0) if reserve > 0 else 0
-        reservation = BudgetReservation(period_id, lease_id, reserve) if budget else None
+        tokens = max(0, tokens)
+        budget = (limits.token_budget or 0) if tokens else 0
+        reservation = BudgetReservation(period_id, lease_id, tokens) if budget else None
+        tpm_charged = tokens if limits.tpm else 0
+        hold = bool(limits.max_concurrent) or tpm_charged > 0
         keys = [self._names.rate_limit(kind, key_id) for kind in ("rpm", "tpm", "conc")]
         keys.append(self._budget_key(key_id, period_id or "-"))
         args: list[Arg] = [
             limits.rpm or 0,
             limits.tpm or 0,
             limits.max_concurrent or 0,
-            max(0, token_cost),
+            tokens,
             lease_id,
             int(lease_ttl_s * 1000),
             PERIOD_MS,
             budget,
-            reserve if budget else 0,
             reservation.expires_at if reservation else 0,
+            1 if hold else 0,
         ]
         reply = await self._pipe.evalsha(_CHECK, keys, args)
         denied, retry_ms, req_left, req_reset, tok_left, tok_reset, used = reply
@@ -320,25 +375,122 @@ class RateLimiter:
             tokens=WindowState(limits.tpm, int(tok_left), int(tok_reset)),
             budget_used=int(used),
             reservation=reservation if not denied else None,
+            lease_id=lease_id if hold and not denied else None,
+            tpm_charged=tpm_charged if not denied else 0,
         )
 
-    def submit_budget_settle(self, key_id: str, reservation: BudgetReservation, used: int) -> asyncio.Future[Any]:
-        """Replace a budget reservation by the tokens really used (0 gives it all back); the
-        reservation counts once whichever side settles first. Returns the command's future."""
-        return self._pipe.submit_script(
-            _SETTLE,
-            [self._budget_key(key_id, reservation.period_id)],
-            [reservation.reservation_id, max(0, used), reservation.expires_at],
+    def submit_settle(
+        self,
+        key_id: str,
+        *,
+        lease_id: str | None,
+        tpm_limit: int,
+        tpm_charged: int,
+        budget: BudgetReservation | None,
+        used: int,
+    ) -> asyncio.Future[Any]:
+        """Give back what an admission holds, its real token use being `used`: release its lease,
+        correct its tokens-per-minute charge `tpm_charged` and settle its budget reservation to
+        `used` (the first settlement; a later one adds `used`: see `_SETTLE`), in one command.
+
+        Returns the future of the command's reply (the tpm and budget corrections), or of None
+        when Redis could not take it: then it is sent again until Redis does (`_Unsettled`).
+        """
+        keys: list[Arg] = [
+            self._names.rate_limit("conc", key_id),
+            self._names.rate_limit("tpm", key_id),
+            self._budget_key(key_id, budget.period_id if budget else "-"),
+        ]
+        args: list[Arg] = [
+            lease_id or "",
+            max(0, used),
+            tpm_limit,
+            tpm_charged,
+            budget.reservation_id if budget else "",
+            budget.expires_at if budget else 0,
+            PERIOD_MS,
+            0,
+        ]
+        return self._unsettled.submit(keys, args)
+
+
+def _chain_to(result: asyncio.Future[Any], attempt: asyncio.Future[Any], error: BaseException | None) -> None:
+    """Give `result` the outcome of `attempt`: cancelled, `error`, or its reply (None for a failure
+    that is retried)."""
+    if attempt.cancelled():
+        result.cancel()
+    elif error is not None:
+        result.set_exception(error)
+    else:
+        result.set_result(None if attempt.exception() else attempt.result())
+
+
+class _Unsettled:
+    """Settlements Redis did not take, sent again every `_RETRY_S` until it takes them, for up to
+    `SETTLE_RETRY_FOR_S` (at most `MAX_UNSETTLED` of them). One whose command was never sent goes
+    again as it was; one that may have run (its connection dropped after sending it, or no reply
+    came in time) goes again only if what it settles is still held, so it never counts twice."""
+
+    def __init__(self, pipe: RedisPipe) -> None:
+        self._pipe = pipe
+        self._waiting: list[tuple[list[Arg], list[Arg], float]] = []
+        self._retrying: asyncio.Task[None] | None = None
+        self._dropped = 0
+
+    def submit(self, keys: list[Arg], args: list[Arg]) -> asyncio.Future[Any]:
+        result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def settled(attempt: asyncio.Future[Any]) -> None:
+            error = None if attempt.cancelled() else attempt.exception()
+            if isinstance(error, RedisError) and not isinstance(error, ResponseError):
+                self._wait(keys, args, error, time.monotonic() + SETTLE_RETRY_FOR_S)
+                error = None
+            if not result.done():
+                _chain_to(result, attempt, error)
+
+        self._pipe.submit_script(_SETTLE, keys, args).add_done_callback(settled)
+        return result
+
+    def _wait(self, keys: list[Arg], args: list[Arg], error: RedisError, give_up_at: float) -> None:
+        if not isinstance(error, NotSent):
+            args = [*args[:-1], 1]
+        if len(self._waiting) >= MAX_UNSETTLED:
+            self._dropped += 1
+            return
+        self._waiting.append((keys, args, give_up_at))
+        if self._retrying is None:
+            log.warning("settlements_waiting_for_redis", error=repr(error))
+            self._retrying = asyncio.get_running_loop().create_task(self._retry())
+
+    async def _retry(self) -> None:
+        started, done = time.monotonic(), 0
+        try:
+            while self._waiting:
+                await asyncio.sleep(_RETRY_S)
+                now = time.monotonic()
+                due = [entry for entry in self._waiting if entry[2] > now]
+                self._dropped += len(self._waiting) - len(due)
+                # While Redis is away, a round costs one command: the others go once it took that one.
+                self._waiting = due[1:]
+                if due and (taken := await self._send(due[:1])):
+                    batch, self._waiting = self._waiting, []
+                    done += taken + await self._send(batch)
+        finally:
+            self._retrying = None
+            dropped, self._dropped = self._dropped, 0
+            log.info("settlements_retried", settled=done, dropped=dropped, after_s=round(time.monotonic() - started, 2))
+
+    async def _send(self, batch: list[tuple[list[Arg], list[Arg], float]]) -> int:
+        """Send `batch` again; returns how many Redis took (the others wait again)."""
+        results = await asyncio.gather(
+            *(self._pipe.submit_script(_SETTLE, keys, args) for keys, args, _ in batch), return_exceptions=True
         )
-
-    def submit_charge(self, key_id: str, tpm: int, cost: int) -> asyncio.Future[Any]:
-        """Charge (or refund, if negative) tokens after the fact, e.g. real usage vs the estimate;
-        returns the command's future without waiting, so it can share a write with others."""
-        return self._pipe.submit_script(_CHARGE, [self._names.rate_limit("tpm", key_id)], [tpm, cost, PERIOD_MS])
-
-    def submit_release(self, key_id: str, lease_id: str) -> asyncio.Future[Any]:
-        """Give a concurrency lease back (idempotent); returns the command's future."""
-        return self._pipe.submit("ZREM", self._names.rate_limit("conc", key_id), lease_id)
-
-    async def release(self, key_id: str, lease_id: str) -> None:
-        await self.submit_release(key_id, lease_id)
+        taken = 0
+        for (keys, args, give_up_at), result in zip(batch, results, strict=True):
+            if isinstance(result, RedisError) and not isinstance(result, ResponseError):
+                self._wait(keys, args, result, give_up_at)
+                continue
+            taken += 1
+            if isinstance(result, BaseException):
+                log.warning("settlement_failed", error=repr(result))
+        return taken

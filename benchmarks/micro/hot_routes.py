@@ -242,7 +242,7 @@ class Exchange:
                 (b"x-axon-priority", b"0"),
                 (b"x-axon-key-id", b"key_0123456789abcdef"),
                 (b"x-axon-tpm-limit", b"2000000000"),
-                (b"x-axon-prompt-estimate", b"12"),
+                (b"x-axon-tpm-charged", b"268"),
                 (b"x-axon-lease-id", b"a1b2c3d4e5f60718"),
             ],
             # RequestContextMiddleware puts the request id here (left out: it costs both the same)

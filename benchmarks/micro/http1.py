@@ -59,7 +59,7 @@ HEADERS = {
     "x-axon-priority": "0",
     "x-axon-key-id": "key_0123456789abcdef",
     "x-axon-tpm-limit": "2000000000",
-    "x-axon-prompt-estimate": "12",
+    "x-axon-tpm-charged": "268",
     "x-axon-lease-id": "a1b2c3d4e5f60718",
 }
 

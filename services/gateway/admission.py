@@ -29,19 +29,23 @@ log = get_logger(__name__)
 
 @dataclass
 class Admission:
-    """An admitted request: its limiter state (for headers), its concurrency lease and its
-    reservation of the key's token budget."""
+    """An admitted request: its limiter state (for headers), and what it holds until it is
+    settled: its lease, its charge against the key's tokens per minute and its reservation of the
+    key's token budget (none of them when Redis was down and the limiter failed open)."""
 
     record: KeyRecord
-    lease_id: str
     decision: Decision | None
 
     def headers(self) -> dict[str, str]:
         return rate_limit_headers(self.decision) if self.decision else {}
 
     @property
-    def holds_lease(self) -> bool:
-        return self.decision is not None and self.record.limits.max_concurrent is not None
+    def lease_id(self) -> str | None:
+        return self.decision.lease_id if self.decision else None
+
+    @property
+    def tpm_charged(self) -> int:
+        return self.decision.tpm_charged if self.decision else 0
 
     @property
     def reservation(self) -> BudgetReservation | None:
@@ -57,19 +61,19 @@ class Admitter:
         self._fail_open = fail_open
         self._lease_s = lease_s
 
-    async def admit(self, record: KeyRecord, *, token_cost: int, reserve: int = 0) -> Admission:
-        """Admit the request or refuse it. A key with a token budget reserves `reserve` tokens of
-        it (a completion's most: its prompt estimate and `max_tokens`), settled when the answer
-        ends; a call that reserves nothing is not held to the budget.
+    async def admit(self, record: KeyRecord, *, tokens: int) -> Admission:
+        """Admit the request or refuse it. A completion may use `tokens` (its most: its prompt
+        estimate and `n` x `max_tokens`): they are charged against the key's tokens per minute
+        and reserved of its token budget, and settled to its real usage when the answer ends; a
+        call of 0 tokens is not held to the budget.
 
         Raises:
             RateLimited: a limit or the budget is exhausted (429 with accurate Retry-After).
-            InvalidRequest: the request alone is larger than the key's tokens per minute.
+            InvalidRequest: the request alone may use more than the key's tokens per minute.
             Unavailable: Redis is unreachable and the limiter fails closed.
         """
-        lease_id = secrets.token_hex(8)
         limits = record.limits
-        budgeted = bool(limits.token_budget and reserve)
+        budgeted = bool(limits.token_budget and tokens)
         # Periods are UTC calendar days or months by this gateway's clock.
         now = dt.datetime.now(dt.UTC) if budgeted else None
         period_id = budget_window(limits.budget_period, now)[0] if now is not None else ""
@@ -77,23 +81,22 @@ class Admitter:
             decision = await self._limiter.check(
                 record.id,
                 limits,
-                token_cost=token_cost,
-                lease_id=lease_id,
+                tokens=tokens,
+                lease_id=secrets.token_hex(8),
                 lease_ttl_s=self._lease_s,
-                reserve=reserve,
                 period_id=period_id,
             )
         except RedisError as exc:
             log.warning("rate_limiter_unavailable", error=repr(exc))
             if self._fail_open:
                 self._metrics.limiter_unavailable.labels("open").inc()
-                return Admission(record, lease_id, None)
+                return Admission(record, None)
             self._metrics.limiter_unavailable.labels("closed").inc()
             raise Unavailable("Rate limiting is unavailable; try again shortly.", retry_after_s=2) from exc
         if decision.denied == "too_large":
             raise InvalidRequest(
-                f"The request needs about {token_cost} tokens, more than this key's limit of "
-                f"{limits.tpm} tokens per minute.",
+                f"The request may use about {tokens} tokens (its prompt and n x max_tokens), more than this "
+                f"key's limit of {limits.tpm} tokens per minute; ask for fewer with max_tokens or n.",
                 code="request_too_large_for_limit",
             )
         if decision.denied == "budget" and now is not None:
@@ -102,22 +105,25 @@ class Admitter:
         if decision.denied is not None:
             self._metrics.rate_limited.labels(decision.denied).inc()
             raise refusal(decision)
-        return Admission(record, lease_id, decision)
+        return Admission(record, decision)
 
     async def release(self, admission: Admission) -> None:
-        """Give back the request's concurrency lease and its budget reservation (both idempotent,
-        and harmless after the session manager's settlement), in one write."""
-        writes = []
-        if admission.holds_lease:
-            writes.append(self._limiter.submit_release(admission.record.id, admission.lease_id))
-        if admission.reservation is not None:
-            writes.append(self._limiter.submit_budget_settle(admission.record.id, admission.reservation, 0))
-        if not writes:
+        """Give back what the request holds, in one command: its lease, its tokens-per-minute
+        charge and its budget reservation (a settlement to 0 tokens: after the session manager's
+        settlement it changes nothing). Redis down, it is sent again once Redis is back."""
+        if admission.lease_id is None and admission.reservation is None:
             return
         try:
-            await asyncio.gather(*writes)
+            await self._limiter.submit_settle(
+                admission.record.id,
+                lease_id=admission.lease_id,
+                tpm_limit=admission.record.limits.tpm or 0,
+                tpm_charged=admission.tpm_charged,
+                budget=admission.reservation,
+                used=0,
+            )
         except RedisError as exc:
-            log.warning("lease_release_failed", error=repr(exc))
+            log.warning("release_failed", error=repr(exc))
 
 
 class ModelAccess:

@@ -31,7 +31,6 @@ from shared.internal_headers import Caller
 from shared.keys import KeyRecord
 from shared.logging import bind_contextvars, get_logger
 from shared.openai_requests import MAX_CHOICES
-from shared.ratelimit import BudgetReservation
 from shared.tokens import estimate_tokens
 
 log = get_logger(__name__)
@@ -72,7 +71,8 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """Prompt tokens estimated from characters, charged at admission; real usage is settled later.
+    """Prompt tokens estimated from characters, part of what admission charges (`most_tokens`);
+    real usage is settled later.
 
     Each of `n` choices is a job of its own that reads the prompt, so the estimate is charged `n`
     times (an `n` the session manager will refuse counts once).
@@ -113,11 +113,13 @@ def _choices(body: dict[str, Any]) -> int:
     return n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
 
 
-def budget_reservation(body: dict[str, Any], prompt_estimate: int, *, default_max_tokens: int, limit: int) -> int:
-    """The most tokens a completion may use, reserved against its key's budget at admission:
-    the prompt estimate and `n` times its `max_completion_tokens`, `max_tokens` or `max_output_tokens` (else
-    `AXON_DEFAULT_MAX_TOKENS`, the session manager's default), at most `AXON_MAX_TOKENS_LIMIT`
-    (a larger request is refused by the session manager and its reservation given back)."""
+def most_tokens(body: dict[str, Any], prompt_estimate: int, *, default_max_tokens: int, limit: int) -> int:
+    """The most tokens a completion may use, charged against its key's tokens per minute and
+    reserved of its budget at admission: the prompt estimate and `n` times its
+    `max_completion_tokens`, `max_tokens` or `max_output_tokens` (else `AXON_DEFAULT_MAX_TOKENS`,
+    the session manager's default, which it lowers to half the model's context when that is
+    less), at most `AXON_MAX_TOKENS_LIMIT` (the session manager refuses more than that, or than
+    the model's context, and the gateway then gives the charge back)."""
     requested = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     max_tokens = requested if type(requested) is int and requested >= 1 else default_max_tokens
     return prompt_estimate + min(max_tokens, limit) * _choices(body)
@@ -150,19 +152,18 @@ def _segment(value: str) -> str:
     return quote(value, safe="")
 
 
-def caller_of(
-    record: KeyRecord, *, prompt_estimate: int, lease_id: str | None = None, budget: BudgetReservation | None = None
-) -> Caller:
+def caller_of(record: KeyRecord, admission: Admission | None = None) -> Caller:
     """Whom the gateway vouches for to the session manager: the key's tenant, priority, id and tokens
-    per minute, and what its admission charged (`prompt_estimate`), leased and reserved."""
+    per minute, and what a completion's `admission` charged against them, leased and reserved
+    (settled by the session manager when the answer ends)."""
     return Caller(
         tenant=record.tenant,
         priority=record.limits.priority,
         key_id=record.id,
         tpm_limit=record.limits.tpm or 0,
-        prompt_estimate=prompt_estimate,
-        lease_id=lease_id,
-        budget=budget,
+        tpm_charged=admission.tpm_charged if admission else 0,
+        lease_id=admission.lease_id if admission else None,
+        budget=admission.reservation if admission else None,
     )
 
 
@@ -253,8 +254,8 @@ class GatewayService:
 
     async def completion(self, scope: Scope, receive: Receive, send: Send) -> None:
         """`POST /v1/chat/completions` and `/v1/completions` as a plain ASGI handler: take an
-        in-flight slot, authenticate, read the body, admit it charging its estimated prompt
-        tokens, forward, relay."""
+        in-flight slot, authenticate, read the body, admit it charging the most tokens it may use,
+        forward, relay."""
         with self._in_flight.slot():
             await self._complete(scope, receive, send)
 
@@ -264,21 +265,15 @@ class GatewayService:
         body = await read_body(scope, receive, max_bytes=self._max_body_bytes, timeout_s=self._body_timeout_s)
         parsed = parse_json_object(body)
         await self._model_access.require(record, parsed.get("model"))
-        cost = estimate_prompt_tokens(parsed)
-        reserve = 0
-        if record.limits.token_budget:
-            reserve = budget_reservation(
-                parsed, cost, default_max_tokens=self._default_max_tokens, limit=self._max_tokens_limit
-            )
-        admission = await self._admitter.admit(record, token_cost=cost, reserve=reserve)
-        # The session manager releases the lease and settles the reservation when the answer ends.
-        caller = caller_of(
-            record,
-            prompt_estimate=cost,
-            lease_id=admission.lease_id if admission.holds_lease else None,
-            budget=admission.reservation,
+        tokens = most_tokens(
+            parsed,
+            estimate_prompt_tokens(parsed),
+            default_max_tokens=self._default_max_tokens,
+            limit=self._max_tokens_limit,
         )
-        headers = self._upstream_headers(scope["state"]["request_id"], caller)
+        admission = await self._admitter.admit(record, tokens=tokens)
+        # The session manager settles what the admission holds when the answer ends.
+        headers = self._upstream_headers(scope["state"]["request_id"], caller_of(record, admission))
         handed_over = False
         try:
             watch = DisconnectWatch(scope, receive)
@@ -291,10 +286,10 @@ class GatewayService:
             finally:
                 watch.stop()
         finally:
-            # An answer relayed to its end had its lease released and its budget reservation
-            # settled by the session manager, in the same write as its usage; in every other case
-            # (an error, a broken stream, a client gone) release both here too: releasing twice is
-            # harmless, and a reservation the session manager settles later is charged its usage.
+            # An answer relayed to its end had its admission settled by the session manager, in the
+            # same write as its usage; in every other case (an error, a broken stream, a client
+            # gone) give it back here too: after the session manager's settlement that changes
+            # nothing, and one the session manager makes later charges the usage.
             if not handed_over:
                 await self._admitter.release(admission)
 
@@ -323,9 +318,9 @@ class GatewayService:
             )
             if body:  # a POST without a body (`/v1/responses/{id}/cancel`) is the session manager's to judge
                 parse_json_object(body)
-        admission: Admission = await self._admitter.admit(record, token_cost=0)
+        admission: Admission = await self._admitter.admit(record, tokens=0)
         held.push_async_callback(self._admitter.release, admission)
-        headers = self._upstream_headers(request.scope["state"]["request_id"], caller_of(record, prompt_estimate=0))
+        headers = self._upstream_headers(request.scope["state"]["request_id"], caller_of(record))
         last_event_id = request.headers.get("last-event-id")
         if last_event_id is not None:  # where a resumed stream (`GET .../stream`) goes on from
             headers["last-event-id"] = last_event_id

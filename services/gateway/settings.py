@@ -51,9 +51,9 @@ class GatewaySettings(CommonSettings):
     rate_limit_fail_open: bool = False
     # A concurrency lease is dropped after this long even if its gateway died holding it.
     concurrency_lease_s: float = Field(360.0, gt=0)
-    # The session manager's settings of the same names: a completion without max_tokens reserves
-    # AXON_DEFAULT_MAX_TOKENS of its key's token budget, and none reserves more than
-    # AXON_MAX_TOKENS_LIMIT.
+    # The session manager's settings of the same names: a completion without max_tokens is charged
+    # AXON_DEFAULT_MAX_TOKENS per choice against its key's tokens per minute and token budget at
+    # admission, and none more than AXON_MAX_TOKENS_LIMIT per choice.
     default_max_tokens: int = Field(256, ge=1)
     max_tokens_limit: int = Field(8192, ge=1)
     # How long the aliases a key's model allowlist is checked with are reused in-process.

@@ -1,6 +1,6 @@
-"""What a request costs and who is charged: its usage row, the correction of the gateway's
-estimate against the key's TPM, the settlement of its budget reservation and the release of its
-concurrency lease, in one Redis write when its answer ends.
+"""What a request costs and who is charged: its usage row, and the settlement of what the
+gateway's admission charged (against the key's TPM, of its token budget, its lease) to its real
+usage, in one Redis write when its answer ends.
 
 A request whose jobs were still running when it ended (its client left, a choice failed, a
 deadline) is settled in the background once its workers' final chunks say what they generated
@@ -106,11 +106,9 @@ class Billing:
     async def _bill_and_release(
         self, active: ActiveRequest, cancels: list[asyncio.Future[Any]], usage: Usage | None
     ) -> None:
-        """The request's bookkeeping, in one Redis write: its usage row, the charge of its real
-        token use `usage` (every choice's job; correcting the gateway's estimate, once for the
-        whole request), the settlement of its token budget reservation to that use and the
-        release of the caller's concurrency lease; then the outcome of those and of the cancel
-        notices. None of it may fail the answer."""
+        """The request's bookkeeping, in one Redis write: its usage row and the settlement of its
+        admission to its real token use `usage` (every choice's job, once for the whole request);
+        then the outcome of those and of the cancel notices. None of it may fail the answer."""
         writes: list[tuple[str, asyncio.Future[Any]]] = [("cancel_publish", cancel) for cancel in cancels]
         job, caller = active.job, active.caller
         if usage is not None:
@@ -129,22 +127,24 @@ class Billing:
         await _written(writes)
 
     def _settlement(self, caller: Caller, usage: Usage | None) -> list[tuple[str, asyncio.Future[Any]]]:
-        """The writes that settle `caller`'s admission to its real token use `usage` (None: not
-        known): the charge of the difference from the gateway's estimate, the settlement of its
-        token budget reservation, the release of its concurrency lease."""
-        writes: list[tuple[str, asyncio.Future[Any]]] = []
+        """The write that settles `caller`'s admission to its real token use `usage` (None: not
+        known, settled as 0): the gateway's charge against the key's tokens per minute replaced by
+        the use, its token budget reservation likewise, its lease released, in one command
+        (`RateLimiter.submit_settle`: Redis down, it is sent again once Redis is back)."""
         if caller.key_id is None:
-            return writes
-        if usage is not None:
-            cost = usage.completion_tokens + usage.prompt_tokens - caller.prompt_estimate
-            if caller.tpm_limit and cost:
-                writes.append(("token_charge", self._limiter.submit_charge(caller.key_id, caller.tpm_limit, cost)))
-        if caller.budget is not None:
-            spent = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
-            writes.append(("budget_settle", self._limiter.submit_budget_settle(caller.key_id, caller.budget, spent)))
-        if caller.lease_id is not None:
-            writes.append(("lease_release", self._limiter.submit_release(caller.key_id, caller.lease_id)))
-        return writes
+            return []
+        used = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
+        if caller.lease_id is None and caller.budget is None and not (caller.tpm_limit and used != caller.tpm_charged):
+            return []
+        settlement = self._limiter.submit_settle(
+            caller.key_id,
+            lease_id=caller.lease_id,
+            tpm_limit=caller.tpm_limit,
+            tpm_charged=caller.tpm_charged,
+            budget=caller.budget,
+            used=used,
+        )
+        return [("settlement", settlement)]
 
     async def settle(self, caller: Caller, usage: Usage | None) -> None:
         """Settle the admission of a request whose relay handed it over to its real token use

@@ -30,14 +30,16 @@ async def limiters(service_urls, namespace):
 
 async def _admit(limiter: RateLimiter, key_id: str, limits: KeyLimits, reserve: int):
     return await limiter.check(
-        key_id,
-        limits,
-        token_cost=0,
-        lease_id=uuid.uuid4().hex[:16],
-        lease_ttl_s=60,
-        reserve=reserve,
-        period_id=PERIOD_ID,
+        key_id, limits, tokens=reserve, lease_id=uuid.uuid4().hex[:16], lease_ttl_s=60, period_id=PERIOD_ID
     )
+
+
+async def _settle(limiter: RateLimiter, key_id: str, reservation: BudgetReservation, used: int) -> int:
+    """Settle `reservation` to `used` tokens; returns the budget's correction."""
+    _, correction = await limiter.submit_settle(
+        key_id, lease_id=None, tpm_limit=0, tpm_charged=0, budget=reservation, used=used
+    )
+    return correction
 
 
 async def test_a_reservation_counts_until_settled_to_the_real_usage(limiters) -> None:
@@ -52,8 +54,8 @@ async def test_a_reservation_counts_until_settled_to_the_real_usage(limiters) ->
     refused = await _admit(limiter, "k", limits, 1)
     assert refused.denied == "budget" and refused.budget_used == 120 and refused.reservation is None
     # The answers used 10 and 5 tokens: the budget has 85 left.
-    assert await limiter.submit_budget_settle("k", first.reservation, 10) == -50
-    assert await limiter.submit_budget_settle("k", second.reservation, 5) == -55
+    assert await _settle(limiter, "k", first.reservation, 10) == -50
+    assert await _settle(limiter, "k", second.reservation, 5) == -55
     again = await _admit(limiter, "k", limits, 1)
     assert again.allowed and again.budget_used == 16
 
@@ -65,12 +67,12 @@ async def test_settling_twice_or_after_the_gateways_release_charges_the_usage_on
     b = (await _admit(limiter, "k2", limits, 300)).reservation
     assert a is not None and b is not None
     # a: the session manager settles (40), then the gateway releases (a settlement of 0): no-op.
-    await limiter.submit_budget_settle("k2", a, 40)
-    assert await limiter.submit_budget_settle("k2", a, 0) == 0
+    await _settle(limiter, "k2", a, 40)
+    assert await _settle(limiter, "k2", a, 0) == 0
     # b: the gateway gave up first (the reservation is given back), then the session manager
     # settles the 25 tokens the answer used.
-    assert await limiter.submit_budget_settle("k2", b, 0) == -300
-    assert await limiter.submit_budget_settle("k2", b, 25) == 25
+    assert await _settle(limiter, "k2", b, 0) == -300
+    assert await _settle(limiter, "k2", b, 25) == 25
     assert (await _admit(limiter, "k2", limits, 1)).budget_used == 40 + 25 + 1
 
 
@@ -110,7 +112,7 @@ async def test_racing_admissions_on_three_gateways_overspend_by_at_most_one_rese
         await asyncio.sleep(rng.random() * 0.01)
         used = rng.randint(reserve // 2, reserve)  # an answer uses at most what it reserved
         spent.append(used)
-        await limiters[(i + 1) % 3].submit_budget_settle("race", decision.reservation, used)
+        await _settle(limiters[(i + 1) % 3], "race", decision.reservation, used)
         return True
 
     # Waves of 100 concurrent requests until one wave is refused whole: the budget is spent.

@@ -210,13 +210,7 @@ async def test_a_takeover_settles_the_requests_admission_once(setup, redis_clien
 
     async def admit(reserve: int):
         return await limiter.check(
-            key_id,
-            limits,
-            token_cost=0,
-            lease_id=uuid.uuid4().hex[:16],
-            lease_ttl_s=60,
-            reserve=reserve,
-            period_id=period,
+            key_id, limits, tokens=reserve, lease_id=uuid.uuid4().hex[:16], lease_ttl_s=60, period_id=period
         )
 
     response_id = "resp_" + uuid.uuid4().hex
@@ -228,7 +222,7 @@ async def test_a_takeover_settles_the_requests_admission_once(setup, redis_clien
         assert admitted.allowed and admitted.reservation is not None
         assert (await admit(1)).denied == "concurrent"
         stored.pending.caller = Caller(
-            tenant="t", key_id=key_id, lease_id=admitted.reservation.reservation_id, budget=admitted.reservation
+            tenant="t", key_id=key_id, lease_id=admitted.lease_id, budget=admitted.reservation
         )
         await store.open(response_id, stored, owner="dead", lease_expiry_ms=0)
         final = TokenChunk(seq=0, text="Hi", finish_reason="stop", usage=Usage(prompt_tokens=5, completion_tokens=3))

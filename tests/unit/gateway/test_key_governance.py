@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from services.cli.keys import _update_values, parse_duration, parse_limit, parse_models, parse_time
 from services.cli.main import build_parser
 from services.gateway.api.admin import KeyCreate, KeyUpdate
-from services.gateway.proxy import budget_reservation
+from services.gateway.proxy import most_tokens
 from services.sessions.deps import caller_from
 from shared.errors import InvalidRequest, invalid_request
 from shared.keys import KeyRecord, model_allowed
@@ -50,8 +50,8 @@ def test_an_allowlist_allows_served_models_whatever_name_they_are_asked_by(name,
         ({"max_tokens": 100, "n": 10**6}, 10 + 100),
     ],
 )
-def test_a_completion_reserves_its_prompt_estimate_and_max_tokens_per_choice(body, expected) -> None:
-    assert budget_reservation(body, 10, default_max_tokens=256, limit=8192) == expected
+def test_a_completion_is_charged_its_prompt_estimate_and_max_tokens_per_choice(body, expected) -> None:
+    assert most_tokens(body, 10, default_max_tokens=256, limit=8192) == expected
 
 
 def _param(model: type, values: dict) -> str | None:

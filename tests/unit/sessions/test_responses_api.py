@@ -9,7 +9,7 @@ from openai.types.responses import Response, ResponseItemList, ResponseStreamEve
 from pydantic import TypeAdapter
 from redis.exceptions import RedisError
 
-from services.gateway.proxy import _stream_end, budget_reservation, estimate_prompt_tokens
+from services.gateway.proxy import _stream_end, estimate_prompt_tokens, most_tokens
 from services.sessions.chat.protocol import Answer
 from services.sessions.responses.events import ResponseEvents
 from services.sessions.responses.protocol import (
@@ -193,7 +193,7 @@ def test_gateway_estimates_and_reserves_a_responses_body() -> None:
     }
     assert estimate_prompt_tokens(body) > estimate_prompt_tokens({"input": []})
     assert estimate_prompt_tokens({"input": "x" * 400}) > estimate_prompt_tokens({"input": "x"})
-    assert budget_reservation(body, 0, default_max_tokens=100, limit=1000) == 9
+    assert most_tokens(body, 0, default_max_tokens=100, limit=1000) == 9
 
 
 EVENT = TypeAdapter(ResponseStreamEvent)

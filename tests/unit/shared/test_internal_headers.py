@@ -16,7 +16,7 @@ FULL = Caller(
     priority=7,
     key_id="key_0123",
     tpm_limit=5000,
-    prompt_estimate=12,
+    tpm_charged=268,
     lease_id="a1b2c3d4e5f60718",
     budget=BudgetReservation("d20261124", "ab12", 300),
 )
@@ -32,22 +32,22 @@ def test_the_gateway_writes_every_header_of_a_caller() -> None:
         "x-axon-priority": "7",
         "x-axon-key-id": "key_0123",
         "x-axon-tpm-limit": "5000",
-        "x-axon-prompt-estimate": "12",
+        "x-axon-tpm-charged": "268",
         "x-axon-lease-id": "a1b2c3d4e5f60718",
         "x-axon-budget-reservation": "d20261124:ab12:300",
     }
 
 
-def test_a_key_without_limits_still_sends_its_priority_limit_and_estimate() -> None:
+def test_a_key_without_limits_still_sends_its_priority_limit_and_charge() -> None:
     record = KeyRecord(
         id="key_1", name="n", tenant="t", display="ax-…", limits=KeyLimits(), created_at=dt.datetime.now(dt.UTC)
     )
-    assert encode(caller_of(record, prompt_estimate=0)) == {
+    assert encode(caller_of(record)) == {
         "x-axon-tenant": "t",
         "x-axon-priority": "0",
         "x-axon-key-id": "key_1",
         "x-axon-tpm-limit": "0",
-        "x-axon-prompt-estimate": "0",
+        "x-axon-tpm-charged": "0",
     }
 
 
@@ -83,7 +83,7 @@ T = {"x-axon-tenant": "t"}
             "x-axon-tpm-limit",
             "x-axon-tpm-limit: must be a whole number of at least 0.",
         ),
-        (T | {"x-axon-prompt-estimate": "many"}, "x-axon-prompt-estimate", None),
+        (T | {"x-axon-tpm-charged": "many"}, "x-axon-tpm-charged", None),
     ],
 )
 def test_a_missing_or_out_of_range_header_is_refused_naming_it(
