@@ -22,6 +22,7 @@ order. A settlement Redis could not take (it was unreachable) is sent again unti
 """
 
 import asyncio
+import contextvars
 import datetime as dt
 import math
 import re
@@ -460,7 +461,8 @@ class _Unsettled:
         self._waiting.append((keys, args, give_up_at))
         if self._retrying is None:
             log.warning("settlements_waiting_for_redis", error=repr(error))
-            self._retrying = asyncio.get_running_loop().create_task(self._retry())
+            # A context of its own: it works for every request that waits, not for this one.
+            self._retrying = asyncio.get_running_loop().create_task(self._retry(), context=contextvars.Context())
 
     async def _retry(self) -> None:
         started, done = time.monotonic(), 0
