@@ -301,3 +301,42 @@ def test_usage_is_recorded_per_key_and_summed_by_day(gateway: Service, database_
         time.sleep(0.2)
     assert rows[0]["completion_tokens"] == 8
     assert rows[0]["prompt_tokens"] == sum(a.usage.prompt_tokens for a in answers)
+
+
+async def test_a_burst_stays_within_its_tokens_per_minute(gateway: Service, database_url: str) -> None:
+    """Issue 29's burst, scaled down: 24 concurrent requests for `n` 8 choices of a key with `tpm`
+    2000. Admission reserves each request's most (its prompt estimate and `n` x `max_tokens`), so
+    the tokens the burst generates stay within docs/keys.md's bound: tpm x (1 + T / 60 s), T the
+    burst's length."""
+    tpm = 2000
+    key = await create_key(database_url, name="tpm-burst", limits=KeyLimits(tpm=tpm))
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(timeout=60) as client:
+
+        async def burst(max_tokens: int) -> tuple[list[httpx.Response], float]:
+            body = {"model": SIM_MODEL, "messages": MESSAGES, "n": 8, "max_tokens": max_tokens}
+            started = time.monotonic()
+            answers = await asyncio.gather(
+                *(client.post(f"{gateway.url}/v1/chat/completions", json=body, headers=headers) for _ in range(24))
+            )
+            return answers, time.monotonic() - started
+
+        # 8 x 300 tokens is more than the key may use in a minute: no such request can ever run.
+        answers, _ = await burst(300)
+        assert {a.status_code for a in answers} == {400}
+        assert {a.json()["error"]["code"] for a in answers} == {"request_too_large_for_limit"}
+        # 8 x 50 tokens fits: as many run as the minute's tokens allow, the others wait their turn.
+        answers, elapsed_s = await burst(50)
+    admitted = [a for a in answers if a.status_code == 200]
+    refused = [a for a in answers if a.status_code == 429]
+    generated = sum(a.json()["usage"]["completion_tokens"] for a in admitted)
+    bound = tpm * (1 + elapsed_s / 60)
+    print(
+        f"\nTPM {tpm}: 24 x n 8 x max_tokens 50 in {elapsed_s:.2f} s: {len(admitted)} admitted, "
+        f"{len(refused)} refused, {generated} tokens generated (bound {bound:.0f})"
+    )
+    assert len(admitted) + len(refused) == 24 and admitted, [a.text for a in answers if a.status_code != 200]
+    assert generated <= bound
+    assert {"tokens" in a.json()["error"]["message"] for a in refused} == {True}
+    retry_s = int(refused[0].headers["retry-after"])
+    assert 1 <= retry_s <= 60
