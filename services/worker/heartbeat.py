@@ -1,11 +1,15 @@
 """The worker's heartbeat: its entry in the registry of live workers (`shared/registry.py`), kept fresh
-while its engine is healthy, which session managers read to route jobs and sessions to it."""
+while its engine is healthy, which session managers read to route jobs and sessions to it. While
+Redis is unreachable it waits at the worker's `RedisGate` and beats again the moment Redis answers,
+so the worker is listed again at once."""
 
 import asyncio
 from collections.abc import Callable
 
 from services.worker.engines import Engine, EngineError
+from services.worker.redis_gate import RedisGate
 from shared.logging import get_logger
+from shared.outages import redis_unreachable
 from shared.registry import WorkerRegistry
 
 log = get_logger(__name__)
@@ -23,6 +27,7 @@ class Heartbeat:
         interval_s: float,
         ttl_s: float,
         on_engine_failure: Callable[[str], None],
+        gate: RedisGate,
     ) -> None:
         self._registry = registry
         self._worker_id = worker_id
@@ -30,6 +35,7 @@ class Heartbeat:
         self._interval_s = interval_s
         self._ttl_s = ttl_s
         self._on_engine_failure = on_engine_failure
+        self._gate = gate
         # Announced with every beat: a draining worker is no session's home any more.
         self._draining = False
 
@@ -42,8 +48,10 @@ class Heartbeat:
                 await self.withdraw()
                 self._on_engine_failure(str(exc))
                 return
-            await self._beat()
-            await asyncio.sleep(self._interval_s)
+            if await self._beat():
+                await asyncio.sleep(self._interval_s)
+            else:
+                await self._gate.wait_until_up()
 
     async def draining(self) -> None:
         """Announce at once that this worker drains: session managers stop sending it sessions' jobs
@@ -51,7 +59,8 @@ class Heartbeat:
         self._draining = True
         await self._beat()
 
-    async def _beat(self) -> None:
+    async def _beat(self) -> bool:
+        """Write the entry; False if Redis was unreachable (reported to the gate)."""
         try:
             await self._registry.heartbeat(
                 worker_id=self._worker_id,
@@ -65,7 +74,11 @@ class Heartbeat:
                 engine=self._engine.name,
             )
         except Exception as exc:  # noqa: BLE001 - a failed beat must not end the loop
+            if redis_unreachable(exc):
+                self._gate.report(exc)
+                return False
             log.warning("heartbeat_failed", error=repr(exc))
+        return True
 
     async def withdraw(self) -> None:
         try:

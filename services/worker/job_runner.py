@@ -1,13 +1,15 @@
 """The worker's job loop: take jobs from the model's queue, generate, publish chunks, ack.
 
 A job is acked only after its final chunk is published, so a worker that dies
-mid-job leaves it to be redelivered.
+mid-job leaves it to be redelivered. A job that finds Redis unreachable waits for it at the
+worker's `RedisGate` and is tried again on the same delivery.
 """
 
 import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
@@ -29,21 +31,50 @@ from services.worker.engines import (
 )
 from services.worker.failover import Failover, Progress, remaining_sampling
 from services.worker.metrics import WorkerMetrics
+from services.worker.redis_gate import RedisGate
 from services.worker.tool_parsers import answer_finish_reason
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
+from shared.outages import Outage, redis_unreachable
 from shared.redis_pipe import RedisPipe, RedisSubscriber
 from shared.schemas import FinishReason, Job
 from shared.topology import spilled_from_worker_queue
 
 log = get_logger(__name__)
 
-_RESUBSCRIBE_DELAY_S = 1.0
 # How many cancelled job ids to remember, so a job cancelled while still queued is skipped.
 _CANCELLED_MEMORY = 10_000
 
 
 DeadLetter = Callable[[AbstractIncomingMessage, str], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """How one attempt at a job starts: whether earlier attempts may have published some of it
+    (`retried`: its progress is read back first), and whether this delivery counts against the
+    job's `max_deliveries` (`counted`: RabbitMQ redelivered it, so a worker died with it or it
+    crashed one; or, with `counted_if_started`, it has progress from a worker that died with it
+    or handed it back before it expired out of that worker's queue)."""
+
+    retried: bool
+    counted: bool
+    counted_if_started: bool
+
+    @classmethod
+    def first(cls, message: AbstractIncomingMessage) -> "Attempt":
+        headers = message.headers or {}
+        # A job that expired out of a worker's own queue may have been delivered there before (its
+        # worker died or handed it back), but RabbitMQ delivers it here as a new message.
+        return cls(
+            retried=message.redelivered or spilled_from_worker_queue(headers),
+            counted=bool(message.redelivered),
+            counted_if_started=True,
+        )
+
+
+# An attempt after an outage: the same delivery, tried again from its progress, not counted.
+_AFTER_OUTAGE = Attempt(retried=True, counted=False, counted_if_started=False)
 
 
 class JobRunner:
@@ -58,6 +89,7 @@ class JobRunner:
         metrics: WorkerMetrics,
         max_deliveries: int,
         dead_letter: DeadLetter,
+        gate: RedisGate,
         worker_id: str = "",
         on_engine_failure: Callable[[str], None] | None = None,
     ) -> None:
@@ -70,7 +102,9 @@ class JobRunner:
         self._names = names
         self._metrics = metrics
         self._failover = Failover(pipe, names, max_deliveries=max_deliveries)
+        self._max_deliveries = max_deliveries
         self._dead_letter = dead_letter
+        self._gate = gate
         self._tasks: set[asyncio.Task[None]] = set()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self.generating = 0
@@ -124,52 +158,47 @@ class JobRunner:
             job_id=job.job_id, tenant=job.tenant, session_id=job.session_id, request_id=headers.get("x-request-id")
         )
         started = time.perf_counter()
-        # A job that expired out of a worker's own queue may have been delivered there before (its
-        # worker died or handed it back), but RabbitMQ delivers it here as a new message.
-        retried = message.redelivered or spilled_from_worker_queue(headers)
-        try:
-            progress = await self._failover.load_progress(job.job_id) if retried else Progress()
-            publisher = ChunkPublisher(
-                self._pipe,
-                self._names,
-                job_id=job.job_id,
-                channel=job.channel,
-                deadline=job.deadline,
-                progress=progress,
-                owner=UsageOwner.of(job),
-                home=self._home(job),
-                chunk_log=ChunkLogTarget.of(job, self._names),
-            )
-            if progress.done:
-                outcome = "duplicate"  # finished before; only its ack was lost
-            elif (message.redelivered or progress.resume is not None) and await self._poisoned(job, publisher, message):
+        attempt, outages = Attempt.first(message), 0
+        while True:
+            try:
+                await self._gate.wait_until_up(job=True)
+                ended = await self._attempt(job, message, attempt)
+                break
+            except asyncio.CancelledError:
+                # Draining: the job goes back to the queue; its progress lets the next worker resume.
+                await asyncio.shield(_ack_or_requeue(message, requeue=True))
+                self._metrics.jobs.labels(job.model, "handed_back").inc()
+                raise
+            except EngineDied as exc:
+                # Left unacked: it goes back to the queue when this worker's broker connection closes
+                # as it exits, for another worker to resume (requeued now, it could come back here).
+                log.error("job_engine_died", error=str(exc))
+                self._metrics.jobs.labels(job.model, "handed_back").inc()
+                if self._on_engine_failure is not None:
+                    self._on_engine_failure(f"the engine died: {exc}")
                 return
-            else:
-                outcome = await self._run(job, publisher, progress.resume)
-        except asyncio.CancelledError:
-            # Draining: the job goes back to the queue; its progress lets the next worker resume.
-            await asyncio.shield(_ack_or_requeue(message, requeue=True))
-            self._metrics.jobs.labels(job.model, "handed_back").inc()
-            raise
-        except EngineDied as exc:
-            # Left unacked: it goes back to the queue when this worker's broker connection closes
-            # as it exits, for another worker to resume (requeued now, it could come back here).
-            log.error("job_engine_died", error=str(exc))
-            self._metrics.jobs.labels(job.model, "handed_back").inc()
-            if self._on_engine_failure is not None:
-                self._on_engine_failure(f"the engine died: {exc}")
-            return
-        except EngineStopped:
-            # Stopped under it (shutdown): no error for its client; the next worker resumes it.
-            log.info("job_handed_back", reason="engine stopped")
-            await _ack_or_requeue(message, requeue=True)
-            self._metrics.jobs.labels(job.model, "handed_back").inc()
-            return
-        except Exception as exc:
-            log.exception("job_crashed", error=repr(exc))
-            self._metrics.jobs.labels(job.model, "failed").inc()
-            await _ack_or_requeue(message, requeue=True)  # counted on redelivery; dead-lettered past the limit
-            return
+            except EngineStopped:
+                # Stopped under it (shutdown): no error for its client; the next worker resumes it.
+                log.info("job_handed_back", reason="engine stopped")
+                await _ack_or_requeue(message, requeue=True)
+                self._metrics.jobs.labels(job.model, "handed_back").inc()
+                return
+            except Exception as exc:
+                # Redis away: not the job's fault. It waits for Redis, with the worker's other jobs,
+                # and goes on from its progress; only one that keeps failing after Redis answers
+                # again is treated as a crash.
+                if redis_unreachable(exc) and outages < self._max_deliveries:
+                    outages += 1
+                    await self._gate.outage(exc)
+                    attempt = _AFTER_OUTAGE
+                    continue
+                log.exception("job_crashed", error=repr(exc))
+                self._metrics.jobs.labels(job.model, "failed").inc()
+                await _ack_or_requeue(message, requeue=True)  # counted on redelivery; dead-lettered past the limit
+                return
+        if ended is None:
+            return  # dead-lettered
+        outcome, publisher = ended
         self._metrics.jobs.labels(job.model, outcome).inc()
         if publisher.resumed:
             self._metrics.jobs.labels(job.model, "resumed").inc()
@@ -181,6 +210,29 @@ class JobRunner:
             resumed=publisher.resumed,
             duration_ms=round((time.perf_counter() - started) * 1000, 1),
         )
+
+    async def _attempt(
+        self, job: Job, message: AbstractIncomingMessage, attempt: Attempt
+    ) -> tuple[str, ChunkPublisher] | None:
+        """One attempt at `job`: its outcome and publisher, or None if it was dead-lettered."""
+        progress = await self._failover.load_progress(job.job_id) if attempt.retried else Progress()
+        publisher = ChunkPublisher(
+            self._pipe,
+            self._names,
+            job_id=job.job_id,
+            channel=job.channel,
+            deadline=job.deadline,
+            progress=progress,
+            owner=UsageOwner.of(job),
+            home=self._home(job),
+            chunk_log=ChunkLogTarget.of(job, self._names),
+        )
+        if progress.done:
+            return "duplicate", publisher  # finished before; only its ack was lost
+        counted = attempt.counted or (attempt.counted_if_started and progress.resume is not None)
+        if counted and await self._poisoned(job, publisher, message):
+            return None
+        return await self._run(job, publisher, progress.resume), publisher
 
     def _home(self, job: Job) -> Home | None:
         """The affinity record a session job's answer writes: this worker holds its prefix now."""
@@ -274,11 +326,17 @@ class JobRunner:
         self._metrics.running.labels(model).inc()
         self.generating += 1
         engine_error: EngineError | None = None
+        stopped = False
         try:
             try:
                 async for out in self._engine.generate(request):
                     if pump.done():
-                        break  # publishing failed: stop generating, the error surfaces below
+                        # Publishing failed (the error surfaces below): the engine's sequence is
+                        # aborted, and its last output ends the loop within a step.
+                        if not stopped:
+                            stopped = True
+                            await self._engine.abort(job.job_id)
+                        continue
                     outputs.add(out)
             except EngineError as exc:
                 engine_error = exc  # publish what was generated first, then report it
@@ -328,17 +386,19 @@ async def _ack_or_requeue(message: AbstractIncomingMessage, *, requeue: bool = F
         log.warning("job_settle_failed", action="nack" if requeue else "ack", error=repr(exc))
 
 
-async def listen_for_cancellations(url: str, names: Names, runner: JobRunner, *, timeout_s: float) -> None:
+async def listen_for_cancellations(
+    url: str, names: Names, runner: JobRunner, gate: RedisGate, *, timeout_s: float
+) -> None:
     """Abort jobs whose client went away, as their ids arrive on the cancel channel.
 
-    Survives Redis outages: the subscription is made again once Redis is back.
+    Survives Redis outages: the subscription is made again as soon as Redis is back (`gate`).
     """
     job_ids: asyncio.Queue[bytes] = asyncio.Queue()
     lost = asyncio.Event()
     subscriber = RedisSubscriber(
         url, timeout_s=timeout_s, on_message=lambda _channel, job_id: job_ids.put_nowait(job_id), on_lost=lost.set
     )
-    subscribing = asyncio.create_task(_stay_subscribed(subscriber, names.cancel_channel, lost))
+    subscribing = asyncio.create_task(_stay_subscribed(subscriber, names.cancel_channel, lost, gate))
     try:
         while True:
             job_id = (await job_ids.get()).decode()
@@ -352,17 +412,24 @@ async def listen_for_cancellations(url: str, names: Names, runner: JobRunner, *,
         await subscriber.aclose()
 
 
-async def _stay_subscribed(subscriber: RedisSubscriber, channel: str, lost: asyncio.Event) -> None:
-    """Subscribe to `channel`, and again `_RESUBSCRIBE_DELAY_S` after each failure or lost connection."""
+async def _stay_subscribed(subscriber: RedisSubscriber, channel: str, lost: asyncio.Event, gate: RedisGate) -> None:
+    """Subscribe to `channel`, and again each time the connection is lost: at once, or, while
+    Redis is unreachable, as soon as `gate` finds it back. A cancel published meanwhile is lost."""
+    outage = Outage("cancel_listener")
     while True:
         lost.clear()
         try:
             await subscriber.subscribe(channel)
-            await lost.wait()
-            log.warning("cancel_listener_failed", error="connection lost")
         except Exception as exc:  # noqa: BLE001 - subscribe again after any failure
-            log.warning("cancel_listener_failed", error=repr(exc))
-        await asyncio.sleep(_RESUBSCRIBE_DELAY_S)
+            if redis_unreachable(exc):
+                gate.report(exc)
+                await gate.wait_until_up()
+            else:
+                await asyncio.sleep(outage.failed(exc))
+            continue
+        outage.recovered()
+        await lost.wait()
+        log.info("cancel_listener_resubscribing", reason="connection lost")
 
 
 async def consume(queue: AbstractQueue, runner: JobRunner) -> str:

@@ -15,18 +15,18 @@ from services.worker.engines import Engine
 from services.worker.heartbeat import Heartbeat
 from services.worker.job_runner import JobRunner, consume, listen_for_cancellations
 from services.worker.metrics import WorkerMetrics
+from services.worker.redis_gate import RedisGate
 from services.worker.settings import WorkerSettings
 from shared.clients import connect_amqp, create_redis
 from shared.internal_headers import DEAD_REASON_HEADER
 from shared.logging import get_logger
 from shared.names import Names
+from shared.outages import Outage
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
 from shared.topology import declare_job_queue, declare_worker_queue
 
 log = get_logger(__name__)
-
-_RETRY_DELAY_S = 2.0
 
 
 class Worker:
@@ -41,6 +41,8 @@ class Worker:
         # Every chunk's publish script, batched per loop iteration across the jobs running here.
         self.pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
         self.registry = WorkerRegistry(self.redis, self.names)
+        # While Redis is unreachable the worker takes no job and is not ready (`redis_gate.py`).
+        self.gate = RedisGate(self.pipe, on_down=self._pause, on_up=self._resume)
         self.runner = JobRunner(
             engine=engine,
             pipe=self.pipe,
@@ -48,6 +50,7 @@ class Worker:
             metrics=self.metrics,
             max_deliveries=settings.max_deliveries,
             dead_letter=self._dead_letter,
+            gate=self.gate,
             worker_id=settings.worker_id,
             on_engine_failure=self.fail,
         )
@@ -64,6 +67,9 @@ class Worker:
         self._own_consumer_tag: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._engine_starting: asyncio.Future[None] | None = None
+        # What `/ready` says while Redis is unreachable (None: it is not).
+        self._redis_reason: str | None = None
+        self._consuming = asyncio.Lock()
 
     async def boot(self) -> None:
         """Load the engine, then connect and start consuming. A broken engine stops the process."""
@@ -95,17 +101,22 @@ class Worker:
             interval_s=self.settings.heartbeat_interval_s,
             ttl_s=self.settings.heartbeat_ttl_s,
             on_engine_failure=self.fail,
+            gate=self.gate,
         )
         self._tasks += [
             asyncio.create_task(heartbeat.run()),
             asyncio.create_task(
                 listen_for_cancellations(
-                    self.settings.redis_url, self.names, self.runner, timeout_s=self.settings.connect_timeout_s
+                    self.settings.redis_url,
+                    self.names,
+                    self.runner,
+                    self.gate,
+                    timeout_s=self.settings.connect_timeout_s,
                 )
             ),
         ]
         self._heartbeat = heartbeat
-        self.not_ready_reason = None
+        self.not_ready_reason = self._redis_reason
         log.info(
             "worker_ready",
             model=self.engine.model_name,
@@ -138,7 +149,44 @@ class Worker:
         )
         await message.ack()
 
+    async def _pause(self, reason: str) -> None:
+        """Redis is unreachable: take no more jobs (those in hand wait for it) and say why on `/ready`."""
+        self._redis_reason = f"Redis unreachable: {reason}"
+        if self.not_ready_reason is None:
+            self.not_ready_reason = self._redis_reason
+        async with self._consuming:
+            for queue, tag in ((self._own_queue, self._own_consumer_tag), (self._queue, self._consumer_tag)):
+                if queue is not None and tag is not None:
+                    with contextlib.suppress(Exception):  # the broker is away too: no delivery comes anyway
+                        await queue.cancel(tag)
+            self._own_consumer_tag = self._consumer_tag = None
+
+    async def _resume(self) -> None:
+        """Redis answers again: ready, and taking jobs again (retried while the broker refuses)."""
+        if self.not_ready_reason == self._redis_reason:
+            self.not_ready_reason = None
+        self._redis_reason = None
+        outage = Outage("worker_consume")
+        while not self._drained and self._redis_reason is None:
+            try:
+                async with self._consuming:
+                    await self._consume()
+                outage.recovered()
+                return
+            except Exception as exc:  # noqa: BLE001 - the broker is away: consume once it is back
+                await asyncio.sleep(outage.failed(exc))
+
+    async def _consume(self) -> None:
+        """Consume the worker's own queue and its model's (those not consumed yet)."""
+        if self._drained or self._own_queue is None or self._queue is None:
+            return
+        if self._own_consumer_tag is None:
+            self._own_consumer_tag = await consume(self._own_queue, self.runner)
+        if self._consumer_tag is None:
+            self._consumer_tag = await consume(self._queue, self.runner)
+
     async def _connect_until_up(self) -> None:
+        outage = Outage("worker_connect")
         while not self._drained:  # a stop requested while booting: take no job at all
             try:
                 await self.redis.ping()
@@ -156,14 +204,17 @@ class Worker:
                 self._own_queue = await declare_worker_queue(
                     self._channel, self.names, self.engine.model_name, self.settings.worker_id
                 )
-                if not self._drained:
-                    self._own_consumer_tag = await consume(self._own_queue, self.runner)
-                    self._consumer_tag = await consume(self._queue, self.runner)
+                async with self._consuming:
+                    await self._consume()
+                outage.recovered()
                 return
             except Exception as exc:  # noqa: BLE001 - report and retry, never crash-loop
                 self.not_ready_reason = f"dependencies unreachable: {exc!r}"
-                log.warning("worker_connect_failed", error=repr(exc))
-                await asyncio.sleep(_RETRY_DELAY_S)
+                if self._connection is not None:
+                    with contextlib.suppress(Exception):
+                        await self._connection.close()
+                    self._connection = None
+                await asyncio.sleep(outage.failed(exc))
 
     async def drain(self) -> None:
         """Stop taking jobs (readiness goes false), let in-flight ones finish within
@@ -174,10 +225,12 @@ class Worker:
         self.not_ready_reason = "shutting down"
         # Its own queue first: what waits there (and what session managers still send before they
         # see the draining heartbeat) expires into the shared queue within the affinity wait.
-        for queue, tag in ((self._own_queue, self._own_consumer_tag), (self._queue, self._consumer_tag)):
-            if queue is not None and tag is not None:
-                with contextlib.suppress(Exception):
-                    await queue.cancel(tag)
+        async with self._consuming:
+            for queue, tag in ((self._own_queue, self._own_consumer_tag), (self._queue, self._consumer_tag)):
+                if queue is not None and tag is not None:
+                    with contextlib.suppress(Exception):
+                        await queue.cancel(tag)
+            self._own_consumer_tag = self._consumer_tag = None
         if getattr(self, "_heartbeat", None) is not None:
             await self._heartbeat.draining()
         left = await self.runner.drain(self.settings.drain_timeout_s)
@@ -192,6 +245,7 @@ class Worker:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.gate.close()
         if self._connection is not None:
             await self._connection.close()  # unacked jobs go back to the queue
         if self._engine_starting is not None and not self._engine_starting.done():

@@ -5,7 +5,9 @@ import asyncio
 import time
 
 from services.worker.job_runner import listen_for_cancellations
+from services.worker.redis_gate import RedisGate
 from shared.names import Names
+from shared.redis_pipe import RedisPipe
 from tests.e2e.tcpproxy import TcpProxy
 
 
@@ -39,7 +41,9 @@ async def test_cancels_reach_the_runner_before_and_after_a_dropped_connection(
     proxy = TcpProxy.to(service_urls.redis)
     runner = _Runner()
     url = proxy.proxied(service_urls.redis)
-    listener = asyncio.create_task(listen_for_cancellations(url, names, runner, timeout_s=2))
+    pipe = RedisPipe(url, timeout_s=2)
+    gate = RedisGate(pipe, on_down=lambda _reason: asyncio.sleep(0), on_up=lambda: asyncio.sleep(0))
+    listener = asyncio.create_task(listen_for_cancellations(url, names, runner, gate, timeout_s=2))
     try:
         assert await _cancel_until_received(redis_client, names.cancel_channel, "job-1", runner) == "job-1"
         proxy.cut()
@@ -49,4 +53,6 @@ async def test_cancels_reach_the_runner_before_and_after_a_dropped_connection(
     finally:
         listener.cancel()
         await asyncio.gather(listener, return_exceptions=True)
+        await gate.close()
+        await pipe.aclose()
         proxy.close()

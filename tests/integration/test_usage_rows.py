@@ -16,8 +16,9 @@ from services.worker.chunk_publisher import ChunkPublisher, UsageOwner
 from services.worker.engines import EngineError, EngineOutput, GenerationRequest
 from services.worker.engines.sim import SimEngine
 from services.worker.failover import Failover, Progress
-from services.worker.job_runner import JobRunner
+from services.worker.job_runner import DeadLetter, JobRunner
 from services.worker.metrics import WorkerMetrics
+from services.worker.redis_gate import RedisGate
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Job, Message, Sampling, TokenChunk
@@ -140,6 +141,31 @@ class Delivery:
         self.settled.append("nack")
 
 
+async def _nothing() -> None:
+    return None
+
+
+def runner_for(
+    engine: SimEngine,
+    pipe: RedisPipe,
+    names: Names,
+    *,
+    dead_letter: DeadLetter,
+    gate: RedisGate | None = None,
+    metrics: WorkerMetrics | None = None,
+) -> JobRunner:
+    """A JobRunner as the worker builds one."""
+    return JobRunner(
+        engine=engine,
+        pipe=pipe,
+        names=names,
+        metrics=metrics or WorkerMetrics(),
+        max_deliveries=3,
+        dead_letter=dead_letter,
+        gate=gate or RedisGate(pipe, on_down=lambda _reason: _nothing(), on_up=_nothing),
+    )
+
+
 async def run_job(
     pipe: RedisPipe, names: Names, service_urls, *, cancel_first: bool, adapter: str | None = None
 ) -> list[TokenChunk]:
@@ -150,9 +176,7 @@ async def run_job(
     async def dead_letter(_message: object, _reason: str) -> None:
         raise AssertionError("nothing is dead-lettered here")
 
-    runner = JobRunner(
-        engine=engine, pipe=pipe, names=names, metrics=WorkerMetrics(), max_deliveries=3, dead_letter=dead_letter
-    )
+    runner = runner_for(engine, pipe, names, dead_letter=dead_letter)
     job_id = str(uuid.uuid4())
     job = Job(
         job_id=job_id,
