@@ -33,6 +33,10 @@ BUDGET_HEADER = "x-axon-budget-reservation"
 HISTORY_DROPPED_HEADER = "x-axon-history-dropped"
 # Worker -> the dead-letter queue: why a job was dead-lettered (a header of its RabbitMQ message).
 DEAD_REASON_HEADER = "x-axon-dead-reason"
+# Worker -> the next worker: the job was handed back unfinished at shutdown, republished with the
+# id of the worker that gave it up: its progress is read back, and this is not a redelivery that
+# counts against it (no worker died with it).
+HANDED_BACK_HEADER = "x-axon-handed-back"
 
 # The most characters a tenant, a key id and a lease id may have.
 MAX_TENANT = 128

@@ -54,7 +54,9 @@ log = get_logger(__name__)
 # acked, not generated again, and a session manager that never saw the final chunk can still
 # charge what was generated. It returns 2 when nobody received it (the session manager that
 # published the job is gone) and no session manager has charged the job (`BILLED_FIELD`, set by
-# `shared.usage.MARK_BILLED`): the worker then records the job's usage row itself.
+# `shared.usage.MARK_BILLED`): the worker then records the job's usage row itself. Any other
+# chunk nobody received returns 0: a job without a chunk log is then read by nobody, ever (its
+# session manager subscribed before publishing it, and unsubscribes only when it stops relaying).
 # A session's answer also names this worker as the session's home (`<ns>:affinity:<session>`), in
 # the same call: the session manager sends the next turn to its queue, where its prefix is cached.
 _PUBLISH_WITH_PROGRESS = PipeScript(f"""
@@ -88,6 +90,7 @@ local ttl = tonumber(ARGV[8])
 if ttl > 0 then
   for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ttl) end
 end
+if receivers == 0 then return 0 end
 return 1
 """)
 
@@ -95,8 +98,10 @@ return 1
 # The chunk's JSON straight from pydantic's serializer (`model_dump_json` costs a little more).
 _chunk_json = TokenChunk.__pydantic_serializer__.to_json
 
-# What `_PUBLISH_WITH_PROGRESS` returns for a final chunk whose usage nobody recorded.
+# What `_PUBLISH_WITH_PROGRESS` returns for a final chunk whose usage nobody recorded, and for
+# any other chunk nobody received.
 _UNHEARD = 2
+_NOBODY = 0
 
 # How long a session's affinity record names the worker that answered its last turn: past an
 # hour of silence its prefix has most likely left that worker's cache anyway.
@@ -182,6 +187,7 @@ class ChunkPublisher:
             names.job_progress_tokens(job_id),
         )
         self._log_args: tuple[int, int] = (0, 0)
+        self._logged = chunk_log is not None
         if chunk_log is not None:
             self._keys += (chunk_log.key,)
             self._log_args = (chunk_log.ttl_s, chunk_log.cap)
@@ -194,6 +200,8 @@ class ChunkPublisher:
         self._parser: ToolCallParser | None = None
         self._finish_rule: FinishRule | None = None
         self._echo = ""
+        # A chunk reached no subscriber and the job keeps no log: nobody can read its answer.
+        self.unheard = False
 
     def shape(self, parser: ToolCallParser | None, finish_rule: FinishRule | None = None, *, echo: str = "") -> None:
         """How the engine's text becomes chunks: split by `parser` into content and tool calls (a
@@ -297,7 +305,9 @@ class ChunkPublisher:
             ],
         )
         self.seq += 1
-        if published == _UNHEARD and self._owner is not None:
+        if published == _NOBODY and not self._logged:
+            self.unheard = True
+        elif published == _UNHEARD and self._owner is not None:
             await self._record_usage(self._owner)
 
     async def _record_usage(self, owner: UsageOwner) -> None:

@@ -2,7 +2,8 @@
 
 A job is acked only after its final chunk is published, so a worker that dies
 mid-job leaves it to be redelivered. A job that finds Redis unreachable waits for it at the
-worker's `RedisGate` and is tried again on the same delivery.
+worker's `RedisGate` and is tried again on the same delivery; a job whose answer nobody can read
+any more (no subscriber on its channel, no chunk log) is stopped within a step.
 """
 
 import asyncio
@@ -33,6 +34,7 @@ from services.worker.failover import Failover, Progress, remaining_sampling
 from services.worker.metrics import WorkerMetrics
 from services.worker.redis_gate import RedisGate
 from services.worker.tool_parsers import answer_finish_reason
+from shared.internal_headers import HANDED_BACK_HEADER
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
 from shared.outages import Outage, redis_unreachable
@@ -47,15 +49,17 @@ _CANCELLED_MEMORY = 10_000
 
 
 DeadLetter = Callable[[AbstractIncomingMessage, str], Awaitable[None]]
+# Gives an unfinished job back to the queue for another worker (`Worker.hand_back`).
+HandBack = Callable[[AbstractIncomingMessage, Job], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
 class Attempt:
     """How one attempt at a job starts: whether earlier attempts may have published some of it
-    (`retried`: its progress is read back first), and whether this delivery counts against the
-    job's `max_deliveries` (`counted`: RabbitMQ redelivered it, so a worker died with it or it
-    crashed one; or, with `counted_if_started`, it has progress from a worker that died with it
-    or handed it back before it expired out of that worker's queue)."""
+    (`retried`: its progress is read back first, and whether anyone still reads it), and whether
+    this delivery counts against the job's `max_deliveries` (`counted`: RabbitMQ redelivered it,
+    so a worker died with it or it crashed one; or, with `counted_if_started`, it has progress
+    from a worker that died with it before it expired out of that worker's queue)."""
 
     retried: bool
     counted: bool
@@ -64,12 +68,14 @@ class Attempt:
     @classmethod
     def first(cls, message: AbstractIncomingMessage) -> "Attempt":
         headers = message.headers or {}
-        # A job that expired out of a worker's own queue may have been delivered there before (its
-        # worker died or handed it back), but RabbitMQ delivers it here as a new message.
+        # Handed back at shutdown (`Worker.hand_back`): republished, not redelivered, and no
+        # worker's fault. A job that expired out of a worker's own queue may have been delivered
+        # there before (its worker died), but RabbitMQ delivers it here as a new message.
+        handed_back = HANDED_BACK_HEADER in headers
         return cls(
-            retried=message.redelivered or spilled_from_worker_queue(headers),
+            retried=message.redelivered or handed_back or spilled_from_worker_queue(headers),
             counted=bool(message.redelivered),
-            counted_if_started=True,
+            counted_if_started=not handed_back,
         )
 
 
@@ -89,6 +95,7 @@ class JobRunner:
         metrics: WorkerMetrics,
         max_deliveries: int,
         dead_letter: DeadLetter,
+        hand_back: HandBack,
         gate: RedisGate,
         worker_id: str = "",
         on_engine_failure: Callable[[str], None] | None = None,
@@ -104,6 +111,7 @@ class JobRunner:
         self._failover = Failover(pipe, names, max_deliveries=max_deliveries)
         self._max_deliveries = max_deliveries
         self._dead_letter = dead_letter
+        self._hand_back = hand_back
         self._gate = gate
         self._tasks: set[asyncio.Task[None]] = set()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
@@ -166,7 +174,7 @@ class JobRunner:
                 break
             except asyncio.CancelledError:
                 # Draining: the job goes back to the queue; its progress lets the next worker resume.
-                await asyncio.shield(_ack_or_requeue(message, requeue=True))
+                await asyncio.shield(self._hand_back(message, job))
                 self._metrics.jobs.labels(job.model, "handed_back").inc()
                 raise
             except EngineDied as exc:
@@ -180,7 +188,7 @@ class JobRunner:
             except EngineStopped:
                 # Stopped under it (shutdown): no error for its client; the next worker resumes it.
                 log.info("job_handed_back", reason="engine stopped")
-                await _ack_or_requeue(message, requeue=True)
+                await self._hand_back(message, job)
                 self._metrics.jobs.labels(job.model, "handed_back").inc()
                 return
             except Exception as exc:
@@ -215,7 +223,9 @@ class JobRunner:
         self, job: Job, message: AbstractIncomingMessage, attempt: Attempt
     ) -> tuple[str, ChunkPublisher] | None:
         """One attempt at `job`: its outcome and publisher, or None if it was dead-lettered."""
-        progress = await self._failover.load_progress(job.job_id) if attempt.retried else Progress()
+        progress, heard = Progress(), True
+        if attempt.retried:
+            progress, heard = await asyncio.gather(self._failover.load_progress(job.job_id), self._heard(job))
         publisher = ChunkPublisher(
             self._pipe,
             self._names,
@@ -229,10 +239,22 @@ class JobRunner:
         )
         if progress.done:
             return "duplicate", publisher  # finished before; only its ack was lost
+        if not heard:
+            # Its requester is gone (a session manager killed, or stopped since it was handed
+            # back) and it keeps no chunk log: ended at once, what earlier attempts published charged.
+            await publisher.finish_cancelled()
+            return "unheard", publisher
         counted = attempt.counted or (attempt.counted_if_started and progress.resume is not None)
         if counted and await self._poisoned(job, publisher, message):
             return None
         return await self._run(job, publisher, progress.resume), publisher
+
+    async def _heard(self, job: Job) -> bool:
+        """Whether anyone can still read `job`'s answer: a subscriber on its channel, or its chunk log."""
+        if job.chunk_log_ttl_s is not None:
+            return True
+        _channel, subscribers = await self._pipe.execute("PUBSUB", "NUMSUB", job.channel)
+        return int(subscribers) > 0
 
     def _home(self, job: Job) -> Home | None:
         """The affinity record a session job's answer writes: this worker holds its prefix now."""
@@ -322,7 +344,7 @@ class JobRunner:
         model = job.model
         started = time.perf_counter()
         outputs = Coalescer()
-        pump = asyncio.create_task(self._pump(outputs, publisher, model=model, started=started))
+        pump = asyncio.create_task(self._pump(outputs, publisher, job_id=job.job_id, model=model, started=started))
         self._metrics.running.labels(model).inc()
         self.generating += 1
         engine_error: EngineError | None = None
@@ -353,19 +375,28 @@ class JobRunner:
         if reason is None:
             raise EngineError("The engine ended the answer without a finish reason.")
         self._metrics.job_duration.labels(model).observe(time.perf_counter() - started)
-        return "cancelled" if reason == "cancelled" else "completed"
+        if reason == "cancelled":
+            return "unheard" if publisher.unheard else "cancelled"
+        return "completed"
 
     async def _pump(
-        self, outputs: Coalescer, publisher: ChunkPublisher, *, model: str, started: float
+        self, outputs: Coalescer, publisher: ChunkPublisher, *, job_id: str, model: str, started: float
     ) -> FinishReason | None:
-        """Publish what the engine produced, merging whatever piled up during the last publish."""
+        """Publish what the engine produced, merging whatever piled up during the last publish.
+        A chunk nobody received, of a job without a chunk log, aborts the engine's sequence: its
+        `cancelled` end comes within a step, and its usage is recorded here."""
         reason: FinishReason | None = None
         first = True
+        aborted = False
         while (out := await outputs.take()) is not None:
             if first:
                 self._metrics.ttft.labels(model).observe(time.perf_counter() - started)
                 first = False
             await publisher.publish(out)
+            if publisher.unheard and not aborted:
+                aborted = True
+                log.info("job_unheard", seq=publisher.seq - 1)
+                await self._engine.abort(job_id)
             self._metrics.output_tokens.labels(model).inc(out.n_tokens)
             if out.finish_reason is not None:
                 reason = out.finish_reason

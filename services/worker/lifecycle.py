@@ -5,10 +5,12 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aio_pika
+import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
 
 from services.worker.engines import Engine
@@ -18,15 +20,19 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.redis_gate import RedisGate
 from services.worker.settings import WorkerSettings
 from shared.clients import connect_amqp, create_redis
-from shared.internal_headers import DEAD_REASON_HEADER
+from shared.internal_headers import DEAD_REASON_HEADER, HANDED_BACK_HEADER
 from shared.logging import get_logger
 from shared.names import Names
 from shared.outages import Outage
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
+from shared.schemas import Job
 from shared.topology import declare_job_queue, declare_worker_queue
 
 log = get_logger(__name__)
+
+# RabbitMQ's own header on a dead-lettered message: a handed-back job's copy leaves it out.
+_DEATH_HEADER = "x-death"
 
 
 class Worker:
@@ -50,6 +56,7 @@ class Worker:
             metrics=self.metrics,
             max_deliveries=settings.max_deliveries,
             dead_letter=self._dead_letter,
+            hand_back=self.hand_back,
             gate=self.gate,
             worker_id=settings.worker_id,
             on_engine_failure=self.fail,
@@ -148,6 +155,37 @@ class Worker:
             routing_key="",
         )
         await message.ack()
+
+    async def hand_back(self, message: AbstractIncomingMessage, job: Job) -> None:
+        """Give an unfinished job back to its model's queue for another worker, saying so: a copy
+        with `HANDED_BACK_HEADER` (the next worker reads its progress back, checks that someone
+        still reads its answer, and does not count the delivery against it) expiring at its
+        deadline, then the delivery acked. If the copy cannot be published, the delivery is nacked
+        back to the queue instead (a plain redelivery)."""
+        headers = {k: v for k, v in (message.headers or {}).items() if k != _DEATH_HEADER}
+        copy = aio_pika.Message(
+            body=message.body,
+            headers={**headers, HANDED_BACK_HEADER: self.settings.worker_id},
+            message_id=message.message_id,
+            content_type=message.content_type,
+            priority=message.priority,
+            expiration=max(0.001, job.deadline - time.time()),
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        try:
+            assert self._channel is not None
+            exchange = await self._channel.get_exchange(self.names.jobs_exchange, ensure=False)
+            confirmation = await exchange.publish(
+                copy, routing_key=job.model, mandatory=True, timeout=self.settings.connect_timeout_s
+            )
+            if isinstance(confirmation, aiormq.spec.Basic.Ack):
+                await message.ack()
+                return
+            log.warning("job_hand_back_failed", error="the job's queue did not take it")
+        except Exception as exc:  # noqa: BLE001 - nacked back instead
+            log.warning("job_hand_back_failed", error=repr(exc))
+        with contextlib.suppress(Exception):
+            await message.nack(requeue=True)
 
     async def _pause(self, reason: str) -> None:
         """Redis is unreachable: take no more jobs (those in hand wait for it) and say why on `/ready`."""

@@ -60,10 +60,18 @@ def _wait_until_serving(up: Up) -> None:
     raise AssertionError(f"axon up not serving {MODEL} within {_STARTED_WITHIN_S}s:\n{up.text()}")
 
 
-def _start_up(tmp_path: Path, namespace: str, database_url: str, service_urls: ServiceUrls, **settings: str) -> Up:
+def _start_up(
+    tmp_path: Path,
+    namespace: str,
+    database_url: str,
+    service_urls: ServiceUrls,
+    own_namespace: str | None = None,
+    **settings: str,
+) -> Up:
     """`axon up` on the simulator, in a process group of its own as a terminal runs it, with its
-    own namespace, ports and key file; `settings` override the defaults."""
-    own_namespace = f"{namespace}_up_{uuid.uuid4().hex[:6]}"
+    own namespace (`own_namespace`: one an earlier run used), ports and key file; `settings`
+    override the defaults."""
+    own_namespace = own_namespace or f"{namespace}_up_{uuid.uuid4().hex[:6]}"
     ports = {kind: free_port() for kind in ("GATEWAY", "SESSIONS", "WORKER")}
     env = environment_with(
         {
@@ -174,9 +182,12 @@ def test_ctrl_c_mid_stream_drains_it_and_every_process_exits_0(up: Up, service_u
 
 
 @pytest.mark.parametrize("up", [{"AXON_DRAIN_TIMEOUT_S": "1", "AXON_SIM_ITL_MS": "100"}], indirect=True)
-def test_a_stream_longer_than_the_drain_ends_with_stream_interrupted(up: Up, service_urls: ServiceUrls) -> None:
+def test_a_stream_longer_than_the_drain_ends_with_stream_interrupted(
+    up: Up, tmp_path: Path, namespace: str, database_url: str, service_urls: ServiceUrls
+) -> None:
     """Past the drain timeout the worker hands the job back (here no other worker takes it) and the
-    session manager, at its own deadline, ends the stream with a clean error event."""
+    session manager, at its own deadline, ends the stream with a clean error event. The next `axon
+    up` drops the job at once: nobody can read its answer any more."""
     client = OpenAI(base_url=f"{up.gateway_url}/v1", api_key=up.key(), max_retries=0, timeout=30)
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=MAX_TOKENS, stream=True
@@ -195,7 +206,24 @@ def test_a_stream_longer_than_the_drain_ends_with_stream_interrupted(up: Up, ser
     for sign in ("[error", "[critical", "Traceback", "CancelledError"):
         assert sign not in text, text
     # Handed back for another worker to resume: it is in the queue, not lost.
-    assert asyncio.run(_queued_jobs(service_urls.amqp, Names(up.namespace).jobs_queue(MODEL))) == 1
+    queue = Names(up.namespace).jobs_queue(MODEL)
+    assert asyncio.run(_queued_jobs(service_urls.amqp, queue)) == 1
+
+    # Its client and session manager are gone: the next run's worker ends it at once instead of
+    # generating the rest of it for nobody.
+    (tmp_path / "again").mkdir()
+    again = _start_up(
+        tmp_path / "again", namespace, database_url, service_urls, own_namespace=up.namespace, AXON_SIM_ITL_MS="100"
+    )
+    try:
+        _wait_until_serving(again)
+        deadline = time.monotonic() + 10
+        while "outcome=unheard" not in again.text():
+            assert time.monotonic() < deadline, again.text()
+            time.sleep(0.1)
+    finally:
+        _kill(again)
+    assert asyncio.run(_queued_jobs(service_urls.amqp, queue)) == 0
 
 
 def test_ctrl_c_while_the_services_start_stops_them_cleanly(

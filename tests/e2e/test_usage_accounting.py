@@ -237,8 +237,8 @@ def test_client_gone_and_worker_dead_is_charged_what_the_worker_published(
     assert 3 < waited_s < 15
 
 
-def test_answer_whose_session_manager_died_is_still_charged(
-    stack: Stack, usage_key: str, database_url: str, prompt_tokens: int
+def test_answer_whose_session_manager_died_is_stopped_and_charged_what_was_generated(
+    stack: Stack, usage_key: str, namespace: str, database_url: str, prompt_tokens: int
 ) -> None:
     victim = stack.start("sessions:usage-victim")
     gateway = stack.start("gateway:usage-victim", env={"AXON_SESSIONS_URL": victim.url})
@@ -249,8 +249,13 @@ def test_answer_whose_session_manager_died_is_still_charged(
         for chunk in stream:
             if not job_id:
                 job_id = job_of(chunk.id)
-                victim.kill()  # nobody cancels the job: it runs to its end, heard by no one
+                victim.kill()  # nobody cancels the job, but nobody hears it either: its worker stops it
     # The worker records the row itself; the stack's other session manager persists it.
     row = usage_row(database_url, job_id, timeout_s=20)
-    assert (row["prompt_tokens"], row["completion_tokens"]) == (prompt_tokens, 300)
+    with redis.Redis.from_url(stack.redis_url) as client_of_redis:
+        progress = client_of_redis.hgetall(Names(namespace).job_progress(job_id))
+    assert progress[b"done"] == b"1"
+    generated = int(progress[b"completion_tokens"])
+    assert 1 <= generated < 300
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (prompt_tokens, generated)
     assert row["latency_ms"] is None

@@ -1,5 +1,7 @@
 """The job runner against the real Redis: a job cut off from Redis waits for it and finishes on the
-same delivery, uncounted."""
+same delivery, uncounted; a job nobody reads any more stops within a step and is charged; one that
+keeps a chunk log runs on without listeners; a job handed back at shutdown is not counted against,
+and is dropped at once when nobody reads it any more."""
 
 import asyncio
 import time
@@ -8,16 +10,20 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from services.worker.chunk_publisher import ChunkPublisher, UsageOwner
+from services.worker.engines import EngineOutput
 from services.worker.engines.sim import SimEngine
+from services.worker.failover import Progress
 from services.worker.job_runner import JobRunner
 from services.worker.metrics import WorkerMetrics
 from services.worker.redis_gate import RedisGate
+from shared.internal_headers import HANDED_BACK_HEADER
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
-from shared.schemas import Job, Message, Sampling
+from shared.schemas import Job, Message, Sampling, TokenChunk
 from tests.e2e.tcpproxy import TcpProxy
 from tests.integration.test_chunks import Channel
-from tests.integration.test_usage_rows import Delivery, runner_for
+from tests.integration.test_usage_rows import Delivery, runner_for, usage_entries
 
 MODEL = "sim-model"
 
@@ -35,7 +41,7 @@ async def engine() -> AsyncIterator[SimEngine]:
     await engine.stop()
 
 
-def job_for(names: Names, *, max_tokens: int) -> Job:
+def job_for(names: Names, *, max_tokens: int, chunk_log_ttl_s: int | None = None) -> Job:
     job_id = str(uuid.uuid4())
     return Job(
         job_id=job_id,
@@ -46,6 +52,7 @@ def job_for(names: Names, *, max_tokens: int) -> Job:
         deadline=time.time() + 60,
         tenant="acme",
         key_id="key_outages",
+        chunk_log_ttl_s=chunk_log_ttl_s,
     )
 
 
@@ -112,3 +119,81 @@ async def test_a_job_cut_off_from_redis_waits_for_it_and_finishes_on_the_same_de
         assert await redis.execute("EXISTS", names.job_deliveries(job.job_id)) == 0  # no delivery counted
     finally:
         await redis.aclose()
+
+
+async def test_a_job_nobody_reads_stops_within_a_step_and_its_worker_records_its_usage(
+    engine, names, service_urls
+) -> None:
+    pipe = RedisPipe(service_urls.redis, timeout_s=5)
+    metrics = WorkerMetrics()
+    runner = runner_for(engine, pipe, names, dead_letter=no_dead_letter, metrics=metrics)
+    job = job_for(names, max_tokens=2000)  # 10 s of tokens
+    delivery = Delivery(job)
+    try:
+        took_s = await run(runner, delivery)
+        [row] = await usage_entries(pipe, names)
+    finally:
+        await pipe.aclose()
+    assert took_s < 1
+    assert delivery.settled == ["ack"] and count(metrics, "unheard") == 1
+    assert (row["tenant"], row["key_id"]) == ("acme", "key_outages")
+    assert 1 <= row["completion_tokens"] <= 5
+
+
+async def test_a_job_with_a_chunk_log_runs_on_with_nobody_listening(engine, names, service_urls) -> None:
+    pipe = RedisPipe(service_urls.redis, timeout_s=5)
+    metrics = WorkerMetrics()
+    runner = runner_for(engine, pipe, names, dead_letter=no_dead_letter, metrics=metrics)
+    job = job_for(names, max_tokens=40, chunk_log_ttl_s=60)
+    try:
+        await run(runner, Delivery(job))
+        logged = await pipe.execute("XRANGE", names.chunk_log(job.job_id), "-", "+")
+    finally:
+        await pipe.aclose()
+    chunks = [TokenChunk.model_validate_json(fields[1]) for _id, fields in logged]
+    assert chunks[-1].finish_reason == "length" and sum(c.n_tokens for c in chunks) == 40
+    assert count(metrics, "completed") == 1 and count(metrics, "unheard") == 0
+
+
+async def _started_elsewhere(pipe: RedisPipe, names: Names, job: Job) -> None:
+    """Two chunks published by a worker that then handed the job back."""
+    publisher = ChunkPublisher(
+        pipe,
+        names,
+        job_id=job.job_id,
+        channel=job.channel,
+        deadline=job.deadline,
+        progress=Progress(),
+        owner=UsageOwner.of(job),
+    )
+    await publisher.publish(EngineOutput("One", 1, 3, 1, token_ids=(1,)))
+    await publisher.publish(EngineOutput(" two", 1, 3, 2, token_ids=(2,)))
+
+
+async def test_a_handed_back_job_is_resumed_uncounted_or_dropped_at_once_when_nobody_reads_it(
+    engine, names, service_urls
+) -> None:
+    pipe = RedisPipe(service_urls.redis, timeout_s=5)
+    metrics = WorkerMetrics()
+    runner = runner_for(engine, pipe, names, dead_letter=no_dead_letter, metrics=metrics)
+    handed_back = {HANDED_BACK_HEADER: "worker-gone"}
+    read, unread = job_for(names, max_tokens=20), job_for(names, max_tokens=2000)
+    try:
+        for job in (read, unread):
+            await _started_elsewhere(pipe, names, job)
+        async with Channel(service_urls.redis, read.channel) as channel:
+            await run(runner, Delivery(read, headers=handed_back))
+            resumed = await channel.chunks(1)
+        took_s = await run(runner, Delivery(unread, headers=handed_back))
+        [row] = await usage_entries(pipe, names)
+        counted = await pipe.execute("EXISTS", names.job_deliveries(read.job_id), names.job_deliveries(unread.job_id))
+    finally:
+        await pipe.aclose()
+    # Resumed where it stopped, to its end.
+    assert resumed[0].seq == 2 and resumed[-1].usage is not None and resumed[-1].usage.completion_tokens == 20
+    # Nobody reads the other: ended without generating, its two published tokens charged.
+    assert took_s < 0.5
+    assert (row["completion_tokens"], row["prompt_tokens"]) == (2, 3)
+    # Both went on from the other worker's progress (the second only to end it, numbered and charged on).
+    assert (count(metrics, "completed"), count(metrics, "resumed"), count(metrics, "unheard")) == (1, 2, 1)
+    assert counted == 0  # neither delivery counted against its job

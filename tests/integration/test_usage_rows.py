@@ -127,9 +127,9 @@ class FailingSim(SimEngine):
 class Delivery:
     """A RabbitMQ delivery as the job runner sees it."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, headers: dict | None = None) -> None:
         self.body = job.model_dump_json().encode()
-        self.headers: dict = {}
+        self.headers: dict = headers or {}
         self.redelivered = False
         self.message_id = job.job_id
         self.settled: list[str] = []
@@ -145,6 +145,10 @@ async def _nothing() -> None:
     return None
 
 
+async def _not_handed_back(message: object, job: Job) -> None:
+    raise AssertionError(f"{job.job_id} was handed back")
+
+
 def runner_for(
     engine: SimEngine,
     pipe: RedisPipe,
@@ -154,7 +158,7 @@ def runner_for(
     gate: RedisGate | None = None,
     metrics: WorkerMetrics | None = None,
 ) -> JobRunner:
-    """A JobRunner as the worker builds one."""
+    """A JobRunner as the worker builds one, with no broker: nothing may be handed back."""
     return JobRunner(
         engine=engine,
         pipe=pipe,
@@ -162,6 +166,7 @@ def runner_for(
         metrics=metrics or WorkerMetrics(),
         max_deliveries=3,
         dead_letter=dead_letter,
+        hand_back=_not_handed_back,
         gate=gate or RedisGate(pipe, on_down=lambda _reason: _nothing(), on_up=_nothing),
     )
 
