@@ -24,6 +24,7 @@ from prometheus_client import Counter, Gauge
 
 from shared.logging import get_logger
 from shared.names import Names
+from shared.outages import MAX_DELAY_S, Outage
 
 log = get_logger(__name__)
 
@@ -133,7 +134,10 @@ class ResponseLeases:
         return response_id in self._abandoned
 
     async def run(self, take_over: Callable[[str], Coroutine[Any, Any, object]]) -> None:
-        """Every third of the lease: renew the leases held, then claim the expired ones."""
+        """Every third of the lease: renew the leases held, then claim the expired ones. While
+        Redis is away, sooner (capped exponential backoff, `shared/outages.py`), so the leases held
+        are renewed as soon as it is back, before another instance could claim them."""
+        outage = Outage("response_lease_sweep", cap_s=min(MAX_DELAY_S, self.lease_s / 3))
         while True:
             try:
                 await self._renew_held()
@@ -142,8 +146,10 @@ class ResponseLeases:
                     if self.taken_over is not None:
                         self.taken_over.labels("lease_expired").inc()
                     self.hold(response_id, take_over(response_id))
-            except Exception as exc:  # noqa: BLE001 - Redis away: retried on the next beat
-                log.warning("response_lease_sweep_failed", error=repr(exc))
+            except Exception as exc:  # noqa: BLE001 - Redis away: retried with backoff
+                await asyncio.sleep(outage.failed(exc))
+                continue
+            outage.recovered()
             await asyncio.sleep(self.lease_s / 3)
 
     async def _renew_held(self) -> None:

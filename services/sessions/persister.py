@@ -28,6 +28,7 @@ from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import MESSAGE_COLUMNS
 from shared.logging import get_logger
 from shared.names import Names
+from shared.outages import Outage
 
 log = get_logger(__name__)
 
@@ -54,7 +55,6 @@ FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::timestamp
 ON CONFLICT (id) DO NOTHING
 """
 _DELETE_EXPIRED_RESPONSES = "DELETE FROM responses WHERE expires_at < now()"
-_RETRY_DELAY_S = 1.0
 
 # KEYS: outbox. ARGV: group, consumer, count, mode ('new' | 'claim'), min idle ms (claim).
 # Returns {space-separated ids, joined COPY lines of the messages, usage rows as JSON, response rows as JSON}.
@@ -192,6 +192,7 @@ class Persister:
     async def _read_into(self, batches: asyncio.Queue[Batch | None]) -> None:
         next_reclaim = 0.0
         grouped = False
+        outage = Outage("persister_read")
         while not self._stopping.is_set():
             try:
                 if not grouped:
@@ -205,10 +206,10 @@ class Persister:
                         log.info("outbox_reclaimed", entries=batch.size)
                 batch = batch or await self._read("new")
             except Exception as exc:  # noqa: BLE001 - keep reading once Redis is back
-                log.warning("persister_read_failed", error=repr(exc))
                 grouped = False
-                await self._pause(_RETRY_DELAY_S)
+                await self._pause(outage.failed(exc))
                 continue
+            outage.recovered()
             if batch is None:
                 await self._pause(self._flush_interval_s)
             else:
@@ -217,17 +218,19 @@ class Persister:
             await batches.put(None)
 
     async def _persist_from(self, batches: asyncio.Queue[Batch | None]) -> None:
+        outage = Outage("persister")
         while (batch := await batches.get()) is not None:
             while True:
                 try:
                     async with asyncio.timeout(self._commit_timeout_s):
                         await self._persist(batch)
+                    outage.recovered()
                     break
                 except Exception as exc:  # noqa: BLE001 - keep the batch until PostgreSQL is back
-                    log.warning("persister_failed", error=repr(exc), entries=batch.size)
+                    delay = outage.failed(exc, entries=batch.size)
                     if self._stopping.is_set():
                         break  # left pending: a live persister reclaims it
-                    await self._pause(_RETRY_DELAY_S)
+                    await self._pause(delay)
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, waking early on `stop()`."""

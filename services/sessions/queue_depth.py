@@ -17,6 +17,7 @@ from services.sessions.catalog import ModelCatalog
 from services.sessions.metrics import SessionsMetrics
 from shared.logging import get_logger
 from shared.names import Names
+from shared.outages import Outage
 
 log = get_logger(__name__)
 
@@ -51,15 +52,19 @@ class QueueDepthPoller:
         self._reported: set[str] = set()
 
     async def run(self) -> None:
-        """Poll until cancelled; a failed poll is counted and logged, never fatal."""
+        """Poll until cancelled; a failed poll is counted, never fatal, and an outage (Redis or
+        RabbitMQ away) logged once, then its end."""
+        outage = Outage("queue_poll", first_s=self._interval_s, cap_s=self._interval_s)
         try:
             while True:
                 try:
                     await self.poll()
                 except Exception as exc:  # noqa: BLE001 - retried on the next tick
                     self._metrics.queue_poll_errors.inc()
-                    log.warning("queue_poll_failed", error=repr(exc))
                     await self._drop_channel()
+                    await asyncio.sleep(outage.failed(exc))
+                    continue
+                outage.recovered()
                 await asyncio.sleep(self._interval_s)
         finally:
             await self._drop_channel()

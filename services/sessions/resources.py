@@ -25,6 +25,7 @@ from services.sessions.settings import SessionsSettings
 from shared.clients import connect_amqp, create_redis
 from shared.logging import get_logger
 from shared.names import Names
+from shared.outages import Outage
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
 
@@ -37,12 +38,16 @@ _ALIVE_EVERY_S = 3
 
 
 async def _announce_alive(client: redis.Redis, key: str) -> None:
-    """Keep this process's liveness key fresh; its session locks are honoured while it exists."""
+    """Keep this process's liveness key fresh; its session locks are honoured while it exists.
+    While Redis is away, tried again with capped backoff, so it is fresh again at once."""
+    outage = Outage("alive_beat")
     while True:
         try:
             await client.set(key, b"1", ex=_ALIVE_TTL_S)
-        except Exception as exc:  # noqa: BLE001 - retried on the next beat
-            log.warning("alive_beat_failed", error=repr(exc))
+        except Exception as exc:  # noqa: BLE001 - retried with backoff
+            await asyncio.sleep(outage.failed(exc))
+            continue
+        outage.recovered()
         await asyncio.sleep(_ALIVE_EVERY_S)
 
 
