@@ -23,7 +23,7 @@ from shared.clients import connect_amqp, create_redis
 from shared.internal_headers import DEAD_REASON_HEADER, HANDED_BACK_HEADER
 from shared.logging import get_logger
 from shared.names import Names
-from shared.outages import Outage
+from shared.outages import Outage, describe
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
 from shared.schemas import Job
@@ -247,7 +247,7 @@ class Worker:
                 outage.recovered()
                 return
             except Exception as exc:  # noqa: BLE001 - report and retry, never crash-loop
-                self.not_ready_reason = f"dependencies unreachable: {exc!r}"
+                self.not_ready_reason = f"dependencies unreachable: {describe(exc)}"
                 if self._connection is not None:
                     with contextlib.suppress(Exception):
                         await self._connection.close()
