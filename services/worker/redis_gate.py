@@ -11,6 +11,7 @@ on the same delivery: nothing is requeued, so no outage counts as one of its del
 """
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable
 
 from shared.logging import get_logger
@@ -47,11 +48,14 @@ class RedisGate:
     def report(self, exc: BaseException) -> None:
         """Redis was found unreachable (`shared.outages.redis_unreachable(exc)`): close the gate
         until a probe answers (once per outage; later reports are only counted)."""
-        self._outage.failed(exc)
         if self._probe is not None:
+            self._outage.failed(exc)
             return
+        # Logged and probed outside the reporter's context: the outage is the worker's, not a job's.
+        context = contextvars.Context()
+        context.run(self._outage.failed, exc)
         self._open.clear()
-        self._probe = asyncio.get_running_loop().create_task(self._wait_for_redis(describe(exc)))
+        self._probe = asyncio.get_running_loop().create_task(self._wait_for_redis(describe(exc)), context=context)
 
     async def wait_until_up(self, *, job: bool = False) -> None:
         """Return at once while Redis is up, else when it is back (`job`: counted as a job that waited)."""
