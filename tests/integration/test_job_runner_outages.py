@@ -64,6 +64,17 @@ def count(metrics: WorkerMetrics, outcome: str) -> float:
     return metrics.registry.get_sample_value("axon_worker_jobs_total", {"model": MODEL, "outcome": outcome}) or 0.0
 
 
+async def until_final(channel: Channel) -> list[TokenChunk]:
+    """The channel's chunks once the final one has arrived here too (pub/sub delivers it after the
+    job's task ended)."""
+    async with asyncio.timeout(5):
+        while True:
+            chunks = await channel.chunks(1)
+            if any(chunk.finish_reason is not None for chunk in chunks):
+                return chunks
+            await asyncio.sleep(0.01)
+
+
 async def run(runner: JobRunner, delivery: Delivery, timeout_s: float = 10) -> float:
     """Deliver one job and wait until its task ends; returns how long it took."""
     started = time.monotonic()
@@ -102,7 +113,7 @@ async def test_a_job_cut_off_from_redis_waits_for_it_and_finishes_on_the_same_de
             assert len(channel.raw) == cut_at_seq and delivery.settled == []  # waiting, not requeued
             proxy.restore()
             await running
-            chunks = {chunk.seq: chunk for chunk in await channel.chunks(1)}
+            chunks = {chunk.seq: chunk for chunk in await until_final(channel)}
     finally:
         await gate.close()
         await pipe.aclose()
@@ -184,7 +195,7 @@ async def test_a_handed_back_job_is_resumed_uncounted_or_dropped_at_once_when_no
             await _started_elsewhere(pipe, names, job)
         async with Channel(service_urls.redis, read.channel) as channel:
             await run(runner, Delivery(read, headers=handed_back))
-            resumed = await channel.chunks(1)
+            resumed = await until_final(channel)
         took_s = await run(runner, Delivery(unread, headers=handed_back))
         [row] = await usage_entries(pipe, names)
         counted = await pipe.execute("EXISTS", names.job_deliveries(read.job_id), names.job_deliveries(unread.job_id))
