@@ -41,6 +41,8 @@ SELECT {", ".join("t." + c for c in _MESSAGE_COLUMNS)} FROM {_STAGE} t
 WHERE EXISTS (SELECT 1 FROM conversations c WHERE c.id = t.conversation_id)
 ON CONFLICT DO NOTHING
 """
+# A redelivered entry repeats its row's key, (job_id, created_at): skipped, so the trigger that rolls
+# inserted rows up into `usage_daily` counts it once.
 _INSERT_USAGE = """
 INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, latency_ms, created_at)
 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::int[], $8::timestamptz[])
@@ -290,11 +292,13 @@ async def _write(conn: PoolConnectionProxy, batch: Batch, *, skip_existing: bool
                 columns=_MESSAGE_COLUMNS,
                 format="text",
             )
-    if batch.usage:
-        await conn.execute(_INSERT_USAGE, *_usage_columns([orjson.loads(row) for row in batch.usage]))
     if batch.responses:
         await conn.execute(_INSERT_RESPONSES, *_response_columns([orjson.loads(row) for row in batch.responses]))
         await conn.execute(_DELETE_EXPIRED_RESPONSES)
+    if batch.usage:
+        # Last: its trigger adds the new rows to `usage_daily`, whose rows other batches of the same
+        # key, model and day wait for until this transaction commits.
+        await conn.execute(_INSERT_USAGE, *_usage_columns([orjson.loads(row) for row in batch.usage]))
 
 
 def _usage_columns(rows: list[dict[str, Any]]) -> list[list[object]]:

@@ -1,5 +1,6 @@
 """What the session manager opens while it serves: its connections, the stores built on them and
-its background work (persister, liveness beat, queue-depth poller), stopped and closed in order."""
+its background work (persister, liveness beat, queue-depth poller, usage retention), stopped and
+closed in order."""
 
 import asyncio
 import contextlib
@@ -22,6 +23,7 @@ from services.sessions.persister import Persister
 from services.sessions.queue_depth import QueueDepthPoller
 from services.sessions.relay import TokenRelay
 from services.sessions.settings import SessionsSettings
+from services.sessions.usage_retention import UsageRetention
 from shared.clients import connect_amqp, create_redis
 from shared.logging import get_logger
 from shared.names import Names
@@ -72,7 +74,8 @@ class SessionsResources:
 @asynccontextmanager
 async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -> AsyncIterator[SessionsResources]:
     """Open the session manager's connections and start its background work (persister, liveness
-    beat, queue-depth poller); on the way out, let the persister finish and close everything."""
+    beat, queue-depth poller, usage retention); on the way out, let the persister finish and close
+    everything."""
     names = Names(settings.namespace)
     client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
     # Chunk log reads (replays, and XREAD BLOCK waits that hold a connection each) on a pool of
@@ -127,6 +130,7 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
     instance_id = uuid.uuid4().hex
     persisting = asyncio.create_task(persister.run())
     alive = asyncio.create_task(_announce_alive(client, names.sessions_instance(instance_id)))
+    retention = asyncio.create_task(UsageRetention(db, retention_days=settings.usage_retention_days).run())
     polling: asyncio.Task[None] | None = None
     try:
         await publisher.start()
@@ -157,7 +161,7 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
         persister.stop()  # batches being committed finish; what is left stays pending, for a live persister
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(persisting), _PERSISTER_STOP_S)
-        background = [t for t in (persisting, alive, polling) if t is not None]
+        background = [t for t in (persisting, alive, retention, polling) if t is not None]
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)

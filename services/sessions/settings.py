@@ -84,6 +84,12 @@ class SessionsSettings(CommonSettings):
         ge=60,
         description="how long a resumable stream's chunk log (`<ns>:chunks:<job>`) is kept after its last chunk",
     )
+    usage_retention_days: int = Field(
+        90,
+        ge=1,
+        description="how long the raw usage rows (one per request) are kept; the per-day rollups /admin/usage"
+        " reports are kept beyond",
+    )
     # Outbox persister (write-behind to PostgreSQL)
     persist_batch_size: int = Field(2000, ge=1)
     persist_flush_interval_ms: int = Field(100, ge=1)

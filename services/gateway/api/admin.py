@@ -144,14 +144,15 @@ async def usage(
     since: Annotated[dt.date | None, Query(description="first day (UTC), default 30 days ago")] = None,
     key_id: Annotated[str | None, Query(max_length=64)] = None,
 ) -> dict[str, Any]:
-    """Usage summed per key and day."""
+    """Usage summed per key and day (UTC), from the daily rollups: kept after the raw rows'
+    retention (`AXON_USAGE_RETENTION_DAYS`)."""
     since = since or (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=30))
     rows = await request.app.state.db.fetch(
-        "SELECT key_id, (created_at AT TIME ZONE 'UTC')::date AS day, count(*) AS requests,"
-        " sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens"
-        " FROM usage WHERE created_at >= $1 AND ($2::text IS NULL OR key_id = $2)"
+        "SELECT key_id, day, sum(requests)::bigint AS requests, sum(prompt_tokens)::bigint AS prompt_tokens,"
+        " sum(completion_tokens)::bigint AS completion_tokens"
+        " FROM usage_daily WHERE day >= $1 AND ($2::text IS NULL OR key_id = $2)"
         " GROUP BY key_id, day ORDER BY day, key_id",
-        dt.datetime.combine(since, dt.time(), dt.UTC),
+        since,
         key_id,
     )
     return {
