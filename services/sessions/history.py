@@ -47,6 +47,18 @@ for i, entry in ipairs(entries) do
 end
 return 0
 """
+# KEYS: a session's seq counter. ARGV: its expiry (s), the seq to continue after if the counter is
+# missing ('' : none known yet). Returns the next seq, or nil when the counter is missing and no
+# seq was given: the caller then reads where to continue and calls again with it.
+_NEXT_SEQ = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  if ARGV[2] == '' then return false end
+  redis.call('SET', KEYS[1], ARGV[2])
+end
+local seq = redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return seq
+"""
 _COLUMNS = "id, tenant, title, system_prompt, model, created_at, updated_at, metadata"
 # A message's columns, and the parts of it deleted as conversation items (`deleted_items`).
 _MESSAGE_SELECT = (
@@ -177,6 +189,7 @@ class SessionStore:
         self._unlock = client.register_script(_UNLOCK)
         self._steal = client.register_script(_STEAL)
         self._replace = client.register_script(_REPLACE)
+        self._next_seq_script = client.register_script(_NEXT_SEQ)
 
     # Sessions
     async def create(
@@ -202,7 +215,7 @@ class SessionStore:
         info = _info(row)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self._names.session(info.id), info.model_dump_json(), ex=self._ttl_s)
-            pipe.set(self._names.session_seq(info.id), 0)
+            pipe.set(self._names.session_seq(info.id), 0, ex=self._ttl_s)
             await pipe.execute()
         return info
 
@@ -383,14 +396,20 @@ class SessionStore:
                 return
 
     async def _next_seq(self, session_id: str) -> int:
+        """The session's next message `seq`, from its counter, whose expiry (`cache_ttl_s`, as its
+        history's) every message renews. A counter that expired (a session idle that long) or was
+        lost (cache flushed) continues after the last seq PostgreSQL or the Redis history holds
+        (messages still in the outbox are in the history: it is written in the same transaction)."""
         key = self._names.session_seq(session_id)
-        if not await self._redis.exists(key):
-            # The counter was lost (cache flushed): continue after what PostgreSQL holds.
-            last = await self._db.fetchval(
+        seq = await self._next_seq_script(keys=[key], args=[self._ttl_s, ""])
+        if seq is None:
+            stored = await self._db.fetchval(
                 "SELECT coalesce(max(seq), 0) FROM messages WHERE conversation_id = $1", uuid.UUID(session_id)
             )
-            await self._redis.set(key, last, nx=True)
-        return int(await self._redis.incr(key))
+            newest = cast(bytes | None, await self._redis.lindex(self._names.history(session_id), -1))
+            cached = StoredMessage.model_validate_json(newest).seq if newest else 0
+            seq = await self._next_seq_script(keys=[key], args=[self._ttl_s, max(stored, cached)])
+        return int(seq)
 
     async def append(self, info: SessionInfo, message: Message, *, status: str, job_id: str | None) -> StoredMessage:
         """Store a message (with its tool calls, or the call it answers): in the Redis history and,

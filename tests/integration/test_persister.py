@@ -13,7 +13,7 @@ from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import MessageRow, Outbox
 from services.sessions.persister import Persister
 from shared.names import Names
-from shared.schemas import FunctionCall, ToolCall
+from shared.schemas import FunctionCall, Message, ToolCall
 from shared.usage import UsageRow
 from tests.e2e.tcpproxy import TcpProxy
 
@@ -229,3 +229,33 @@ async def test_tool_calls_are_stored_and_read_back_and_old_entries_still_persist
     assert history == await store.history(info)
     assert history[1].tool_calls is not None and history[1].tool_calls[0].function.name == "get_weather"
     await redis_client.delete(names.history(str(session)))
+
+
+async def test_a_session_counter_expires_with_its_history_and_continues_after_the_last_message(
+    setup, redis_client
+) -> None:
+    """The seq counter expires as the history does; once gone, it continues after the newest
+    message, whether that is only in the Redis history (still in the outbox) or in PostgreSQL."""
+    pool, names, _ = setup
+    outbox = Outbox(redis_client, names)
+    store = SessionStore(
+        client=redis_client,
+        db=pool,
+        names=names,
+        outbox=outbox,
+        metrics=SessionsMetrics(),
+        history_max_messages=10,
+        cache_ttl_s=60,
+    )
+    info = await store.create("t", title=None, system_prompt=None, model=None)
+    counter = names.session_seq(info.id)
+    assert 0 < await redis_client.ttl(counter) <= 60
+    said = Message(role="user", content="hi")
+    assert [(await store.append(info, said, status="complete", job_id=None)).seq for _ in range(2)] == [1, 2]
+    assert 0 < await redis_client.ttl(counter) <= 60
+    await redis_client.delete(counter)  # expired: both messages are still only in Redis
+    assert (await store.append(info, said, status="complete", job_id=None)).seq == 3
+    await _drain(redis_client, pool, names)
+    await redis_client.delete(counter, names.history(info.id))  # both expired: PostgreSQL has the messages
+    assert (await store.append(info, said, status="complete", job_id=None)).seq == 4
+    await redis_client.delete(counter, names.history(info.id), names.session(info.id))
