@@ -102,17 +102,27 @@ class Names:
     @property
     def model_profiles_key(self) -> str:
         """Hash: model -> JSON of what its live workers last offered (context, supported parameters),
-        for requests that wait for a worker of a model that has none."""
+        for requests that wait for a worker of a model that has none. No expiry; owner: the
+        workers' heartbeats, which forget a model with `models_key`."""
         return f"{self.namespace}:model-profiles"
 
     @property
     def models_key(self) -> str:
-        """Set of every model a worker has ever served in this namespace (known models)."""
+        """Set of the models workers served in this namespace (known models: 503 rather than 404
+        without a live worker). No expiry; owner: the workers' heartbeats, which forget a model no
+        live worker served for `shared.registry.FORGET_MODEL_AFTER_S` (7 days)."""
         return f"{self.namespace}:models"
 
     @property
+    def models_seen_key(self) -> str:
+        """Sorted set: every known model and adapter -> when a live worker last served it (Unix
+        s). No expiry; owner: the workers' heartbeats, which write it and forget with it."""
+        return f"{self.namespace}:models-seen"
+
+    @property
     def adapters_key(self) -> str:
-        """Hash: every LoRA adapter a worker has ever announced -> the base model it runs on (its queue)."""
+        """Hash: every LoRA adapter a worker announced -> the base model it runs on (its queue). No
+        expiry; owner: the workers' heartbeats, which forget an adapter with `models_key`."""
         return f"{self.namespace}:adapters"
 
     def key_cache(self, key_hash_hex: str) -> str:

@@ -2,7 +2,7 @@
 
 Workers heartbeat into one hash with an expiry time inside each entry; readers
 ignore (and sweep) expired entries, so a killed worker's model disappears once its
-last heartbeat expires. Every model ever served is also remembered, which tells
+last heartbeat expires. Every model served is also remembered, which tells
 "unknown model" (404) from "known model, no worker right now" (503).
 
 What a model's live workers offered (context, supported parameters) is remembered too, for requests
@@ -10,6 +10,11 @@ that wait for a worker of a model whose pool has scaled to zero (`remember_profi
 
 A worker may also serve LoRA adapters of its model: each is a model of its own here (its
 `LiveModel.parent` is the base model, whose queue its jobs go to), remembered with its base.
+
+A model is remembered until no live worker has served it for `FORGET_MODEL_AFTER_S`: every
+heartbeat records when its models were last served (`Names.models_seen_key`) and forgets, in the
+same script, the models and adapters not served since (from the known models, the adapters and
+the remembered profiles). Nothing the registry keeps grows without bound.
 """
 
 import time
@@ -22,11 +27,44 @@ import redis.asyncio as redis
 from redis.typing import EncodableT, FieldT
 
 from shared.errors import Conflict, InvalidRequest
+from shared.logging import get_logger
 from shared.names import Names
+
+log = get_logger(__name__)
 
 # An entry is deleted only long after it expired, so a sweep never races a live
 # worker's refresh of its own entry.
 _SWEEP_GRACE_S = 60.0
+# A model no live worker has served for this long is forgotten: requests for it get 404 instead of
+# 503, it leaves the queue-depth and live-worker metrics (and so AxonNoLiveWorker), and a pool at
+# zero waits for it as for a model never seen (AXON_COLD_START_WAITS still lists it). Long enough
+# for restarts, outages and weekends at zero; short enough that retired models do not pile up.
+FORGET_MODEL_AFTER_S = 7 * 86_400.0
+
+# KEYS: workers hash, known models set, models' last-served times (sorted set), adapters hash,
+# model profiles hash. ARGV: worker id, heartbeat entry (JSON), model, now (Unix s), forget models
+# last served before this (Unix s), then the adapters the worker serves.
+# The heartbeat; then every known model or adapter without a last-served time (remembered before
+# times were kept) gets now, and those last served before ARGV[5] are forgotten.
+_HEARTBEAT = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
+for i = 6, #ARGV do
+  redis.call('HSET', KEYS[4], ARGV[i], ARGV[3])
+  redis.call('ZADD', KEYS[3], ARGV[4], ARGV[i])
+end
+for _, model in ipairs(redis.call('SMEMBERS', KEYS[2])) do redis.call('ZADD', KEYS[3], 'NX', ARGV[4], model) end
+for _, adapter in ipairs(redis.call('HKEYS', KEYS[4])) do redis.call('ZADD', KEYS[3], 'NX', ARGV[4], adapter) end
+local stale = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[5])
+for _, model in ipairs(stale) do
+  redis.call('SREM', KEYS[2], model)
+  redis.call('HDEL', KEYS[4], model)
+  redis.call('HDEL', KEYS[5], model)
+  redis.call('ZREM', KEYS[3], model)
+end
+return #stale
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +104,13 @@ class LiveModel:
 class WorkerRegistry:
     """Reads and writes worker heartbeats for one namespace."""
 
-    def __init__(self, client: redis.Redis, names: Names) -> None:
+    def __init__(
+        self, client: redis.Redis, names: Names, *, forget_model_after_s: float = FORGET_MODEL_AFTER_S
+    ) -> None:
         self._redis = client
         self._names = names
+        self._forget_model_after_s = forget_model_after_s
+        self._heartbeat = client.register_script(_HEARTBEAT)
 
     async def heartbeat(
         self,
@@ -85,11 +127,13 @@ class WorkerRegistry:
     ) -> None:
         """Announce that `worker_id` serves `model`, and its LoRA `adapters`, with `engine` for the
         next `ttl_s` seconds, honouring the request parameters `supports`; a `draining` worker is
-        no session's home any more."""
+        no session's home any more. Models no live worker served for `forget_model_after_s` are
+        forgotten in the same call."""
         served_adapters = sorted(adapters)
+        now = time.time()
         entry = {
             "model": model,
-            "expires_at": time.time() + ttl_s,
+            "expires_at": now + ttl_s,
             "max_seqs": max_seqs,
             "context_tokens": context_tokens,
             "supports": sorted(supports),
@@ -97,12 +141,19 @@ class WorkerRegistry:
             "adapters": served_adapters,
             "engine": engine,
         }
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hset(self._names.workers_key, worker_id, orjson.dumps(entry))
-            pipe.sadd(self._names.models_key, model)
-            if served_adapters:
-                pipe.hset(self._names.adapters_key, mapping=dict.fromkeys(served_adapters, model))
-            await pipe.execute()
+        names = self._names
+        forgotten = await self._heartbeat(
+            keys=[
+                names.workers_key,
+                names.models_key,
+                names.models_seen_key,
+                names.adapters_key,
+                names.model_profiles_key,
+            ],
+            args=[worker_id, orjson.dumps(entry), model, now, now - self._forget_model_after_s, *served_adapters],
+        )
+        if forgotten:
+            log.info("models_forgotten", count=forgotten, unserved_for_s=self._forget_model_after_s)
 
     async def remove(self, worker_id: str) -> None:
         """Withdraw a worker at once (clean shutdown)."""

@@ -66,8 +66,11 @@ class ModelCatalog:
 
     async def _remember(self, live: dict[str, LiveModel]) -> None:
         """Remember the profile of each live model whose profile changed since this process last did,
-        for requests that will wait for one of its workers once it has none. Best effort: a failed
-        write only delays it to the next refresh, and never fails the refresh itself."""
+        for requests that will wait for one of its workers once it has none. A model that was not
+        live meanwhile is remembered again (its profile may have been forgotten with it,
+        `shared/registry.py`). Best effort: a failed write only delays it to the next refresh, and
+        never fails the refresh itself."""
+        self._remembered = {model: state for model, state in self._remembered.items() if model in live}
         changed = {
             model: state
             for model, state in live.items()
@@ -100,7 +103,7 @@ class ModelCatalog:
         """Return the model `name` refers to, and its live state, if a live worker serves it.
 
         Raises:
-            ModelNotFound: no worker has ever served it.
+            ModelNotFound: no worker has served it (in the last 7 days: `shared/registry.py`).
             Unavailable: it is known but no worker serves it now.
         """
         model = await self.resolve(name)
@@ -124,7 +127,8 @@ class ModelCatalog:
         worker announced), with no worker and no home.
 
         Raises:
-            ModelNotFound: no worker has ever served it and `AXON_COLD_START_WAITS` does not list it.
+            ModelNotFound: no worker has served it (in the last 7 days) and `AXON_COLD_START_WAITS`
+                does not list it.
             Unavailable: `no_worker`, it is known, no worker serves it now, and its wait is 0.
         """
         model = await self.resolve(name)

@@ -124,7 +124,7 @@ class SessionsMetrics:
         )
         self.live_workers = Gauge(
             "axon_sessions_live_workers",
-            "Workers with a live heartbeat, for every model ever served in the namespace (0: none now).",
+            "Workers with a live heartbeat, for every model served in the namespace in the last 7 days (0: none now).",
             ["model"],
             registry=self.registry,
         )

@@ -28,7 +28,7 @@ _DECLARE_TIMEOUT_S = 5.0
 class QueueDepthPoller:
     """Keeps `axon_sessions_queue_depth`, `_queue_consumers` and `_live_workers` current.
 
-    Models polled: every model some worker has ever served in the namespace (`<ns>:models`)
+    Models polled: every model some worker served in the namespace in the last 7 days (`<ns>:models`)
     and every live one, so a model that lost its workers reports 0 live workers and its backlog.
     """
 

@@ -31,6 +31,34 @@ async def test_heartbeat_makes_a_model_live_until_it_expires(redis_client, names
     await redis_client.delete(names.workers_key, names.models_key)
 
 
+async def test_dead_workers_and_models_no_live_worker_served_for_long_leave_the_registry(
+    redis_client, namespace, monkeypatch
+) -> None:
+    monkeypatch.setattr("shared.registry._SWEEP_GRACE_S", 0.2)
+    names = Names(f"{namespace}-reg-{uuid.uuid4().hex[:6]}")
+    registry = WorkerRegistry(redis_client, names, forget_model_after_s=1.0)
+    beat = {"max_seqs": 4, "context_tokens": 4096}
+    await registry.heartbeat(worker_id="gone", model="old", ttl_s=0.2, adapters=["old-lora"], **beat)
+    await registry.remember_profiles(await registry.live_models())
+    await redis_client.sadd(names.models_key, "legacy")  # remembered before last-served times were kept
+    await registry.heartbeat(worker_id="live", model="new", ttl_s=30, **beat)
+    await asyncio.sleep(0.5)
+    # The dead worker's entry is swept by the next reader; its models stay known for a while.
+    assert await registry.live_models() == {"new": LiveModel(1, 4096, homes=frozenset({"live"}))}
+    assert set(await redis_client.hkeys(names.workers_key)) == {b"live"}
+    assert all([await registry.is_known(m) for m in ("old", "old-lora", "legacy", "new")])
+    assert await registry.profile("old") is not None and await registry.adapter_base("old-lora") == "old"
+
+    await asyncio.sleep(0.7)
+    await registry.heartbeat(worker_id="live", model="new", ttl_s=30, **beat)
+    assert [await registry.is_known(m) for m in ("old", "old-lora", "legacy", "new")] == [False, False, False, True]
+    assert await registry.profile("old") is None and await registry.adapter_base("old-lora") is None
+    assert await redis_client.zrange(names.models_seen_key, 0, -1) == [b"new"]
+    await redis_client.delete(
+        names.workers_key, names.models_key, names.models_seen_key, names.adapters_key, names.model_profiles_key
+    )
+
+
 async def test_migrations_are_idempotent_and_safe_to_run_concurrently(run_id, service_urls) -> None:
     url = service_urls.postgres.rsplit("/", 1)[0] + f"/axon_test_{run_id}_mig"
     try:

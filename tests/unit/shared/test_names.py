@@ -20,6 +20,7 @@ def all_names(names: Names) -> dict[str, str]:
         "cancel_channel": names.cancel_channel,
         "workers_key": names.workers_key,
         "models_key": names.models_key,
+        "models_seen_key": names.models_seen_key,
         "adapters_key": names.adapters_key,
         "model_profiles_key": names.model_profiles_key,
         "key_cache": names.key_cache("ab12"),
