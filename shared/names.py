@@ -2,6 +2,9 @@
 
 Two stacks with different namespaces can share one Redis and one broker without
 seeing each other's traffic; the tests rely on that.
+
+Every Redis key either expires (its docstring says when) or is one of `keys_without_expiry`, whose
+docstrings name the owner that removes what they hold, so nothing in Redis grows without bound.
 """
 
 from dataclasses import dataclass
@@ -49,54 +52,65 @@ class Names:
 
     # Redis keys
     def job_progress(self, job_id: str) -> str:
-        """Hash of a running job's progress: next `seq`, tokens so far (for failover)."""
+        """Hash of a running job's progress: next `seq`, tokens so far (for failover). Expires at the
+        job's deadline + 60 s (`shared.usage.PROGRESS_GRACE_S`)."""
         return f"{self.namespace}:progress:{job_id}"
 
     def job_progress_text(self, job_id: str) -> str:
-        """Text a running job has published so far."""
+        """Text a running job has published so far. Deleted by the job's final chunk; expires with
+        its progress."""
         return f"{self.namespace}:progress-text:{job_id}"
 
     def job_progress_tokens(self, job_id: str) -> str:
-        """Token ids a running job has generated so far (engines that expose them)."""
+        """Token ids a running job has generated so far (engines that expose them). Deleted by the
+        job's final chunk; expires with its progress."""
         return f"{self.namespace}:progress-tokens:{job_id}"
 
     def chunk_log(self, job_id: str) -> str:
         """Capped stream of a job's chunks as published (entry `0-<seq + 1>`, field `c`), kept
-        for a client that reconnects when its job asks for it (`Job.chunk_log_ttl_s`)."""
+        for a client that reconnects when its job asks for it: it expires `Job.chunk_log_ttl_s`
+        (`AXON_STREAM_LOG_TTL_S`) after its last chunk."""
         return f"{self.namespace}:chunks:{job_id}"
 
     def chunk_log_meta(self, job_id: str) -> str:
         """A resumable chat stream's meta (JSON: its tenant, the fields its events repeat), kept
-        as long as its chunk log can be."""
+        as long as its chunk log can be: it expires at the job's deadline + `AXON_STREAM_LOG_TTL_S`."""
         return f"{self.namespace}:chunks-meta:{job_id}"
 
     def response(self, response_id: str) -> str:
         """A stored response's record (JSON: `sessions/responses/store.py:StoredResponse`), kept
-        `AXON_RESPONSE_TTL_S`."""
+        `AXON_RESPONSE_TTL_S` after its last write; deleted by `DELETE /v1/responses/{id}`."""
         return f"{self.namespace}:response:{response_id}"
 
     @property
     def responses_running(self) -> str:
-        """Sorted set of unfinished stored responses, scored by their lease's expiry (epoch ms)."""
+        """Sorted set of unfinished stored responses, scored by their lease's expiry (epoch ms). No
+        expiry; owner: the session managers, which remove a response when it finishes or is
+        deleted, and take over (then finish) one whose lease expired."""
         return f"{self.namespace}:responses:running"
 
     @property
     def responses_owners(self) -> str:
-        """Hash: unfinished stored response -> the instance id holding its lease."""
+        """Hash: unfinished stored response -> the instance id holding its lease. No expiry; owner:
+        the session managers, with `responses_running`."""
         return f"{self.namespace}:responses:owners"
 
     def job_deliveries(self, job_id: str) -> str:
-        """How many times a job was redelivered (poison-job detection)."""
+        """How many times a job was redelivered (poison-job detection). Expires at the job's
+        deadline + 60 s."""
         return f"{self.namespace}:deliveries:{job_id}"
 
     @property
     def aliases_key(self) -> str:
-        """Hash: public model name -> served model."""
+        """Hash: public model name -> served model. No expiry; owner: the operator, who sets and
+        removes aliases (`/admin/models/aliases`, `axon models alias/unalias`)."""
         return f"{self.namespace}:aliases"
 
     @property
     def workers_key(self) -> str:
-        """Hash: worker id -> JSON heartbeat (model, expiry)."""
+        """Hash: worker id -> JSON heartbeat (model, expiry). No expiry; owner: the workers, which
+        remove their entry when they stop, and the readers of the registry (every session manager
+        at least every 5 s), which delete entries expired for 60 s (`shared/registry.py`)."""
         return f"{self.namespace}:workers"
 
     @property
@@ -126,48 +140,78 @@ class Names:
         return f"{self.namespace}:adapters"
 
     def key_cache(self, key_hash_hex: str) -> str:
-        """Cached lookup of an API key by its hash ("-" caches "no such key")."""
+        """Cached lookup of an API key by its hash ("-" caches "no such key"). Expires after
+        `AXON_KEY_CACHE_TTL_S`; deleted when the key is revoked or changed."""
         return f"{self.namespace}:key:{key_hash_hex}"
 
     def key_touched(self, key_id: str) -> str:
-        """Set while a key's `last_used_at` was written recently, so it is written rarely."""
+        """Set while a key's `last_used_at` was written recently, so it is written rarely. Expires
+        after 60 s."""
         return f"{self.namespace}:key-touched:{key_id}"
 
     def rate_limit(self, kind: str, key_id: str) -> str:
-        """Limiter state of one key: `rpm`/`tpm` (GCRA arrival time) or `conc` (lease set)."""
+        """Limiter state of one key: `rpm`/`tpm` (GCRA arrival time; expires once it is in the
+        past), `conc` (lease set; expires `AXON_CONCURRENCY_LEASE_S` after its last lease) or
+        `budget` with `<key_id>:<period>` (token budget; expires two days after its period)."""
         return f"{self.namespace}:rl:{kind}:{key_id}"
 
     # Sessions and history
     def session(self, session_id: str) -> str:
-        """Cached session metadata (JSON), or a tombstone once deleted."""
+        """Cached session metadata (JSON), or a tombstone once deleted. Expires after
+        `AXON_SESSION_CACHE_TTL_S`."""
         return f"{self.namespace}:session:{session_id}"
 
     def history(self, session_id: str) -> str:
-        """List of a session's most recent messages (JSON), oldest first."""
+        """List of a session's most recent messages (JSON), oldest first. Expires
+        `AXON_SESSION_CACHE_TTL_S` after its last message; deleted with the session."""
         return f"{self.namespace}:history:{session_id}"
 
     def affinity(self, session_id: str) -> str:
-        """Id of the worker that served a session's last turn (whose prefix cache holds it)."""
+        """Id of the worker that served a session's last turn (whose prefix cache holds it). Expires
+        after 1 h; deleted with the session."""
         return f"{self.namespace}:affinity:{session_id}"
 
     def session_seq(self, session_id: str) -> str:
-        """Counter handing out a session's message sequence numbers."""
+        """Counter handing out a session's message sequence numbers. Expires
+        `AXON_SESSION_CACHE_TTL_S` after its last message, as the history; deleted with the session.
+        A counter that is gone continues after the last seq stored."""
         return f"{self.namespace}:session-seq:{session_id}"
 
     def session_lock(self, session_id: str) -> str:
-        """Held by the one request currently answering in a session."""
+        """Held by the one request currently answering in a session. Expires after
+        `AXON_REQUEST_TIMEOUT_S` + 30 s."""
         return f"{self.namespace}:session-lock:{session_id}"
 
     def sessions_instance(self, instance_id: str) -> str:
-        """Exists while that session manager process is alive (its turn locks are valid)."""
+        """Exists while that session manager process is alive (its turn locks are valid). Expires
+        after 10 s unless refreshed (every 3 s)."""
         return f"{self.namespace}:sessions-alive:{instance_id}"
 
     @property
     def outbox(self) -> str:
-        """Redis Stream of rows waiting to be written to PostgreSQL (write-behind)."""
+        """Redis Stream of rows waiting to be written to PostgreSQL (write-behind). No expiry;
+        owner: the persisters, which trim what they committed."""
         return f"{self.namespace}:outbox"
 
     @property
     def outbox_group(self) -> str:
-        """Consumer group of the persisters draining the outbox."""
+        """Consumer group of the persisters draining the outbox (part of the outbox's key)."""
         return f"{self.namespace}:persisters"
+
+    @property
+    def keys_without_expiry(self) -> frozenset[str]:
+        """The Redis keys that have no expiry, each with an owner that removes what it holds (see
+        their docstrings); every other key expires."""
+        return frozenset(
+            {
+                self.workers_key,
+                self.models_key,
+                self.models_seen_key,
+                self.adapters_key,
+                self.model_profiles_key,
+                self.aliases_key,
+                self.responses_running,
+                self.responses_owners,
+                self.outbox,
+            }
+        )

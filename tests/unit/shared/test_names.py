@@ -1,5 +1,7 @@
 """shared.names: every resource name is built from the namespace, so stacks never collide."""
 
+from pathlib import Path
+
 import pytest
 
 from shared.names import Names
@@ -49,8 +51,18 @@ def all_names(names: Names) -> dict[str, str]:
 
 def test_all_names_covers_every_public_name() -> None:
     # Guard for the tests below: a new name added to Names must be added to all_names too.
-    public = {n for n in dir(Names) if not n.startswith("_") and n != "namespace"}
+    public = {n for n in dir(Names) if not n.startswith("_") and n not in ("namespace", "keys_without_expiry")}
     assert public == set(all_names(Names("ns")))
+
+
+def test_every_key_without_expiry_is_a_name_the_architecture_lists_with_its_owner() -> None:
+    names = Names("ns")
+    assert names.keys_without_expiry <= set(all_names(names).values())
+    table = (Path(__file__).parents[3] / "docs" / "architecture.md").read_text()
+    rows = {row.split("|")[1].strip(): row for row in table.splitlines() if row.startswith("| `<ns>")}
+    for key in names.keys_without_expiry:
+        row = rows[key.replace("ns", "`<ns>", 1) + "`"]
+        assert "no expiry; owner:" in row, row
 
 
 @pytest.mark.parametrize("namespace", ["axon", "axon_test_1234"])
