@@ -197,6 +197,10 @@ class ChunkPublisher:
         self.resumed = progress.resume is not None
         self._resumed_text = progress.resume.text if progress.resume is not None else ""
         self._expiry_set = False
+        # Whether the progress text and token list exist with their expiry: created by the first
+        # chunk that has text (or token ids), which may come after the first chunk.
+        self._text_expiring = False
+        self._tokens_expiring = False
         self._parser: ToolCallParser | None = None
         self._finish_rule: FinishRule | None = None
         self._echo = ""
@@ -280,9 +284,12 @@ class ChunkPublisher:
         (tool calls included), which a resumed job replays."""
         final = chunk.finish_reason is not None
         expire_s = 0
-        if final or not self._expiry_set:
+        creates = (bool(text) and not self._text_expiring) or (bool(token_ids) and not self._tokens_expiring)
+        if final or not self._expiry_set or creates:
             expire_s = max(1, int(self._deadline - time.time()) + PROGRESS_GRACE_S)
             self._expiry_set = True
+            self._text_expiring |= bool(text)
+            self._tokens_expiring |= bool(token_ids)
         keys = list(self._keys)
         tail: list[str | int] = [*token_ids]
         if final and home is not None:  # a final chunk records no token ids

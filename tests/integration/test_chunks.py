@@ -242,3 +242,20 @@ async def test_a_job_ended_early_charges_every_attempts_tokens_once(pipe, namesp
         b"prompt_tokens": b"7",
     }
     assert (await Failover(pipe, names, max_deliveries=3).load_progress(job_id)).done
+
+
+async def test_progress_keys_a_later_chunk_creates_expire_with_the_progress(pipe, namespace) -> None:
+    """A first chunk with no text and no token ids (an engine holding back part of a character)
+    creates neither the progress text nor the token list; the chunk that does gives them the
+    progress's expiry, so a job that never ends (it expires in a queue) leaves none of them behind."""
+    names, job_id = Names(f"{namespace}-chunks"), str(uuid.uuid4())
+    publisher = ChunkPublisher(
+        pipe, names, job_id=job_id, channel=names.tokens_channel(job_id), deadline=time.time() + 60, progress=Progress()
+    )
+    await publisher.publish(EngineOutput("", 1, 3, 1))
+    await publisher.publish(EngineOutput("héllo", 1, 3, 2, token_ids=(7,)))
+    await publisher.publish(EngineOutput(" there", 1, 3, 3, token_ids=(8,)))
+    keys = (names.job_progress(job_id), names.job_progress_text(job_id), names.job_progress_tokens(job_id))
+    ttls = [await pipe.execute("TTL", key) for key in keys]
+    assert all(60 < ttl <= 120 for ttl in ttls), ttls
+    await pipe.execute("DEL", *keys)
