@@ -24,7 +24,8 @@ from collections.abc import Collection, Sequence
 
 from shared.schemas import Message
 
-# How long a session's affinity record names the worker that answered its last turn.
+# How long a session's affinity record names the worker that answered its last turn: past an
+# hour of silence its prefix has most likely left that worker's cache anyway.
 AFFINITY_TTL_S = 3600
 
 

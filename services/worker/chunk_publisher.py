@@ -20,6 +20,7 @@ from services.worker.engines import EngineOutput
 from services.worker.engines.base import ToolCallParser
 from services.worker.failover import Progress
 from services.worker.tool_parsers import merge_deltas
+from shared.affinity import AFFINITY_TTL_S
 from shared.logging import get_logger
 from shared.names import Names
 from shared.redis_pipe import PipeScript, RedisPipe
@@ -102,10 +103,6 @@ _chunk_json = TokenChunk.__pydantic_serializer__.to_json
 # any other chunk nobody received.
 _UNHEARD = 2
 _NOBODY = 0
-
-# How long a session's affinity record names the worker that answered its last turn: past an
-# hour of silence its prefix has most likely left that worker's cache anyway.
-AFFINITY_TTL_S = 3600
 
 
 # Entries a job's chunk log keeps beyond its token budget: every chunk but a final one carries at

@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as redis
 
-from services.worker.chunk_publisher import AFFINITY_TTL_S, ChunkPublisher, Home
+from services.worker.chunk_publisher import ChunkPublisher, Home
 from services.worker.engines import EngineOutput
 from services.worker.failover import Progress
+from shared.affinity import AFFINITY_TTL_S
 from shared.names import Names
 from shared.redis_pipe import RedisPipe
 
