@@ -442,9 +442,13 @@ def check_json_schema(schema: dict[str, Any], param: str, max_bytes: int) -> int
     """Check that `schema` is a valid JSON Schema of at most `max_bytes`; return its size.
 
     Raises:
-        InvalidRequest: it is too large, names an unknown `$schema`, or breaks its metaschema.
+        InvalidRequest: it is too large, holds an integer beyond 64 bits (which no engine can
+            read), names an unknown `$schema`, or breaks its metaschema.
     """
-    size = len(orjson.dumps(schema))
+    try:
+        size = len(orjson.dumps(schema))
+    except orjson.JSONEncodeError as exc:
+        raise InvalidRequest(f"The schema cannot be used: {exc}.", param=param) from None
     if size > max_bytes:
         raise InvalidRequest(f"The schema is {size} bytes, more than the {max_bytes} allowed.", param=param)
     dialect = schema.get("$schema")

@@ -328,3 +328,14 @@ def test_a_plain_request_needs_nothing_of_the_engine() -> None:
     require_supported(_request("chat", temperature=0.2, top_p=0.5, max_tokens=3, n=2), "m", nothing)
     require_supported(_request("chat", tools=[TOOL], tool_choice="none", top_k=-1, presence_penalty=0), "m", nothing)
     require_supported(_request("completion", echo=False), "m", nothing)
+
+
+async def test_a_schema_with_an_integer_beyond_64_bits_is_a_400_not_a_crash(client: httpx.AsyncClient) -> None:
+    schema = '{"type": "integer", "minimum": ' + "9" * 40 + "}"
+    body = '{"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": '
+    body += '{"type": "json_schema", "json_schema": {"name": "big", "schema": ' + schema + "}}}"
+    response = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == ("response_format", "invalid_request_error")
+    assert "64-bit" in error["message"]
