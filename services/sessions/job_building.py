@@ -15,6 +15,7 @@ from shared.errors import InvalidRequest
 from shared.internal_headers import Caller
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.registry import LiveModel
+from shared.schema_bounds import check_answer_fits
 from shared.schemas import Job, Message, Sampling
 
 # Seeds are 64-bit: choice i's (seed + i) wraps around within them.
@@ -28,10 +29,12 @@ class JobBuilder:
         self._settings = settings
 
     def sampling(self, body: ChatCompletionRequest | CompletionRequest, live: LiveModel) -> Sampling:
-        """The request's sampling, with its `max_tokens` (or the default) checked against the model.
+        """The request's sampling, with its `max_tokens` (or the default) checked against the model,
+        and against the shortest answer its schema admits (`shared/schema_bounds.py`).
 
         Raises:
-            InvalidRequest: `max_tokens` above what the model allows.
+            InvalidRequest: `max_tokens` above what the model allows, or too few for any answer the
+                `response_format` (or a required or named tool call's) schema admits.
         """
         max_tokens = body.requested_max_tokens or min(self._settings.default_max_tokens, live.context_tokens // 2)
         limit = min(self._settings.max_tokens_limit, live.context_tokens)
@@ -39,6 +42,7 @@ class JobBuilder:
             raise InvalidRequest(
                 f"max_tokens is {max_tokens}, more than this model allows ({limit}).", param="max_tokens"
             )
+        check_answer_fits(body, max_tokens)
         return body.sampling(max_tokens)
 
     def input(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[Message] | None, str | None]:

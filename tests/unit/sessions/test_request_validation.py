@@ -11,6 +11,7 @@ import pytest
 from services.sessions.app import create_app
 from services.sessions.catalog import require_supported
 from services.sessions.deps import SessionServices
+from services.sessions.job_building import JobBuilder
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.settings import SessionsSettings
 from shared.errors import Conflict, InvalidRequest
@@ -339,3 +340,22 @@ async def test_a_schema_with_an_integer_beyond_64_bits_is_a_400_not_a_crash(clie
     error = response.json()["error"]
     assert (error["param"], error["type"]) == ("response_format", "invalid_request_error")
     assert "64-bit" in error["message"]
+
+
+def test_a_schema_max_tokens_cannot_hold_is_refused_before_any_job() -> None:
+    """The bound of shared/schema_bounds.py, checked where max_tokens is known: the request's, or
+    the default (`AXON_DEFAULT_MAX_TOKENS`, at most half the context)."""
+    jobs = JobBuilder(SessionsSettings(internal_token=INTERNAL_TOKEN, default_max_tokens=100))
+    live = LiveModel(workers=1, context_tokens=2048, supports=ALL)
+    long_text = {"type": "object", "properties": {"t": {"type": "string", "minLength": 20_000}}, "required": ["t"]}
+    assert (
+        jobs.sampling(_request("chat", response_format=json_schema(long_text), max_tokens=157), live).max_tokens == 157
+    )
+    for fields in ({"max_tokens": 156}, {}):
+        with pytest.raises(InvalidRequest) as refused:
+            jobs.sampling(_request("chat", response_format=json_schema(long_text), **fields), live)
+        assert refused.value.param == "response_format"
+    tool = {"type": "function", "function": {"name": "f", "parameters": long_text}}
+    with pytest.raises(InvalidRequest) as refused:
+        jobs.sampling(_request("chat", tools=[tool], tool_choice="required"), live)
+    assert refused.value.param == "tools"
