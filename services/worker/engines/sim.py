@@ -7,8 +7,10 @@ small generator over the JSON Schema subset clients send), and with tools but no
 one Hermes-style call `<tool_call>{"name": …, "arguments": …}</tool_call>` of a tool picked by
 the prompt and seed (unless the conversation ends with a tool's result: then words, the answer
 to it). Such answers come in short pieces, one per "token", and end `stop` once complete (or
-`length` at `max_tokens`). Logprobs are synthetic but well formed (and the prompt's, for a
-completion's `echo`).
+`length` at `max_tokens`). A value is built only as far as `max_tokens` pieces can reach (`_Draft`),
+on a thread: a schema asking for 10^9 strings of 10^9 letters (issue 29, which once held a
+worker's event loop until it was killed) costs what the answer can carry. Logprobs are synthetic
+but well formed (and the prompt's, for a completion's `echo`).
 
 Token `i` depends only on the prompt, the seed, the guide and `i`, so a resumed job continues
 exactly where it stopped. The simulator serves LoRA adapters by name only (`adapters`): a request
@@ -43,6 +45,7 @@ import uuid
 import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest, Guide, InvalidPrompt
@@ -86,10 +89,14 @@ _ALTERNATIVES = (*_WORDS, "and", "of", "to", "in")
 # Short pieces of a JSON text, one per simulated token: up to 6 letters or digits, or up to 3 other
 # characters, each with at most one space before it; or a run of whitespace.
 _PIECE = re.compile(r"\s?[A-Za-z0-9]{1,6}|\s?[^A-Za-z0-9\s]{1,3}|\s+")
+# The most characters a piece holds (but a run of whitespace).
+PIECE_CHARS = 7
 # Past this depth the generator takes the shortest way out of recursive schemas; past the limit
 # it gives up.
 _SHALLOW_DEPTH = 4
 _MAX_DEPTH = 24
+# `uniqueItems`: after this many draws in a row that repeat an item, the items have run out of values.
+_REPEATS = 10
 _FORMATS = {
     "date-time": "2024-05-17T12:00:00Z",
     "date": "2024-05-17",
@@ -123,29 +130,62 @@ def sim_word(prompt: str, seed: int | None, index: int) -> str:
     return _WORDS[int.from_bytes(digest, "big") % len(_WORDS)]
 
 
-def answer_pieces(request: GenerationRequest, prompt: str) -> list[str] | None:
-    """The pieces of a JSON or tool-call answer to `request`; None for a plain one (words)."""
+@dataclass(frozen=True, slots=True)
+class JsonAnswer:
+    """A JSON or tool-call answer in pieces; `whole`: False when it was built only as far as the
+    request's tokens can carry (the rest would never be sent), so it must end `length`."""
+
+    pieces: list[str]
+    whole: bool
+
+
+def answer_pieces(request: GenerationRequest, prompt: str, tokens: int) -> JsonAnswer | None:
+    """The pieces of a JSON or tool-call answer to `request` (None for a plain one: words), built no
+    further than its first `tokens` pieces need: first as far as 2 characters a piece would reach,
+    then twice as far until they are there (at `PIECE_CHARS` a piece they must be)."""
+    chars = 2 * tokens
+    while True:
+        answer = _answer_within(request, prompt, chars)
+        if answer is None or answer.whole or len(answer.pieces) >= tokens or chars >= PIECE_CHARS * tokens:
+            return answer
+        chars *= 2
+
+
+def _answer_within(request: GenerationRequest, prompt: str, chars: int) -> JsonAnswer | None:
     seed = request.sampling.seed
+    draft = _Draft(chars)
     if request.guide is not None:
         try:
-            return json_pieces(guided_text(request.guide, prompt, seed))
+            text = guided_text(request.guide, prompt, seed, draft)
         except InvalidPrompt as exc:
             raise InvalidPrompt(str(exc), param=request.guide.param) from exc
+        return JsonAnswer(json_pieces(text), draft.whole)
     tools = request.tools
     if not tools or (request.messages and request.messages[-1].role == "tool"):
         return None
     rng = random.Random(f"{seed}|{prompt}|tools")
     tool = tools[rng.randrange(len(tools))]
     parameters = tool.parameters or {"type": "object", "properties": {}}
-    call = {"name": tool.name, "arguments": json_instance(parameters, rng)}
-    return [TOOL_CALL_START, "\n", *json_pieces(json.dumps(call, ensure_ascii=False)), "\n", TOOL_CALL_END]
+    call = {"name": tool.name, "arguments": draft.instance(parameters, rng)}
+    pieces = [TOOL_CALL_START, "\n", *json_pieces(json.dumps(call, ensure_ascii=False)), "\n", TOOL_CALL_END]
+    return JsonAnswer(pieces, draft.whole)
 
 
-def guided_text(guide: Guide, prompt: str, seed: int | None) -> str:
-    """The JSON text the simulator answers a guided request with."""
+async def _json_answer(request: GenerationRequest, prompt: str, tokens: int) -> JsonAnswer | None:
+    """`answer_pieces` on a thread for a guided or tool-call answer: building even a bounded value
+    is work in Python, and the worker's event loop (its /health, the other answers) must not wait
+    on it."""
+    if request.guide is None and not request.tools:
+        return None
+    return await asyncio.to_thread(answer_pieces, request, prompt, tokens)
+
+
+def guided_text(guide: Guide, prompt: str, seed: int | None, draft: "_Draft | None" = None) -> str:
+    """The JSON text the simulator answers a guided request with (built only as far as `draft`
+    allows, if given)."""
     schema = _OBJECT_SCHEMA if guide.kind == "json_object" else _parsed(guide.schema or "{}")
     rng = random.Random(f"{seed}|{prompt}|{guide.schema}")
-    return json.dumps(json_instance(schema, rng), ensure_ascii=False)
+    return json.dumps((draft or _Draft()).instance(schema, rng), ensure_ascii=False)
 
 
 @functools.lru_cache(maxsize=256)
@@ -161,7 +201,7 @@ def json_pieces(text: str) -> list[str]:
     return _PIECE.findall(text)
 
 
-def json_instance(schema: Any, rng: random.Random, root: Any = None, depth: int = 0) -> Any:
+def json_instance(schema: Any, rng: random.Random) -> Any:
     """A value valid against `schema` (the subset clients send: object with properties, required,
     additionalProperties; array with items, prefixItems, minItems, maxItems; string with enum,
     const, minLength, maxLength and common formats; integer and number with bounds; boolean;
@@ -170,39 +210,151 @@ def json_instance(schema: Any, rng: random.Random, root: Any = None, depth: int 
     Raises:
         InvalidPrompt: the schema admits nothing the generator can build (or nests too deep).
     """
-    root = schema if root is None else root
-    if depth > _MAX_DEPTH:
-        raise InvalidPrompt("The schema nests too deep for the simulator.")
-    if schema is True or schema == {}:
-        return _words(rng, 2)
-    if not isinstance(schema, dict):
-        raise InvalidPrompt("The schema admits no value the simulator can build.")
-    if "$ref" in schema:
-        return json_instance(_resolve(root, schema["$ref"]), rng, root, depth + 1)
-    if "const" in schema:
-        return schema["const"]
-    if "enum" in schema:
-        return rng.choice(schema["enum"])
-    if "allOf" in schema:
-        return json_instance(_all_of(schema, root), rng, root, depth + 1)
-    if "oneOf" in schema:
-        return json_instance(schema["oneOf"][0], rng, root, depth + 1)
-    if "anyOf" in schema:
-        branches = schema["anyOf"]
-        if depth >= _SHALLOW_DEPTH:
-            branches = [b for b in branches if "$ref" not in b] or branches
-        branch = dict(rng.choice(branches))
-        for key, value in schema.items():  # siblings of anyOf (vLLM's `"type": "object"`) apply too
-            if key != "anyOf":
-                branch.setdefault(key, value)
-        return json_instance(branch, rng, root, depth + 1)
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kinds = [k for k in kind if k != "null"] if depth >= _SHALLOW_DEPTH and "null" in kind else kind
-        kind = rng.choice(kinds) if depth < _SHALLOW_DEPTH else ("null" if "null" in kind else kinds[0])
-    if kind is None:
-        kind = "object" if "properties" in schema else "array" if "items" in schema else "string"
-    return _BUILDERS[kind](schema, rng, root, depth)
+    return _Draft().instance(schema, rng)
+
+
+class _Draft:
+    """Builds a value of a schema, left to right as its JSON text reads, no further than `max_chars`
+    characters of that text (as `json.dumps` writes it, escapes and a cut string's closing quote
+    not counted), so a schema asking for 10^9 strings of 10^9 letters costs what the answer
+    can carry, not what it asks. Past the limit every value is null: that part of the text is
+    never sent (the answer ends at its tokens first), and what comes before is the same as in the
+    whole value (the same choices, in the same order), so a resumed job continues exactly."""
+
+    def __init__(self, max_chars: float = math.inf) -> None:
+        self.left = max_chars
+        self.whole = True
+        self._root: Any = None
+
+    def instance(self, schema: Any, rng: random.Random) -> Any:
+        self._root = schema
+        return self._value(schema, rng, 0)
+
+    def _spend(self, chars: int) -> None:
+        self.left -= chars
+        if self.left <= 0:
+            self.whole = False
+
+    def _value(self, schema: Any, rng: random.Random, depth: int) -> Any:
+        if self.left <= 0:
+            return None
+        if depth > _MAX_DEPTH:
+            raise InvalidPrompt("The schema nests too deep for the simulator.")
+        if schema is True or schema == {}:
+            return self._scalar(_words(rng, 2))
+        if not isinstance(schema, dict):
+            raise InvalidPrompt("The schema admits no value the simulator can build.")
+        if "$ref" in schema:
+            return self._value(_resolve(self._root, schema["$ref"]), rng, depth + 1)
+        if "const" in schema:
+            return self._scalar(schema["const"])
+        if "enum" in schema:
+            return self._scalar(rng.choice(schema["enum"]))
+        if "allOf" in schema:
+            return self._value(_all_of(schema, self._root), rng, depth + 1)
+        if "oneOf" in schema:
+            return self._value(schema["oneOf"][0], rng, depth + 1)
+        if "anyOf" in schema:
+            branches = schema["anyOf"]
+            if depth >= _SHALLOW_DEPTH:
+                branches = [b for b in branches if "$ref" not in b] or branches
+            branch = dict(rng.choice(branches))
+            for key, value in schema.items():  # siblings of anyOf (vLLM's `"type": "object"`) apply too
+                if key != "anyOf":
+                    branch.setdefault(key, value)
+            return self._value(branch, rng, depth + 1)
+        return self._typed(schema, rng, depth)
+
+    def _typed(self, schema: dict[str, Any], rng: random.Random, depth: int) -> Any:
+        """A value of the schema's `type` (one of them, if a list; guessed from its keywords if none)."""
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            kinds = [k for k in kind if k != "null"] if depth >= _SHALLOW_DEPTH and "null" in kind else kind
+            kind = rng.choice(kinds) if depth < _SHALLOW_DEPTH else ("null" if "null" in kind else kinds[0])
+        if kind is None:
+            kind = "object" if "properties" in schema else "array" if "items" in schema else "string"
+        if kind == "object":
+            return self._object(schema, rng, depth)
+        if kind == "array":
+            return self._array(schema, rng, depth)
+        if kind == "string":
+            return self._string(schema, rng)
+        if kind not in _SCALARS:
+            raise InvalidPrompt(f"The simulator cannot build a value of type {kind!r}.")
+        return self._scalar(_SCALARS[kind](schema, rng))
+
+    def _scalar(self, value: Any) -> Any:
+        self._spend(len(json.dumps(value, ensure_ascii=False)))
+        return value
+
+    def _object(self, schema: dict[str, Any], rng: random.Random, depth: int) -> dict[str, Any]:
+        properties: dict[str, Any] = schema.get("properties", {})
+        required = set(schema.get("required", []))
+        chosen = {name for name in properties if name in required or (depth < _SHALLOW_DEPTH and rng.random() < 0.5)}
+        missing = schema.get("minProperties", 0) - len(chosen)
+        for name in properties:
+            if missing <= 0:
+                break
+            if name not in chosen:
+                chosen.add(name)
+                missing -= 1
+        self._spend(1)
+        value: dict[str, Any] = {}
+        for name in properties:
+            if name in chosen and self.left > 0:
+                self._spend(len(name) + (4 if not value else 6))  # `, "name": `
+                value[name] = self._value(properties[name], rng, depth + 1)
+        return value
+
+    def _array(self, schema: dict[str, Any], rng: random.Random, depth: int) -> list[Any]:
+        low = schema.get("minItems", 0)
+        high = schema.get("maxItems", low + 3)
+        size = low if depth >= _SHALLOW_DEPTH else rng.randint(low, max(low, min(high, low + 3)))
+        prefix: list[Any] = schema.get("prefixItems", [])
+        items = schema.get("items", {})
+        unique = bool(schema.get("uniqueItems"))
+        self._spend(1)
+        values: list[Any] = []
+        seen: set[str] = set()
+        repeats = 0
+        for index in range(size * 3 if unique else size):
+            if len(values) == size or self.left <= 0 or repeats == _REPEATS:
+                break
+            left, whole = self.left, self.whole
+            if values:
+                self._spend(2)  # `, `
+            value = self._value(prefix[index] if index < len(prefix) else items, rng, depth + 1)
+            if not unique:
+                values.append(value)
+            elif (key := json.dumps(value, sort_keys=True)) not in seen:
+                seen.add(key)
+                values.append(value)
+                repeats = 0
+            else:  # a repeat is dropped: it takes no room in the answer
+                self.left, self.whole = left, whole
+                repeats += 1
+        return values
+
+    def _string(self, schema: dict[str, Any], rng: random.Random) -> str:
+        fmt = schema.get("format")
+        if fmt == "uuid":
+            value = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+            self._spend(len(value) + 2)
+            return value
+        text = _FORMATS.get(fmt, "") if isinstance(fmt, str) else ""
+        words = [text or _words(rng, rng.randint(1, 3))]
+        length = len(words[0])
+        # Up to minLength, as far as the answer can carry (a quote and the letters so far count).
+        wanted = min(schema.get("minLength", 0), self.left - 1)
+        while length < wanted:
+            word = _words(rng, 1)
+            words.append(word)
+            length += 1 + len(word)
+        text = " ".join(words)
+        if "maxLength" in schema:
+            text = text[: schema["maxLength"]]
+        self._spend(1 + len(text))
+        return text
 
 
 def _resolve(root: Any, ref: str) -> Any:
@@ -231,48 +383,6 @@ def _all_of(schema: dict[str, Any], root: Any) -> dict[str, Any]:
     return merged
 
 
-def _object(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> dict[str, Any]:
-    properties: dict[str, Any] = schema.get("properties", {})
-    required = set(schema.get("required", []))
-    chosen = [name for name in properties if name in required or (depth < _SHALLOW_DEPTH and rng.random() < 0.5)]
-    missing = schema.get("minProperties", 0) - len(chosen)
-    for name in properties:
-        if missing <= 0:
-            break
-        if name not in chosen:
-            chosen.append(name)
-            missing -= 1
-    return {name: json_instance(properties[name], rng, root, depth + 1) for name in properties if name in chosen}
-
-
-def _array(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> list[Any]:
-    low = schema.get("minItems", 0)
-    high = schema.get("maxItems", low + 3)
-    size = low if depth >= _SHALLOW_DEPTH else rng.randint(low, max(low, min(high, low + 3)))
-    prefix: list[Any] = schema.get("prefixItems", [])
-    items = schema.get("items", {})
-    values: list[Any] = []
-    for index in range(size * 3 if schema.get("uniqueItems") else size):
-        if len(values) == size:
-            break
-        value = json_instance(prefix[index] if index < len(prefix) else items, rng, root, depth + 1)
-        if not schema.get("uniqueItems") or value not in values:
-            values.append(value)
-    return values
-
-
-def _string(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> str:
-    del root, depth
-    fmt = schema.get("format")
-    if fmt == "uuid":
-        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-    text = _FORMATS.get(fmt, "") if isinstance(fmt, str) else ""
-    text = text or _words(rng, rng.randint(1, 3))
-    while len(text) < schema.get("minLength", 0):
-        text += " " + _words(rng, 1)
-    return text[: schema["maxLength"]] if "maxLength" in schema else text
-
-
 def _bounds(schema: dict[str, Any], step: float) -> tuple[float, float]:
     low = schema.get("minimum", -math.inf)
     high = schema.get("maximum", math.inf)
@@ -289,8 +399,7 @@ def _bounds(schema: dict[str, Any], step: float) -> tuple[float, float]:
     return low, high
 
 
-def _integer(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> int:
-    del root, depth
+def _integer(schema: dict[str, Any], rng: random.Random) -> int:
     low, high = _bounds(schema, 1)
     low, high = math.ceil(low), math.floor(high)
     step = schema.get("multipleOf", 1)
@@ -304,31 +413,22 @@ def _integer(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) 
     return rng.randint(low, high)
 
 
-def _number(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> float:
-    del root, depth
+def _number(schema: dict[str, Any], rng: random.Random) -> float:
     low, high = _bounds(schema, 0.01)
     value = round(rng.uniform(low, high), 2)
     return value if low <= value <= high else (low + high) / 2
 
 
-def _boolean(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> bool:
-    del schema, root, depth
+def _boolean(schema: dict[str, Any], rng: random.Random) -> bool:
+    del schema
     return rng.random() < 0.5
 
 
-def _null(schema: dict[str, Any], rng: random.Random, root: Any, depth: int) -> None:
-    del schema, rng, root, depth
+def _null(schema: dict[str, Any], rng: random.Random) -> None:
+    del schema, rng
 
 
-_BUILDERS: dict[str, Any] = {
-    "object": _object,
-    "array": _array,
-    "string": _string,
-    "integer": _integer,
-    "number": _number,
-    "boolean": _boolean,
-    "null": _null,
-}
+_SCALARS: dict[str, Any] = {"integer": _integer, "number": _number, "boolean": _boolean, "null": _null}
 
 
 def _words(rng: random.Random, count: int) -> str:
@@ -470,15 +570,19 @@ class SimEngine(Engine):
         self.prefix_cache.insert(block_keys(words))
         ttft_s = self._ttft_s + (prompt_tokens - cached) * self._prefill_s_per_token
         sampling = request.sampling
-        pieces = answer_pieces(request, prompt)
+        offset = request.resume.completion_tokens if request.resume else 0
+        json_answer = await _json_answer(request, prompt, offset + sampling.max_tokens)
+        pieces = None if json_answer is None else json_answer.pieces
+        # A JSON answer built whole ends `stop` at its last piece; one cut at the tokens, `length`.
+        last = len(json_answer.pieces) - 1 if json_answer is not None and json_answer.whole else None
         stops = StopMatcher(sampling.stop)
         started = time.monotonic()
-        offset = request.resume.completion_tokens if request.resume else 0
         total = sampling.max_tokens if pieces is None else min(sampling.max_tokens, len(pieces) - offset)
         top = request.logprobs
         echoed = prompt_logprobs(prompt, top) if request.echo and top is not None else ()
         if total <= 0:  # a resumed answer that was complete
-            yield EngineOutput("", 0, prompt_tokens, 0, finish_reason="stop", cached_tokens=cached)
+            reason: FinishReason = "stop" if last is not None else "length"
+            yield EngineOutput("", 0, prompt_tokens, 0, finish_reason=reason, cached_tokens=cached)
             return
         self._running_ids.add(request.request_id)
         answer = [request.resume.text] if request.resume else []
@@ -516,17 +620,17 @@ class SimEngine(Engine):
                         cached_tokens=cached,
                     )
                     return
-                reason: FinishReason | None = None
+                finish: FinishReason | None = None
                 if count == total - 1:
                     text += stops.flush()
-                    reason = "stop" if pieces is not None and index == len(pieces) - 1 else "length"
+                    finish = "stop" if index == last else "length"
                 answer.append(text)
                 yield EngineOutput(
                     text,
                     1,
                     prompt_tokens,
                     count + 1,
-                    reason,
+                    finish,
                     logprobs=logprobs,
                     prompt_logprobs=first,
                     cached_tokens=cached,

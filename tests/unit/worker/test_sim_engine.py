@@ -262,7 +262,18 @@ async def test_a_guided_answer_cut_by_max_tokens_ends_with_length(engine: SimEng
     assert whole.startswith(text_of(outputs))
 
 
-@pytest.mark.parametrize("make", [lambda: guided(SCHEMAS[0]), lambda: request(max_tokens=30, seed=4)])
+# Issue 29's schema: 10^9 strings of 10^9 letters (it held the worker's event loop until killed).
+ISSUE_29 = {"type": "array", "minItems": 1_000_000_000, "items": {"type": "string", "minLength": 1_000_000_000}}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: guided(SCHEMAS[0]),
+        lambda: request(max_tokens=30, seed=4),
+        lambda: guided(ISSUE_29, sampling={"max_tokens": 40}),
+    ],
+)
 async def test_a_resumed_answer_continues_exactly(engine: SimEngine, make: Any) -> None:
     whole = await collect(engine, make())
     for done in (1, 7, len(whole) - 1):
@@ -276,6 +287,94 @@ async def test_a_resumed_answer_continues_exactly(engine: SimEngine, make: Any) 
         after = await collect(engine, rest)
         assert text_of(first) + text_of(after) == text_of(whole)
         assert after[-1].finish_reason == whole[-1].finish_reason
+
+
+@pytest.mark.parametrize(
+    ("schema", "max_tokens"),
+    [
+        (ISSUE_29, 50),
+        ({"type": "string", "minLength": 1_000_000_000}, 2000),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "array", "minItems": 10**9, "items": {}}},
+                "required": ["a"],
+            },
+            300,
+        ),
+        # 10^15 strings through references.
+        (
+            {
+                "$defs": {
+                    **{
+                        f"d{i}": {"type": "array", "minItems": 1000, "items": {"$ref": f"#/$defs/d{i + 1}"}}
+                        for i in range(5)
+                    },
+                    "d5": {"type": "string"},
+                },
+                "$ref": "#/$defs/d0",
+            },
+            2000,
+        ),
+    ],
+)
+async def test_a_value_is_built_only_as_far_as_max_tokens_reach(
+    engine: SimEngine, schema: dict[str, Any], max_tokens: int
+) -> None:
+    began = time.perf_counter()
+    outputs = await collect(engine, guided(schema, sampling={"max_tokens": max_tokens}))
+    assert time.perf_counter() - began < 2
+    assert len(outputs) == max_tokens and outputs[-1].finish_reason == "length"
+
+
+async def test_a_value_that_fits_still_ends_stop_and_is_valid(engine: SimEngine) -> None:
+    """The cheap branch of an anyOf whose other asks for 10^9 letters: whole answers end `stop`;
+    the others are cut at max_tokens."""
+    schema = {"anyOf": [{"type": "string", "minLength": 1_000_000_000}, {"type": "integer"}]}
+    reasons = set()
+    for seed in range(8):
+        outputs = await collect(engine, guided(schema, sampling={"max_tokens": 300, "seed": seed}))
+        reasons.add(outputs[-1].finish_reason)
+        if outputs[-1].finish_reason == "stop":
+            jsonschema.validate(json.loads(text_of(outputs)), schema)
+        else:
+            assert len(outputs) == 300
+    assert reasons == {"stop", "length"}
+
+
+async def test_distinct_items_stop_when_the_values_run_out(engine: SimEngine) -> None:
+    schema = {"type": "array", "uniqueItems": True, "minItems": 10**9, "items": {"enum": ["a", "b", "c"]}}
+    outputs = await collect(engine, guided(schema, sampling={"max_tokens": 10_000}))
+    assert sorted(json.loads(text_of(outputs))) == ["a", "b", "c"] and outputs[-1].finish_reason == "stop"
+
+
+async def test_the_event_loop_runs_on_while_a_large_value_is_built() -> None:
+    """A value of 300,000 tokens of nested arrays takes the simulator most of a second to build: on
+    a thread, so the worker's loop (its /health, the other answers) goes on meanwhile."""
+    sim = SimEngine(model_name="sim", ttft_ms=0, itl_ms=0, max_seqs=4, context_tokens=400_000)
+    await sim.start()
+    nested = {
+        "type": "array",
+        "minItems": 1000,
+        "items": {"type": "array", "minItems": 1000, "items": {"type": "integer"}},
+    }
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    began = time.perf_counter()
+    first = await anext(sim.generate(guided(nested, sampling={"max_tokens": 300_000})))
+    built_s = time.perf_counter() - began
+    ticker.cancel()
+    assert first.text == "[[" and built_s > 0.2
+    assert max(gaps) < 0.2, (built_s, max(gaps))
 
 
 def chat(tools: list[FunctionSpec], *messages: Message, **fields: Any) -> GenerationRequest:
