@@ -3,14 +3,18 @@
 `guide_for(job)`: the `Guide` an engine enforces. A `required` or named `tool_choice` wins over
 `response_format`, as in vLLM: `required` is vLLM's JSON array of `{"name", "parameters"}` objects
 (`maxItems: 1` when `parallel_tool_calls` is false, which vLLM leaves to the model), named is the
-function's `parameters` schema. The CPU engine compiles the guide with xgrammar
-(`engines/grammar.py`); the vLLM engine hands it to vLLM's structured outputs.
+function's `parameters` schema. A schema whose shortest answer cannot fit in the job's
+`max_tokens` is refused (`shared/schema_bounds.py`, which the session manager checks first). The
+CPU engine compiles the guide with xgrammar (`engines/grammar.py`); the vLLM engine hands it to
+vLLM's structured outputs.
 """
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from services.worker.engines.base import Guide, InvalidPrompt
+from shared.errors import InvalidRequest
+from shared.schema_bounds import check_fits, min_chars
 from shared.schemas import FunctionSpec, Job, NamedToolChoice
 
 # A function declared without `parameters` takes none (OpenAI's rule; vLLM's schema for it).
@@ -22,14 +26,15 @@ def guide_for(job: Job) -> Guide | None:
 
     Raises:
         InvalidPrompt: the tools cannot be combined into one schema (a `$defs` name two tools
-            define differently), or a named tool is not among them.
+            define differently), a named tool is not among them, or no answer within the job's
+            `max_tokens` can follow the schema (`_schema_guide`).
     """
+    max_tokens = job.sampling.max_tokens
     if job.tools:
         if isinstance(job.tool_choice, NamedToolChoice):
-            return Guide("json_schema", _schema_text(named_tool_schema(job.tools, job.tool_choice.name)), "tools")
+            return _schema_guide(named_tool_schema(job.tools, job.tool_choice.name), "tools", max_tokens)
         if job.tool_choice == "required":
-            schema = required_tools_schema(job.tools, job.parallel_tool_calls)
-            return Guide("json_schema", _schema_text(schema), "tools")
+            return _schema_guide(required_tools_schema(job.tools, job.parallel_tool_calls), "tools", max_tokens)
     fmt = job.response_format
     if fmt is None or fmt.type == "text":
         return None
@@ -37,7 +42,24 @@ def guide_for(job: Job) -> Guide | None:
         return Guide("json_object")
     if fmt.json_schema is None:
         raise InvalidPrompt("response_format of type json_schema needs its json_schema.", param="response_format")
-    return Guide("json_schema", _schema_text(fmt.json_schema.schema_))
+    return _schema_guide(fmt.json_schema.schema_, "response_format", max_tokens)
+
+
+def _schema_guide(schema: dict[str, Any], param: Literal["response_format", "tools"], max_tokens: int) -> Guide:
+    """The guide to `schema`, unless its shortest answer cannot fit in `max_tokens`
+    (`shared/schema_bounds.py`): the session manager refuses such a request before its job is
+    queued, and a job that was not checked (queued by an older one) is refused here rather than
+    decoded toward an answer it cannot finish.
+
+    Raises:
+        InvalidPrompt: it cannot fit (naming `param`).
+    """
+    what = "The response_format's JSON schema" if param == "response_format" else "The tool call's schema"
+    try:
+        check_fits(min_chars(schema), max_tokens, param=param, what=what)
+    except InvalidRequest as exc:
+        raise InvalidPrompt(exc.message, param=param) from None
+    return Guide("json_schema", _schema_text(schema), param)
 
 
 def named_tool_schema(tools: list[FunctionSpec], name: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import pytest
 
 from services.worker.constraints import guide_for
 from services.worker.engines.base import Guide, InvalidPrompt
-from shared.schemas import FunctionSpec, JsonSchemaFormat, NamedToolChoice, ResponseFormat
+from shared.schemas import FunctionSpec, JsonSchemaFormat, NamedToolChoice, ResponseFormat, Sampling
 from tests.unit.worker.tool_calls import TIME, WEATHER, job
 
 
@@ -87,3 +87,22 @@ def test_a_named_tool_is_constrained_to_its_parameters() -> None:
     }
     with pytest.raises(InvalidPrompt, match="nope"):
         guide_for(job(tools=[WEATHER], tool_choice=NamedToolChoice(name="nope")))
+
+
+def test_a_schema_no_answer_within_max_tokens_can_follow_is_refused_naming_its_param() -> None:
+    """The session manager refuses these first (shared/schema_bounds.py); a job it did not check is
+    refused here rather than decoded toward an answer it cannot finish."""
+    hostile = {"type": "array", "minItems": 10**9, "items": {"type": "string", "minLength": 10**9}}
+    fmt = ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(name="x", schema=hostile))
+    with pytest.raises(InvalidPrompt, match=r"more than max_tokens \(16\)") as refused:
+        guide_for(job(response_format=fmt, sampling=Sampling(max_tokens=16)))
+    assert refused.value.param == "response_format"
+    huge = FunctionSpec(
+        name="huge",
+        parameters={"type": "object", "properties": {"t": {"type": "string", "minLength": 5000}}, "required": ["t"]},
+    )
+    for choice in ("required", NamedToolChoice(name="huge")):
+        with pytest.raises(InvalidPrompt) as refused:
+            guide_for(job(tools=[huge], tool_choice=choice, sampling=Sampling(max_tokens=39)))
+        assert refused.value.param == "tools"
+        assert guide_for(job(tools=[huge], tool_choice=choice, sampling=Sampling(max_tokens=41))) is not None
