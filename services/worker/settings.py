@@ -43,8 +43,9 @@ class WorkerSettings(CommonSettings):
     kv_cache_blocks: int = Field(64, ge=1)
     max_batch_tokens: int = Field(512, ge=16)
     torch_threads: int = Field(0, ge=0)
-    # Constrained decoding (response_format, forced tool calls): a new JSON schema is compiled in a
-    # child process first, killed past this time or memory; longer schemas are refused outright.
+    # Constrained decoding (response_format, forced tool calls), transformers and vllm with xgrammar:
+    # a new JSON schema is compiled in a child process first, killed past this time or memory;
+    # longer schemas are refused outright.
     grammar_compile_timeout_s: float = Field(5.0, gt=0)
     grammar_compile_memory_mb: int = Field(1024, ge=16)
     grammar_max_schema_bytes: int = Field(64 * 1024, ge=64)

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from services.worker.engines.base import Engine
+from services.worker.engines.grammar import GrammarLimits
 from services.worker.settings import WorkerSettings
 from shared.logging import get_logger
 from shared.settings import DEFAULT_MODEL
@@ -36,7 +37,6 @@ def create_engine(settings: WorkerSettings) -> Engine:
     if settings.engine == "vllm":
         return _vllm_engine(settings)
     from services.worker.engines.gguf import bundled_gguf_path
-    from services.worker.engines.grammar import GrammarLimits
     from services.worker.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine(
@@ -46,12 +46,7 @@ def create_engine(settings: WorkerSettings) -> Engine:
         kv_cache_blocks=settings.kv_cache_blocks,
         max_batch_tokens=settings.max_batch_tokens,
         threads=settings.torch_threads or None,
-        grammar_limits=GrammarLimits(
-            compile_timeout_s=settings.grammar_compile_timeout_s,
-            max_schema_bytes=settings.grammar_max_schema_bytes,
-            cache_mb=settings.grammar_cache_mb,
-            compile_memory_mb=settings.grammar_compile_memory_mb,
-        ),
+        grammar_limits=_grammar_limits(settings),
         lora_adapters={name: Path(path) for name, path in settings.lora_adapters.items()},
     )
 
@@ -86,4 +81,13 @@ def _vllm_engine(settings: WorkerSettings) -> Engine:
         max_lora_rank=settings.max_lora_rank,
     )
     cache_dir = Path(settings.model_cache_dir) if settings.model_cache_dir else default_model_cache_dir()
-    return VllmEngine(options, model_cache_dir=cache_dir)
+    return VllmEngine(options, model_cache_dir=cache_dir, grammar_limits=_grammar_limits(settings))
+
+
+def _grammar_limits(settings: WorkerSettings) -> GrammarLimits:
+    return GrammarLimits(
+        compile_timeout_s=settings.grammar_compile_timeout_s,
+        max_schema_bytes=settings.grammar_max_schema_bytes,
+        cache_mb=settings.grammar_cache_mb,
+        compile_memory_mb=settings.grammar_compile_memory_mb,
+    )

@@ -1,4 +1,5 @@
-"""Grammars for the CPU engine's constrained decoding: xgrammar, each schema compiled once.
+"""Grammars for the CPU engine's constrained decoding: xgrammar, each schema compiled once; and the
+probe that bounds a new schema's compile on both engines.
 
 xgrammar was chosen by measured cost (research for issue 21): the cheapest token mask that covers
 every case (1.4 to 4.6 µs a token, against ~14 µs for llguidance; outlines-core cannot express
@@ -12,15 +13,19 @@ structured-output backend, so both engines read a schema the same way.
   (`AXON_GRAMMAR_CACHE_MB`); concurrent requests for the same new schema share one compile.
 * A schema is refused (`InvalidPrompt`, a 400) when it is invalid, larger than
   `AXON_GRAMMAR_MAX_SCHEMA_BYTES`, or too complex: a new schema is first compiled in a child
-  process (the probe) that is killed when it takes longer than `AXON_GRAMMAR_COMPILE_TIMEOUT_S` or
-  uses more than `AXON_GRAMMAR_COMPILE_MEMORY_MB`; only a schema that compiled there is compiled
-  in the worker (on a thread, off the event loop). A hostile schema therefore costs at most that
-  time on one core, never the engine's generation thread, and its refusal is cached too.
+  process (the probe, behind `SchemaGate`) that is killed when it takes longer than
+  `AXON_GRAMMAR_COMPILE_TIMEOUT_S` or uses more than `AXON_GRAMMAR_COMPILE_MEMORY_MB`; only a
+  schema that compiled there is compiled in the worker (on a thread, off the event loop). A hostile
+  schema therefore costs at most that time on one core, never the engine's generation thread, and
+  its refusal is remembered too.
+* The vLLM engine puts the same gate before vLLM's xgrammar backend (`SchemaGate`, with vLLM's
+  vocabulary), which would otherwise compile any schema for as long as it takes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -45,8 +50,9 @@ _ANY_OBJECT = '{"type": "object"}'
 # Whitespace xgrammar allows between JSON tokens, per run: enough for indented output, and a small
 # model cannot loop on newlines until max_tokens.
 _MAX_WHITESPACE = 16
-# Refusals remembered, so a hostile schema sent again is not compiled again.
-_FAILURES_KEPT = 256
+# Schemas probed, remembered by digest (passed, or refused and why), so a hostile schema sent again
+# is not compiled again.
+_SCHEMAS_KEPT = 4096
 # How long the probe process may take to start (importing xgrammar imports torch).
 _PROBE_START_S = 120.0
 # xgrammar's messages start with "[time] file.cc:line: " and C++ check text: not for clients.
@@ -73,6 +79,86 @@ def _client_message(exc: BaseException) -> str:
     return _XGRAMMAR_PREFIX.sub("", str(exc).strip()).strip() or type(exc).__name__
 
 
+class SchemaGate:
+    """Lets a JSON schema through to an engine's compiler only once it compiled in the probe within
+    the limits (`GrammarLimits`): time, memory and size. A schema is probed once: what passed and
+    what was refused (with its reason) are remembered by digest; concurrent checks of the same new
+    schema share one probe. Used by the CPU engine (`Grammars`) and by the vLLM engine, whose
+    structured-output backend compiles a schema on one thread of its engine core with no time
+    limit (a 2 KB schema of 40 strings with distinct `maxLength` bounds in the millions held it for
+    52 s on the 2-core development machine, and every other constrained request waited behind it)."""
+
+    def __init__(self, tokenizer_info_json: str, limits: GrammarLimits) -> None:
+        self.limits = limits
+        self._probe = _Probe(tokenizer_info_json, limits)
+        # Digest of a schema -> None (it passed) or why it was refused; least recently used first.
+        self._seen: OrderedDict[bytes, str | None] = OrderedDict()
+        self._pending: dict[bytes, asyncio.Task[None]] = {}
+
+    def wait_ready(self) -> None:
+        """Block until the probe process is up (it takes seconds to start: importing xgrammar imports torch)."""
+        self._probe.wait_ready()
+
+    def close(self) -> None:
+        self._probe.close()
+
+    async def check(self, schema: str) -> None:
+        """Return once `schema` compiled in the probe (now or before).
+
+        Raises:
+            InvalidPrompt: it is larger than `max_schema_bytes`, xgrammar refuses it, or compiling
+                it took longer than `compile_timeout_s` or more than `compile_memory_mb` (why, for
+                the client).
+            EngineError: the probe is not running.
+        """
+        size = len(schema.encode())
+        if size > self.limits.max_schema_bytes:
+            raise InvalidPrompt(
+                f"The JSON schema is {size} bytes; this model accepts schemas of at most "
+                f"{self.limits.max_schema_bytes} bytes."
+            )
+        key = _digest(schema)
+        if key in self._seen:
+            self._seen.move_to_end(key)
+            refusal = self._seen[key]
+            if refusal is not None:
+                raise InvalidPrompt(refusal)
+            return
+        task = self._pending.get(key)
+        if task is None:
+            # A task of its own: a request cancelled while waiting leaves it running for the others.
+            task = asyncio.create_task(self._probe_new(key, schema))
+            self._pending[key] = task
+            task.add_done_callback(lambda _: self._pending.pop(key, None))
+        await asyncio.shield(task)
+
+    def refuse(self, schema: str, reason: str) -> None:
+        """Remember that `schema` is refused (an engine's own compile failed after the probe's passed)."""
+        self._remember(_digest(schema), reason)
+
+    async def _probe_new(self, key: bytes, schema: str) -> None:
+        started = time.perf_counter()
+        try:
+            refusal = await asyncio.to_thread(self._probe.check, schema, self.limits.compile_timeout_s)
+        except _TooComplex as exc:
+            refusal = str(exc)
+        self._remember(key, refusal)
+        if refusal is not None:
+            log.info("grammar_refused", reason=refusal, schema_bytes=len(schema))
+            raise InvalidPrompt(refusal)
+        log.info("grammar_probed", ms=round((time.perf_counter() - started) * 1000, 1), schema_bytes=len(schema))
+
+    def _remember(self, key: bytes, refusal: str | None) -> None:
+        self._seen[key] = refusal
+        self._seen.move_to_end(key)
+        while len(self._seen) > _SCHEMAS_KEPT:
+            self._seen.popitem(last=False)
+
+
+def _digest(schema: str) -> bytes:
+    return hashlib.blake2b(schema.encode(), digest_size=16).digest()
+
+
 class Grammars:
     """Compiles guides into xgrammar matchers for one vocabulary."""
 
@@ -82,17 +168,23 @@ class Grammars:
         import xgrammar as xgr
 
         self._xgr = xgr
-        self.limits = limits
         self.blocked_ids = blocked_ids
         self.token_bytes: list[bytes] = token_bytes if token_bytes is not None else list(info.decoded_vocab)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._cache_bytes = 0
-        self._failures: OrderedDict[str, str] = OrderedDict()
         self._pending: dict[str, asyncio.Task[Any]] = {}
-        self._probe = _Probe(info.serialize_json(), limits)
+        self._gate = SchemaGate(info.serialize_json(), limits)
         self.hits = 0
         self.misses = 0
+
+    @property
+    def limits(self) -> GrammarLimits:
+        return self._gate.limits
+
+    @limits.setter
+    def limits(self, limits: GrammarLimits) -> None:
+        self._gate.limits = limits
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, *, vocab_size: int, eos_ids: set[int], limits: GrammarLimits) -> Grammars:
@@ -105,10 +197,10 @@ class Grammars:
 
     def wait_ready(self) -> None:
         """Block until the probe process is up (it takes seconds to start: importing xgrammar imports torch)."""
-        self._probe.wait_ready()
+        self._gate.wait_ready()
 
     def close(self) -> None:
-        self._probe.close()
+        self._gate.close()
 
     async def matcher(self, guide: Guide) -> Any:
         """A fresh `xgrammar.GrammarMatcher` for `guide`; `InvalidPrompt` naming the guide's
@@ -121,20 +213,11 @@ class Grammars:
 
     async def compile(self, guide: Guide) -> Any:
         schema = _ANY_OBJECT if guide.kind == "json_object" else (guide.schema or "")
-        size = len(schema.encode())
-        if size > self.limits.max_schema_bytes:
-            raise InvalidPrompt(
-                f"The JSON schema is {size} bytes; this model accepts schemas of at most "
-                f"{self.limits.max_schema_bytes} bytes."
-            )
         compiled = self._cache.get(schema)
         if compiled is not None:
             self._cache.move_to_end(schema)
             self.hits += 1
             return compiled
-        refused = self._failures.get(schema)
-        if refused is not None:
-            raise InvalidPrompt(refused)
         task = self._pending.get(schema)
         if task is None:
             self.misses += 1
@@ -154,23 +237,15 @@ class Grammars:
 
     async def _compile_new(self, schema: str) -> Any:
         started = time.perf_counter()
+        await self._gate.check(schema)
+        # Compiled again here rather than sent back: a grammar serializes to megabytes of
+        # token-mask cache, slower to write and read than to compile for most schemas.
         try:
-            # Compiled again here rather than sent back: a grammar serializes to megabytes of
-            # token-mask cache, slower to write and read than to compile for most schemas.
-            refusal = await asyncio.to_thread(self._probe.check, schema, self.limits.compile_timeout_s)
-            if refusal is None:
-                try:
-                    compiled = await asyncio.to_thread(compile_schema, self._compiler, schema)
-                except Exception as exc:  # noqa: BLE001  # xgrammar raises plain RuntimeErrors
-                    refusal = f"The JSON schema cannot be used: {_client_message(exc)}"
-        except _TooComplex as exc:
-            refusal = str(exc)
-        if refusal is not None:
-            self._failures[schema] = refusal
-            while len(self._failures) > _FAILURES_KEPT:
-                self._failures.popitem(last=False)
-            log.info("grammar_refused", reason=refusal, schema_bytes=len(schema))
-            raise InvalidPrompt(refusal)
+            compiled = await asyncio.to_thread(compile_schema, self._compiler, schema)
+        except Exception as exc:  # noqa: BLE001  # xgrammar raises plain RuntimeErrors
+            refusal = f"The JSON schema cannot be used: {_client_message(exc)}"
+            self._gate.refuse(schema, refusal)
+            raise InvalidPrompt(refusal) from None
         log.info("grammar_compiled", ms=round((time.perf_counter() - started) * 1000, 1), schema_bytes=len(schema))
         return compiled
 

@@ -12,7 +12,11 @@ request asks for is mapped onto vLLM's own machinery, written against its public
   `ignore_eos`, `logprobs`, `prompt_logprobs`); a parameter the request leaves unset takes the
   model's generation config (`ModelConfig.get_diff_sampling_param()`, as vLLM's OpenAI server does);
 - constraints: `StructuredOutputsParams(json=…)` / `(json_object=True)`, enforced by the backend
-  `AXON_STRUCTURED_OUTPUTS_BACKEND` (`StructuredOutputsConfig`, xgrammar by default);
+  `AXON_STRUCTURED_OUTPUTS_BACKEND` (`StructuredOutputsConfig`, xgrammar by default); with
+  xgrammar a new schema is compiled first in a probe process, killed past
+  `AXON_GRAMMAR_COMPILE_TIMEOUT_S` (`grammar.SchemaGate`, as the CPU engine does): vLLM's backend
+  compiles schemas one at a time with no limit, and one that takes a minute would hold every
+  other constrained request for that minute;
 - tools: a chat template that renders tools gets `tools=`, history keeps `tool_calls` (arguments as
   parsed JSON, as vLLM passes them) and `tool_call_id`; a template that knows nothing of tools (the
   bundled SmolLM2's) gets them written into the conversation as the transformers engine writes them
@@ -62,6 +66,7 @@ from services.worker.engines.base import (
     ToolCallParser,
 )
 from services.worker.engines.gguf import converted_model
+from services.worker.engines.grammar import GrammarLimits, SchemaGate
 from services.worker.engines.orphans import ChildReaper, descendants
 from services.worker.engines.vllm_config import VllmOptions, check_platform, engine_kwargs, vllm_environment
 from services.worker.engines.vllm_outputs import AnswerOutputs, PrefixReplay, ReplayDiverged
@@ -265,10 +270,15 @@ class VllmEngine(Engine):
     # mapped here before the engine claims it).
     supports: ClassVar[frozenset[Capability]] = frozenset(get_args(Capability))
 
-    def __init__(self, options: VllmOptions, *, model_cache_dir: Path) -> None:
+    def __init__(
+        self, options: VllmOptions, *, model_cache_dir: Path, grammar_limits: GrammarLimits | None = None
+    ) -> None:
         self.model_name = options.model_name
         self._options = options
         self._model_cache_dir = model_cache_dir
+        self._grammar_limits = grammar_limits or GrammarLimits()
+        # With vLLM's xgrammar backend: each new schema compiled in a probe first (`grammar.py`).
+        self._gate: SchemaGate | None = None
         self.max_seqs = options.max_seqs or 0  # vLLM's choice is read at start
         self.adapters = frozenset(options.lora_adapters)
         self.context_tokens = options.max_model_len or 0
@@ -360,6 +370,17 @@ class VllmEngine(Engine):
                 f"vLLM's tool parser {self._options.tool_parser!r} does not fit the model: {exc}"
             ) from exc
         self._specials = Specials([*_added_tokens(self._tokenizer), *parser_tags(probe)])
+        if self._options.structured_outputs_backend == "xgrammar":
+            self._gate = await asyncio.to_thread(self._schema_gate, int(engine.model_config.get_vocab_size()))
+
+    def _schema_gate(self, vocab_size: int) -> SchemaGate:
+        """The gate before vLLM's xgrammar backend, with the vocabulary as that backend reads it
+        (`TokenizerInfo.from_huggingface`); its probe process starts now, while the worker
+        announces itself (a first schema waits for it if it is not up yet)."""
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=vocab_size)
+        return SchemaGate(info.serialize_json(), self._grammar_limits)
 
     def _make_lora_requests(self) -> dict[str, Any]:
         if not self._options.lora_adapters:
@@ -371,6 +392,9 @@ class VllmEngine(Engine):
         }
 
     async def stop(self) -> None:
+        if self._gate is not None:
+            gate, self._gate = self._gate, None
+            gate.close()
         if self._engine is not None:
             engine, self._engine = self._engine, None
             # Blocking: it stops the engine core's processes (waiting for them a few seconds).
@@ -502,6 +526,7 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        await self._admit_guide(request.guide)
         prompt_ids = self._prompt_ids(request, continued=request.resume if replay is None else None)
         if len(prompt_ids) >= self.context_tokens:
             raise context_exceeded(len(prompt_ids), self.context_tokens, chat=request.messages is not None)
@@ -523,6 +548,22 @@ class VllmEngine(Engine):
             raise EngineDied(str(exc)) from exc
         except StopAsyncIteration:
             raise EngineError("vLLM ended the request without output.") from None
+
+    async def _admit_guide(self, guide: Guide | None) -> None:
+        """Let a JSON schema through to vLLM only once it compiled in the gate's probe within
+        `AXON_GRAMMAR_COMPILE_TIMEOUT_S` (and its memory limit): vLLM's xgrammar backend compiles
+        on one thread of its engine core with no time limit, so one schema that takes a minute
+        would hold every constrained request of the worker for that minute.
+
+        Raises:
+            InvalidPrompt: the probe refused it (naming the guide's parameter).
+        """
+        if self._gate is None or guide is None or guide.kind != "json_schema":
+            return
+        try:
+            await self._gate.check(guide.schema or "")
+        except InvalidPrompt as exc:
+            raise InvalidPrompt(str(exc), param=guide.param) from exc
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
         if self._engine is None:

@@ -27,6 +27,7 @@ from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from services.worker.engines.base import EngineError, GenerationRequest, Guide, InvalidPrompt, Resume
 from services.worker.engines.factory import create_engine
 from services.worker.engines.gguf import bundled_gguf_path
+from services.worker.engines.grammar import GrammarLimits, SchemaGate
 from services.worker.engines.vllm_config import (
     GIB,
     VllmOptions,
@@ -180,11 +181,15 @@ def test_the_factory_passes_every_vllm_setting(monkeypatch: pytest.MonkeyPatch, 
         "AXON_CPU_THREADS_BIND": "0|1|2|3",
         "AXON_STRUCTURED_OUTPUTS_BACKEND": "guidance",
         "AXON_TOOL_PARSER": "xlam",
+        "AXON_GRAMMAR_COMPILE_TIMEOUT_S": "2.5",
+        "AXON_GRAMMAR_COMPILE_MEMORY_MB": "512",
+        "AXON_GRAMMAR_MAX_SCHEMA_BYTES": "4096",
     }
     for name, value in settings.items():
         monkeypatch.setenv(name, value)
     engine = create_engine(WorkerSettings())
     assert isinstance(engine, VllmEngine)
+    assert engine._grammar_limits == GrammarLimits(compile_timeout_s=2.5, compile_memory_mb=512, max_schema_bytes=4096)
     assert engine._options == options(
         max_seqs=12,
         tensor_parallel_size=4,
@@ -365,6 +370,30 @@ def test_a_schema_the_structured_output_backend_refuses_names_the_guides_paramet
     guided = request(messages=CHAT, guide=Guide("json_schema", "{}", "tools"))
     assert refusal(info.value, guided).param == "tools"
     assert refusal(info.value, request(messages=CHAT)).param is None  # no guide: nothing to blame
+
+
+async def test_a_schema_reaches_vllm_only_once_it_compiled_in_the_probe_in_time(tmp_path: Path) -> None:
+    """The gate before vLLM's xgrammar backend (which compiles with no time limit, one schema at a
+    time): a schema xgrammar refuses, or one that does not compile within the limit, is the
+    client's 400 naming the guide's parameter, before vLLM (here: nothing) sees the request."""
+    import xgrammar as xgr
+
+    vocab = ["<eos>", "{", "}", '"', "a", ":", " ", "1", ",", "[", "]", "true", "null"]
+    engine = VllmEngine(options(), model_cache_dir=tmp_path)
+    engine._engine = object()  # started, as far as generate can tell: anything past the gate would fail
+    engine._gate = SchemaGate(xgr.TokenizerInfo(vocab, stop_token_ids=[0]).serialize_json(), GrammarLimits())
+    try:
+        guided = request(messages=CHAT, guide=Guide("json_schema", '{"type": "objec"}', "tools"))
+        with pytest.raises(InvalidPrompt, match='Unsupported type "objec"') as refused:
+            await anext(engine.generate(guided))
+        assert refused.value.param == "tools"
+        engine._gate.limits = GrammarLimits(compile_timeout_s=0.0)  # past it before any reply can come
+        slow = request(messages=CHAT, guide=Guide("json_schema", json.dumps(SCHEMA)))
+        with pytest.raises(InvalidPrompt, match="did not compile within") as refused:
+            await anext(engine.generate(slow))
+        assert refused.value.param == "response_format"
+    finally:
+        engine._gate.close()
 
 
 def test_a_prompt_over_the_context_is_openais_context_length_exceeded() -> None:
