@@ -55,6 +55,8 @@ _MAX_WHITESPACE = 16
 _SCHEMAS_KEPT = 4096
 # How long the probe process may take to start (importing xgrammar imports torch).
 _PROBE_START_S = 120.0
+# How long a new schema may wait for the probe to finish those before it (each within its limit).
+_QUEUE_S = 120.0
 # xgrammar's messages start with "[time] file.cc:line: " and C++ check text: not for clients.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 
@@ -327,16 +329,17 @@ class _Probe:
 
     def check(self, schema: str, timeout: float) -> str | None:
         """None if `schema` compiles within the limits; else why not (for the client).
-        Raises `_TooComplex` past the time or memory limit."""
-        deadline = time.monotonic() + timeout
-        if not self._lock.acquire(timeout=timeout):
+        Raises `_TooComplex` past the time or memory limit: `timeout` counts from when the probe
+        starts on this schema, not while it compiles the new schemas before it (one at a time),
+        which may take up to `_QUEUE_S` together."""
+        if not self._lock.acquire(timeout=_QUEUE_S):
             raise EngineError("The grammar compiler is busy; try again.")
         try:
             if self._closed:
                 raise EngineError("The engine is stopping.")
             if not self._ready:
                 self._wait_ready()
-                deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + timeout
             proc = self._proc
             assert proc is not None and proc.stdin is not None and proc.stdout is not None
             try:

@@ -74,3 +74,22 @@ async def test_a_compile_past_the_time_limit_is_killed_refused_and_the_refusal_r
         await grammars.compile(Guide("json_schema", slow))
     # A new probe took over: other schemas still compile.
     assert (await grammars.matcher(Guide("json_schema", '{"type": "null"}'))).accept_string("null")
+
+
+async def test_a_schema_waiting_for_the_probe_is_not_charged_the_wait(grammars: Grammars) -> None:
+    """The probe compiles one new schema at a time: the time limit counts from when it starts on
+    this one, not while it finishes those before it (concurrent new schemas were refused as too
+    complex only for having queued behind each other)."""
+    await grammars.compile(Guide("json_schema", '{"type": "integer"}'))  # the probe is up
+    limits = grammars.limits
+    grammars.limits = dataclasses.replace(limits, compile_timeout_s=1.0)
+    lock = grammars._gate._probe._lock
+    lock.acquire()  # another schema's compile, taking longer than the limit
+    try:
+        waiting = asyncio.create_task(grammars.compile(Guide("json_schema", '{"type": "array", "maxItems": 7}')))
+        await asyncio.sleep(2.0)
+        assert not waiting.done()
+    finally:
+        lock.release()
+        grammars.limits = limits
+    await waiting
