@@ -238,9 +238,13 @@ def refusal(exc: Exception, request: GenerationRequest) -> InvalidPrompt:
 
 
 def _raised_by_structured_outputs(exc: BaseException) -> bool:
+    """Whether vLLM's structured-output code raised `exc`: its backends' modules, or the checks
+    `SamplingParams` makes of its structured outputs (`_validate_structured_outputs`: a schema
+    nested deeper than 64 levels, for instance)."""
     seen: BaseException | None = exc
     while seen is not None:
-        if any("structured_output" in frame.filename for frame in traceback.extract_tb(seen.__traceback__)):
+        frames = traceback.extract_tb(seen.__traceback__)
+        if any("structured_output" in frame.filename or "structured_output" in frame.name for frame in frames):
             return True
         seen = seen.__cause__
     return False

@@ -13,9 +13,11 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm.config import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.logprobs import Logprob
@@ -370,6 +372,14 @@ def test_a_schema_the_structured_output_backend_refuses_names_the_guides_paramet
     guided = request(messages=CHAT, guide=Guide("json_schema", "{}", "tools"))
     assert refusal(info.value, guided).param == "tools"
     assert refusal(info.value, request(messages=CHAT)).param is None  # no guide: nothing to blame
+    # SamplingParams' own check of a schema as vLLM verifies a request: nested deeper than 64 levels.
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"x": deep}}
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=deep))
+    with pytest.raises(VLLMValidationError, match="nested too deeply") as info:
+        params._validate_structured_outputs(SimpleNamespace(is_diffusion=False), StructuredOutputsConfig(), object())
+    assert refusal(info.value, request(messages=CHAT, guide=Guide("json_schema", "{}"))).param == "response_format"
 
 
 async def test_a_schema_reaches_vllm_only_once_it_compiled_in_the_probe_in_time(tmp_path: Path) -> None:
