@@ -211,32 +211,36 @@ class _Graph:
         kind = schema.get("type")
         if isinstance(kind, str | list):
             types = types & frozenset([kind] if isinstance(kind, str) else kind)
-        parts = [self._own_keywords(schema, types)]
-        for keyword in ("anyOf", "oneOf"):
-            branches = schema.get(keyword)
+        any_of, one_of, all_of = schema.get("anyOf"), schema.get("oneOf"), schema.get("allOf")
+        if not (any_of or one_of or all_of):
+            self._own_keywords(node, schema, types)
+            return
+        own = self._new()
+        self._own_keywords(own, schema, types)
+        parts = [own]
+        for branches in (any_of, one_of):
             if isinstance(branches, list) and branches:
                 choice = self._new()
                 for branch in branches:
                     self._rule(choice, 0, [(1, self._node(branch, types))])
                 parts.append(choice)
-        all_of = schema.get("allOf")
         if isinstance(all_of, list):
             parts.extend(self._node(part, types) for part in all_of)
-        if len(parts) == 1:
-            self._rule(node, 0, [(1, parts[0])])
-        else:
-            self._rule(node, 0, [(1, part) for part in parts], is_max=True)
+        self._rule(node, 0, [(1, part) for part in parts], is_max=True)
 
-    def _own_keywords(self, schema: dict[str, Any], types: _Types) -> int:
-        """The node of what `schema`'s own keywords (not its combinators) ask of a value of `types`."""
+    def _own_keywords(self, node: int, schema: dict[str, Any], types: _Types) -> None:
+        """The rules of what `schema`'s own keywords (not its combinators) ask of a value of `types`."""
         if "const" in schema:
-            return self._leaf(_json_chars(schema["const"]))
+            self._rule(node, _json_chars(schema["const"]))
+            return
         enum = schema.get("enum")
         if isinstance(enum, list):
-            return self._leaf(min((_json_chars(v) for v in enum), default=math.inf))
+            if enum:
+                self._rule(node, min(_json_chars(v) for v in enum))
+            return
         if "integer" in types or "number" in types:
-            return self._leaf(1)
-        node = self._new()
+            self._rule(node, 1)
+            return
         for kind in types:
             if kind in ("null", "boolean"):
                 self._rule(node, 4)
@@ -246,7 +250,6 @@ class _Graph:
                 self._array(node, schema)
             elif kind == "object":
                 self._object(node, schema)
-        return node
 
     def _string(self, node: int, schema: dict[str, Any]) -> None:
         low = _count(schema.get("minLength"), 0)
@@ -263,10 +266,15 @@ class _Graph:
             prefix, rest = items, schema.get("additionalItems", True)
         prefix = prefix if isinstance(prefix, list) else []
         head = min(low, len(prefix))
-        parts = [(1, self._node(prefix[i], _ALL_TYPES)) for i in range(head)]
-        if low > head:
-            parts.append((low - head, self._node(rest, _ALL_TYPES)))
-        self._rule(node, 2 + max(0, low - 1), parts)
+        chars = 2 + max(0, low - 1)
+        parts: list[tuple[int, int]] = []
+        for count, item in [*((1, prefix[i]) for i in range(head)), *([(low - head, rest)] if low > head else [])]:
+            fixed = _fixed_length(item)
+            if fixed is None:
+                parts.append((count, self._node(item, _ALL_TYPES)))
+            else:
+                chars += count * fixed
+        self._rule(node, chars, parts)
 
     def _object(self, node: int, schema: dict[str, Any]) -> None:
         properties = schema.get("properties")
@@ -280,15 +288,17 @@ class _Graph:
         parts: list[tuple[int, int]] = []
         for name in names:
             if name in properties:
-                value = self._node(properties[name], _ALL_TYPES)
+                value = properties[name]
             elif closed:
                 return  # required, and forbidden
-            elif patterned:
-                value = self._leaf(1)
             else:
-                value = self._node(extra, _ALL_TYPES)
+                value = True if patterned else extra  # a pattern's schema: not counted
             chars += _json_chars(name) + 1
-            parts.append((1, value))
+            fixed = _fixed_length(value)
+            if fixed is None:
+                parts.append((1, self._node(value, _ALL_TYPES)))
+            else:
+                chars += fixed
         more = _count(schema.get("minProperties"), 0) - len(names)
         if more > 0:
             if closed:
@@ -336,6 +346,30 @@ class _Graph:
 
 
 _NOWHERE = object()
+
+
+def _fixed_length(schema: Any) -> int | None:
+    """The shortest length of a leaf schema, at once, without a node: `true`, `{}`, or one with
+    neither references nor combinators whose values are a `const`, an `enum`, numbers, or
+    satisfiable strings, booleans or nulls (most properties of most schemas). None: anything else."""
+    if schema is True:
+        return 1
+    if not isinstance(schema, dict) or "$ref" in schema or "anyOf" in schema or "oneOf" in schema or "allOf" in schema:
+        return None
+    if "const" in schema:
+        return _json_chars(schema["const"])
+    if "enum" in schema:
+        enum = schema["enum"]
+        return min(_json_chars(v) for v in enum) if isinstance(enum, list) and enum else None
+    kind = schema.get("type", "integer")
+    if kind in ("integer", "number"):
+        return 1
+    if kind in ("null", "boolean"):
+        return 4
+    if kind == "string":
+        low = _count(schema.get("minLength"), 0)
+        return 2 + low if low <= _count(schema.get("maxLength"), low) else None
+    return None
 
 
 def _resolve(root: Any, pointer: str) -> Any:
