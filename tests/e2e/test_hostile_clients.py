@@ -1,6 +1,7 @@
 """Slow and abusive clients against a gateway with short connection limits: idle and half-sent
 requests time out, huge heads are refused at once, and a client that stops reading is cut off
-without stalling anyone else (and its generation is cancelled)."""
+without stalling anyone else (and its generation is cancelled); hostile JSON schemas are refused,
+or answered within max_tokens, while the worker's /health answers (issue 29)."""
 
 import asyncio
 import socket
@@ -13,6 +14,7 @@ import orjson
 import pytest
 
 from services.cli.launcher import Service
+from tests.e2e.hostile_schemas import ADMITTED, NOWHERE, REFUSED, TOO_COMPLEX, Hostile, Sender, check, health_watched
 from tests.e2e.load import report
 from tests.e2e.stack import Stack
 from tests.e2e.test_workers import metric
@@ -235,3 +237,51 @@ async def test_a_flood_past_the_in_flight_limit_is_refused_at_once_and_the_admit
         slowest_refusal_ms=round(slowest_refusal_ms, 1),
         next_request="200",
     )
+
+
+def test_hostile_schemas_are_refused_or_answered_within_max_tokens_while_health_answers(hostile, auth: dict) -> None:
+    """Issue 29 on the simulator: a schema no answer within max_tokens satisfies is a 400 from the
+    session manager; the others are answered within max_tokens, the simulator building only what
+    the answer carries (before: 100 % CPU, /health silent, the model gone from /v1/models)."""
+    gateway, worker = hostile
+    invalid_before = metric(worker, "axon_worker_jobs_total", model=MODEL, outcome="invalid")
+    dead_before = metric(worker, "axon_worker_jobs_total", model=MODEL, outcome="dead_lettered")
+    with Sender(gateway, auth, MODEL) as sender, health_watched(worker) as health:
+        assert sender.send(Hostile("warm-up", {}, 1)).status_code == 200
+        refused_ms = []
+        for case in REFUSED:
+            began = time.perf_counter()
+            check(sender.send(case), case, "sim")
+            refused_ms.append((time.perf_counter() - began) * 1000)
+        for case in [*ADMITTED, TOO_COMPLEX]:
+            check(sender.send(case), case, "sim")
+        # What the simulator is asked to build goes far past what max_tokens carries: it stops there.
+        heavy = Hostile("200,000 characters in 2,000 tokens", _long_string(200_000), 2000)
+        assert check(sender.send(heavy), heavy, "sim")["usage"]["completion_tokens"] == 2000
+        cut = Hostile("1e9 characters or an integer, 3,000 tokens", ADMITTED[0].fields, 3000)
+        finishes = {check(sender.send(cut, seed=seed), cut, "sim")["choices"][0]["finish_reason"] for seed in range(6)}
+        assert finishes == {"stop", "length"}  # both branches taken, the long one cut at max_tokens
+        # A reference the simulator cannot follow: its own 400, the job acked once.
+        check(sender.send(NOWHERE), NOWHERE, "sim")
+    health.assert_answered_throughout()
+    assert metric(worker, "axon_worker_jobs_total", model=MODEL, outcome="invalid") == invalid_before + 1
+    assert metric(worker, "axon_worker_jobs_total", model=MODEL, outcome="dead_lettered") == dead_before
+    report(
+        "hostile JSON schemas (simulator)",
+        refused_at_admission=len(REFUSED),
+        issue_29_refused_in_ms=round(refused_ms[0], 1),
+        refusal_ms_median=round(sorted(refused_ms)[len(refused_ms) // 2], 1),
+        refusal_ms_max=round(max(refused_ms), 1),
+        answered_within_max_tokens=len(ADMITTED) + 1 + 2 + 6,
+        health_asks=len(health.answers),
+        health_slowest_ms=round(health.slowest_s * 1000, 1),
+    )
+
+
+def _long_string(chars: int) -> dict:
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "long", "schema": {"type": "string", "minLength": chars}},
+        }
+    }

@@ -1,4 +1,5 @@
-"""The real CPU engine (transformers + the bundled SmolLM2 GGUF) behind the full stack."""
+"""The real CPU engine (transformers + the bundled SmolLM2 GGUF) behind the full stack (with issue
+29's hostile schemas: refused, or answered within max_tokens, while the worker's /health answers)."""
 
 import asyncio
 import itertools
@@ -9,6 +10,8 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from services.cli.launcher import Service
+from tests.e2e.hostile_schemas import ADMITTED, NOWHERE, REFUSED, TOO_COMPLEX, Sender, check, health_watched
+from tests.e2e.load import report
 from tests.e2e.stack import Stack
 from tests.e2e.test_workers import holder, wait_listed
 
@@ -96,6 +99,35 @@ async def test_concurrent_requests_all_complete(model_client: OpenAI, gateway: S
     )
     assert all(r.choices[0].message.content for r in responses)
     assert all(r.usage.completion_tokens <= 16 for r in responses)
+
+
+def test_hostile_schemas_are_refused_or_answered_within_max_tokens_while_health_answers(
+    model_client: OpenAI, model_worker: Service, gateway: Service, auth: dict
+) -> None:
+    """Issue 29 on the CPU engine: what no answer within max_tokens satisfies is refused at
+    admission; the rest is generated within max_tokens by xgrammar, but for a schema whose compile
+    runs past AXON_GRAMMAR_COMPILE_TIMEOUT_S in the probe: a 400 within that time, the probe killed."""
+    with Sender(gateway, auth, MODEL) as sender, health_watched(model_worker) as health:
+        for case in REFUSED:
+            check(sender.send(case), case, "transformers")
+        admitted = sender.send_together(ADMITTED, max_tokens=8)
+        for case, response in zip(ADMITTED, admitted, strict=True):
+            check(response, case, "transformers")
+        began = time.monotonic()
+        refusal = check(sender.send(TOO_COMPLEX), TOO_COMPLEX, "transformers")
+        too_complex_s = time.monotonic() - began
+        assert "too complex" in refusal["error"]["message"] and too_complex_s < 30
+        check(sender.send(NOWHERE), NOWHERE, "transformers")
+    health.assert_answered_throughout()
+    report(
+        "hostile JSON schemas (CPU engine)",
+        refused_at_admission=len(REFUSED),
+        answered_within_max_tokens=sum(response.status_code == 200 for response in admitted),
+        refused_by_the_engine=[c.name for c, r in zip(ADMITTED, admitted, strict=True) if r.status_code == 400],
+        too_complex_refused_in_s=round(too_complex_s, 1),
+        health_asks=len(health.answers),
+        health_slowest_ms=round(health.slowest_s * 1000, 1),
+    )
 
 
 def test_failover_mid_stream_with_the_real_engine_at_temperature_0(
