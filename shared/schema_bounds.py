@@ -67,7 +67,7 @@ def min_chars(schema: Any) -> float:
 
 def min_tokens(chars: float) -> float:
     """The fewest tokens `chars` characters of answer take (`math.inf` stays infinite)."""
-    return chars if math.isinf(chars) else math.ceil(chars / MAX_TOKEN_CHARS)
+    return chars if chars == math.inf else -(-int(chars) // MAX_TOKEN_CHARS)
 
 
 def check_fits(chars: float, max_tokens: int, *, param: str, what: str) -> None:
@@ -76,7 +76,7 @@ def check_fits(chars: float, max_tokens: int, *, param: str, what: str) -> None:
     Raises:
         InvalidRequest: it cannot (`param` names the field; `what` says whose schema it is).
     """
-    if math.isinf(chars):
+    if chars == math.inf:
         raise InvalidRequest(
             f"{what} admits no JSON value of finite length (a part of it nothing can satisfy, or "
             "references that loop with no way out), so no answer can follow it.",
@@ -169,7 +169,7 @@ class _Graph:
 
     def _leaf(self, chars: float) -> int:
         """A node of fixed length (`math.inf`: one with no production)."""
-        if math.isinf(chars):
+        if chars == math.inf:
             return self._new()
         node = self._leaves.get(int(chars))
         if node is None:
@@ -399,6 +399,6 @@ def _json_chars(value: Any) -> int:
 
 def _count(value: Any, default: int) -> int:
     """A non-negative integer keyword (`minItems`, ...), `default` when absent or not one."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         return default
-    return int(value)
+    return value if isinstance(value, int) else int(value) if math.isfinite(value) else default

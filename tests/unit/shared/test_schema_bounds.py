@@ -131,6 +131,14 @@ def test_references_cost_linear_time_however_they_branch() -> None:
     assert time.perf_counter() - began < 1
 
 
+def test_counts_of_any_size_are_read_whole() -> None:
+    """Integers beyond a float's range (the request's check refuses them; a job may still carry
+    one) and floats that are whole numbers."""
+    assert min_chars({"type": "string", "minLength": 10**400}) == 2 + 10**400
+    assert min_tokens(2 + 10**400) == -(-(2 + 10**400) // 128)
+    assert min_chars({"type": "array", "minItems": 3.0}) == compact([0, 0, 0])
+
+
 def test_a_reference_that_points_nowhere_or_outside_is_left_to_the_engine() -> None:
     assert min_chars({"type": "array", "minItems": 2, "items": {"$ref": "#/$defs/missing"}}) == 5
     assert min_chars({"type": "array", "minItems": 2, "items": {"$ref": "https://example.com/s.json"}}) == 5
