@@ -161,12 +161,44 @@ def invalid_request(errors: Sequence[Mapping[str, Any]], *, whole: Collection[st
         return InvalidRequest("The request body is not valid JSON.", code="invalid_request")
     params = [_param(loc, whole) for loc in locs]
     param = params[0] if params else None
+    if param is not None and (bound := _out_of_bounds(first, param)) is not None:
+        return bound
     # A value no member of a union accepts fails once per member: say what each wanted.
     reasons = dict.fromkeys(
         str(e.get("msg", "Invalid value")) for e, p in zip(errors, params, strict=True) if p == param
     )
     message = " or ".join(reasons) or "Invalid request body"
     return InvalidRequest(f"{param}: {message}" if param else message, param=param, code="invalid_request")
+
+
+# pydantic's error types for a number outside its bounds: OpenAI's word for the side, and the
+# comparison its message shows.
+_BOUNDS = {
+    "greater_than_equal": ("below_min", "ge", ">="),
+    "greater_than": ("below_min", "gt", ">"),
+    "less_than_equal": ("above_max", "le", "<="),
+    "less_than": ("above_max", "lt", "<"),
+}
+
+
+def _out_of_bounds(error: Mapping[str, Any], param: str) -> InvalidRequest | None:
+    """A number outside its field's bounds as OpenAI refuses it: `integer_below_min_value` (or
+    `integer_above_max_value`, `decimal_…` for a field whose bound is a float) with its message,
+    "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got -1 instead."."""
+    side, key, sign = _BOUNDS.get(str(error.get("type")), (None, "", ""))
+    bound = (error.get("ctx") or {}).get(key)
+    value = error.get("input")
+    if side is None or not isinstance(bound, int | float) or isinstance(value, bool):
+        return None
+    kind = "decimal" if isinstance(bound, float) else "integer"
+    word = "minimum" if side == "below_min" else "maximum"
+    below_or_above = side.split("_")[0]
+    return InvalidRequest(
+        f"Invalid '{param}': {kind} {below_or_above} {word} value. "
+        f"Expected a value {sign} {bound:g}, but got {value} instead.",
+        param=param,
+        code=f"{kind}_{side}_value",
+    )
 
 
 def _param(loc: tuple[Any, ...], whole: Collection[str]) -> str | None:

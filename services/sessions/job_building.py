@@ -33,14 +33,25 @@ class JobBuilder:
         and against the shortest answer its schema admits (`shared/schema_bounds.py`).
 
         Raises:
-            InvalidRequest: `max_tokens` above what the model allows, or too few for any answer the
-                `response_format` (or a required or named tool call's) schema admits.
+            InvalidRequest: `max_tokens` larger than the model's context (`context_length_exceeded`,
+                naming the messages or prompt, as OpenAI does) or than `AXON_MAX_TOKENS_LIMIT`
+                (naming `max_tokens`, code null, as OpenAI's "max_tokens is too large"), or too few
+                for any answer the `response_format` (or a required or named tool call's) schema admits.
         """
         max_tokens = body.requested_max_tokens or min(self._settings.default_max_tokens, live.context_tokens // 2)
-        limit = min(self._settings.max_tokens_limit, live.context_tokens)
-        if max_tokens > limit:
+        if max_tokens > live.context_tokens:
+            chat = isinstance(body, ChatCompletionRequest)
             raise InvalidRequest(
-                f"max_tokens is {max_tokens}, more than this model allows ({limit}).", param="max_tokens"
+                f"This model's maximum context length is {live.context_tokens} tokens. However, you requested "
+                f"{max_tokens} tokens for the completion alone. Please reduce the length of the completion.",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+            )
+        if max_tokens > self._settings.max_tokens_limit:
+            raise InvalidRequest(
+                f"max_tokens is too large: {max_tokens}. This model supports at most "
+                f"{self._settings.max_tokens_limit} completion tokens, whereas you provided {max_tokens}.",
+                param="max_tokens",
             )
         check_answer_fits(body, max_tokens)
         return body.sampling(max_tokens)

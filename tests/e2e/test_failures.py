@@ -63,10 +63,30 @@ def test_oversized_body_is_413(gateway: Service, auth: dict) -> None:
     _assert_openai_error(response, 413)
 
 
-def test_max_tokens_over_the_server_limit_is_400(client: OpenAI) -> None:
+@pytest.mark.parametrize(
+    ("max_tokens", "param", "code"),
+    [
+        (-1, "max_tokens", "integer_below_min_value"),
+        (0, "max_tokens", "integer_below_min_value"),
+        # The simulator's context is 32768 tokens, AXON_MAX_TOKENS_LIMIT 8192.
+        (10**6, "messages", "context_length_exceeded"),
+        (10_000, "max_tokens", None),
+    ],
+)
+def test_max_tokens_out_of_bounds_is_400_as_openai_answers_it(
+    client: OpenAI, max_tokens: int, param: str, code: str | None
+) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=SIM_MODEL, messages=MESSAGES, max_tokens=10**6)
-    assert caught.value.body["param"] == "max_tokens"
+        client.chat.completions.create(model=SIM_MODEL, messages=MESSAGES, max_tokens=max_tokens)
+    assert caught.value.body["type"] == "invalid_request_error"
+    assert (caught.value.body["param"], caught.value.body["code"]) == (param, code)
+    assert str(max_tokens) in caught.value.body["message"]
+
+
+def test_max_tokens_over_the_context_of_a_completion_names_the_prompt(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=SIM_MODEL, prompt="hello", max_tokens=10**6)
+    assert (caught.value.body["param"], caught.value.body["code"]) == ("prompt", "context_length_exceeded")
 
 
 def test_killed_worker_leaves_models_within_15s_then_503_fast(

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from services.worker.constraints import guide_for
-from services.worker.engines.base import EngineOutput, GenerationRequest, Guide, Resume
+from services.worker.engines.base import EngineOutput, GenerationRequest, Guide, InvalidPrompt, Resume
 from services.worker.engines.gguf import bundled_gguf_path
 from services.worker.engines.transformers_engine import TransformersEngine
 from shared.schemas import FunctionSpec, Job, Message, NamedToolChoice, Sampling
@@ -177,3 +177,14 @@ async def test_echo_with_logprobs_scores_the_prompt_as_generation_scores_its_tok
     generation = [lp.logprob for out in generated for lp in out.logprobs]
     assert [token for token, _, _ in rescored][: len(generation)] == ids[: len(generation)]
     assert [logprob for _, logprob, _ in rescored][: len(generation)] == pytest.approx(generation, abs=1e-3)
+
+
+async def test_a_prompt_that_leaves_no_room_is_openais_context_length_exceeded(engine: TransformersEngine) -> None:
+    words, few = "sea " * (engine.context_tokens + 10), Sampling(max_tokens=4)
+    with pytest.raises(InvalidPrompt) as refused:
+        await answer(engine, "too-long-chat", messages=[Message(role="user", content=words)], sampling=few)
+    assert (refused.value.param, refused.value.code) == ("messages", "context_length_exceeded")
+    assert str(engine.context_tokens) in str(refused.value)
+    with pytest.raises(InvalidPrompt) as refused:
+        await answer(engine, "too-long-prompt", prompt=words, sampling=few)
+    assert (refused.value.param, refused.value.code) == ("prompt", "context_length_exceeded")

@@ -33,6 +33,17 @@ class InvalidPrompt(EngineError):
         self.code = code
 
 
+def context_exceeded(prompt_tokens: int, context_tokens: int, *, chat: bool) -> InvalidPrompt:
+    """A prompt that leaves no room for an answer in the model's context, as OpenAI refuses it:
+    `context_length_exceeded`, naming `messages` (a chat) or `prompt`."""
+    return InvalidPrompt(
+        f"This model's maximum context length is {context_tokens} tokens; the "
+        f"{'messages' if chat else 'prompt'} take {prompt_tokens} tokens, leaving no room for an answer.",
+        param="messages" if chat else "prompt",
+        code="context_length_exceeded",
+    )
+
+
 class EngineStopped(Exception):
     """The engine was stopped under the request (the worker is shutting down): neither the
     request's fault nor an engine failure, so the job goes back to the queue to be resumed."""

@@ -35,6 +35,7 @@ from services.worker.engines.base import (
     EngineStopped,
     GenerationRequest,
     InvalidPrompt,
+    context_exceeded,
 )
 from services.worker.engines.grammar import GrammarLimits
 from services.worker.engines.text import IncrementalDetokenizer, StopMatcher
@@ -373,9 +374,8 @@ class TransformersEngine(Engine):
         resumed = self._resumed_ids(request)
         max_tokens = min(request.sampling.max_tokens, self.context_tokens - len(prompt_ids) - len(resumed))
         if max_tokens < 1:
-            raise InvalidPrompt(
-                f"The prompt is {len(prompt_ids)} tokens, which leaves no room in the model's "
-                f"context of {self.context_tokens} tokens."
+            raise context_exceeded(
+                len(prompt_ids) + len(resumed), self.context_tokens, chat=request.messages is not None
             )
         controls = await self._controls(request, prompt_ids, resumed)
         echoed: tuple[TokenLogprob, ...] = ()

@@ -64,6 +64,7 @@ from services.worker.engines.base import (
     InvalidPrompt,
     Resume,
     ToolCallParser,
+    context_exceeded,
 )
 from services.worker.engines.gguf import converted_model
 from services.worker.engines.grammar import GrammarLimits, SchemaGate
@@ -248,15 +249,6 @@ def _raised_by_structured_outputs(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__
     return False
-
-
-def context_exceeded(prompt_tokens: int, context_tokens: int, *, chat: bool) -> InvalidPrompt:
-    return InvalidPrompt(
-        f"This model's maximum context length is {context_tokens} tokens; the "
-        f"{'messages' if chat else 'prompt'} take {prompt_tokens} tokens, leaving no room for an answer.",
-        param="messages" if chat else "prompt",
-        code="context_length_exceeded",
-    )
 
 
 async def _result(value: Any) -> Any:

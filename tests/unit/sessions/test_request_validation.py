@@ -359,3 +359,25 @@ def test_a_schema_max_tokens_cannot_hold_is_refused_before_any_job() -> None:
     with pytest.raises(InvalidRequest) as refused:
         jobs.sampling(_request("chat", tools=[tool], tool_choice="required"), live)
     assert refused.value.param == "tools"
+
+
+@pytest.mark.parametrize(
+    ("kind", "max_tokens", "param", "code"),
+    [
+        # More than the whole context: OpenAI's context_length_exceeded, naming the input.
+        ("chat", 2049, "messages", "context_length_exceeded"),
+        ("completion", 2049, "prompt", "context_length_exceeded"),
+        # Within the context, above AXON_MAX_TOKENS_LIMIT: OpenAI's "max_tokens is too large", code null.
+        ("chat", 1025, "max_tokens", None),
+    ],
+)
+def test_max_tokens_past_the_context_or_the_limit_is_refused_as_openai_refuses_it(
+    kind: str, max_tokens: int, param: str, code: str | None
+) -> None:
+    jobs = JobBuilder(SessionsSettings(internal_token=INTERNAL_TOKEN, max_tokens_limit=1024))
+    live = LiveModel(workers=1, context_tokens=2048, supports=ALL)
+    assert jobs.sampling(_request(kind, max_tokens=1024), live).max_tokens == 1024
+    with pytest.raises(InvalidRequest) as refused:
+        jobs.sampling(_request(kind, max_tokens=max_tokens), live)
+    assert (refused.value.param, refused.value.code) == (param, code)
+    assert str(max_tokens) in refused.value.message

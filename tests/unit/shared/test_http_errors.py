@@ -35,11 +35,21 @@ async def test_axon_error_headers_reach_the_response(app_client: httpx.AsyncClie
 
 
 async def test_body_validation_error_is_400_with_param(app_client: httpx.AsyncClient) -> None:
-    error = assert_openai_error(await app_client.post("/echo", json={"model": "m", "temperature": 5}), 400)
+    error = assert_openai_error(await app_client.post("/echo", json={"model": "m", "temperature": "hot"}), 400)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == "temperature"
     assert error["code"] == "invalid_request"
     assert error["message"].startswith("temperature:")
+
+
+async def test_a_number_past_its_bound_is_refused_with_openais_code_and_message(app_client: httpx.AsyncClient) -> None:
+    error = assert_openai_error(await app_client.post("/echo", json={"model": "m", "temperature": 5}), 400)
+    assert error == {
+        "message": "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 5 instead.",
+        "type": "invalid_request_error",
+        "param": "temperature",
+        "code": "decimal_above_max_value",
+    }
 
 
 async def test_missing_field_names_the_field(app_client: httpx.AsyncClient) -> None:
