@@ -68,10 +68,12 @@ class GracefulServer(uvicorn.Server):
         drain: Hook | None,
         at_deadline: Hook | None,
         grace_s: float,
+        drain_timeout_s: float | None = None,
         signals: StopSignals | None = None,
     ) -> None:
         super().__init__(config)
         self._drain = drain
+        self._drain_timeout_s = drain_timeout_s
         self._at_deadline = at_deadline
         self._grace_s = grace_s
         self._signals = signals or StopSignals()
@@ -105,7 +107,11 @@ class GracefulServer(uvicorn.Server):
         if action == "ignore":
             log.info("stop_already_requested", signal=name, hint="a third signal stops at once")
             return
-        log.info("stop_requested", signal=name, grace_s=self._grace_s)
+        # The drain's bound first (the worker's jobs: AXON_DRAIN_TIMEOUT_S), then the server's.
+        bounds = {"grace_s": self._grace_s}
+        if self._drain_timeout_s is not None:
+            bounds = {"drain_timeout_s": self._drain_timeout_s, "then_grace_s": self._grace_s}
+        log.info("stop_requested", signal=name, **bounds)
         self._stopping = asyncio.get_running_loop().create_task(self._stop())
 
     async def _stop(self) -> None:
@@ -142,6 +148,7 @@ def serve(
     port: int,
     grace_s: float,
     drain: Hook | None = None,
+    drain_timeout_s: float | None = None,
     at_deadline: Hook | None = None,
     signals: StopSignals | None = None,
     **uvicorn_options: Any,
@@ -154,6 +161,8 @@ def serve(
         port: Port to listen on.
         grace_s: How long open requests may run once the server stops accepting connections.
         drain: Awaited first, while the server still answers (the worker's drain).
+        drain_timeout_s: How long `drain` may take, if it has a bound: logged with the stop request
+            (`drain_timeout_s`, then `then_grace_s` for the server's wait that follows it).
         at_deadline: Awaited when `grace_s` has passed with requests still open; it must end them.
         signals: The count `StopSignals.hold()` started before the service's imports, if any.
         uvicorn_options: Passed on to `uvicorn.Config` (`http`, `ssl_certfile`, `timeout_keep_alive` ...).
@@ -167,4 +176,11 @@ def serve(
         timeout_graceful_shutdown=math.ceil(grace_s + _CUT_MARGIN_S),
         **uvicorn_options,
     )
-    GracefulServer(config, drain=drain, at_deadline=at_deadline, grace_s=grace_s, signals=signals).run()
+    GracefulServer(
+        config,
+        drain=drain,
+        at_deadline=at_deadline,
+        grace_s=grace_s,
+        drain_timeout_s=drain_timeout_s,
+        signals=signals,
+    ).run()

@@ -41,7 +41,13 @@ def main() -> None:
     worker: Worker = app.state.worker
     # The drain runs first, while /ready answers 503 "shutting down".
     serve(
-        app, host=settings.host, port=settings.worker_port, grace_s=_PROBES_GRACE_S, drain=worker.drain, signals=signals
+        app,
+        host=settings.host,
+        port=settings.worker_port,
+        grace_s=_PROBES_GRACE_S,
+        drain=worker.drain,
+        drain_timeout_s=settings.drain_timeout_s,
+        signals=signals,
     )
     if worker.fatal is not None:
         sys.exit(1)

@@ -47,7 +47,15 @@ async def at_deadline():
     print("deadline", flush=True)
     ended.set()
 
-serve(app, host="127.0.0.1", port=int(sys.argv[1]), grace_s=float(sys.argv[3]), drain=drain, at_deadline=at_deadline)
+serve(
+    app,
+    host="127.0.0.1",
+    port=int(sys.argv[1]),
+    grace_s=float(sys.argv[3]),
+    drain=drain,
+    drain_timeout_s=float(sys.argv[2]),
+    at_deadline=at_deadline,
+)
 print("exited cleanly", flush=True)
 """
 
@@ -159,6 +167,9 @@ def slow_drain(tmp_path: Path) -> Iterator[_Server]:
 def test_sigint_then_sigterm_is_one_request_and_a_third_signal_exits_at_once(slow_drain: _Server) -> None:
     slow_drain.signal(signal.SIGINT)
     slow_drain.wait_for("draining")
+    # The stop request names the drain's bound, then the server's wait after it.
+    requested = next(line for line in slow_drain.text().splitlines() if "stop_requested" in line)
+    assert "drain_timeout_s=3600" in requested and "then_grace_s=30" in requested, requested
     slow_drain.signal(signal.SIGTERM)
     time.sleep(0.5)
     assert slow_drain.process.poll() is None, slow_drain.text()  # still draining
