@@ -3,6 +3,7 @@
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import asyncpg
 import redis.asyncio as redis
@@ -11,11 +12,23 @@ from shared.clients import connect_amqp
 from shared.migrations import split_database_url
 from shared.settings import CommonSettings
 
-HOW_TO_START = {
-    "Redis": "redis-server --daemonize yes --port 6379   (or: docker compose up -d redis)",
-    "RabbitMQ": "rabbitmq-server -detached   (or: docker compose up -d rabbitmq)",
-    "PostgreSQL": "pg_ctlcluster <version> main start   (or: docker compose up -d postgres)",
+# Each dependency's default port (where docker-compose.yml publishes it), how to start it on a
+# port, and its compose service.
+_HOW_TO_START = {
+    "Redis": (6379, "redis-server --daemonize yes --port {port}", "redis"),
+    "RabbitMQ": (5672, "RABBITMQ_NODE_PORT={port} rabbitmq-server -detached", "rabbitmq"),
+    "PostgreSQL": (5432, "pg_ctlcluster <version> main start   (its postgresql.conf saying port = {port})", "postgres"),
 }
+
+
+def how_to_start(name: str, url: str) -> str:
+    """How to start dependency `name` (Redis, RabbitMQ, PostgreSQL) where its configured `url`
+    points: on that URL's port, or with compose when the port is compose's."""
+    default_port, command, compose_service = _HOW_TO_START[name]
+    port = urlsplit(url).port or default_port
+    if port != default_port:
+        return command.format(port=port)
+    return f"{command.format(port=port)}   (or: docker compose up -d {compose_service})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ import asyncio
 import sys
 
 from services.cli.bench import add_bench_command
-from services.cli.checks import HOW_TO_START, check_dependencies
+from services.cli.checks import check_dependencies, how_to_start
 from services.cli.keys import add_keys_command
 from services.cli.models import add_models_command
 from services.cli.up import run_up
@@ -19,7 +19,8 @@ def _migrate(_args: argparse.Namespace) -> int:
     try:
         applied = asyncio.run(migrate(settings.database_url))
     except (OSError, TimeoutError) as exc:
-        print(f"axon: PostgreSQL is not reachable ({exc}); start it with: {HOW_TO_START['PostgreSQL']}")
+        start = how_to_start("PostgreSQL", settings.database_url)
+        print(f"axon: PostgreSQL is not reachable ({exc}); start it with: {start}")
         return 1
     print(f"axon: {len(applied)} migration(s) applied" + (f": {', '.join(applied)}" if applied else ""))
     return 0

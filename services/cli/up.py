@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from services.cli.checks import HOW_TO_START, check_dependencies
+from services.cli.checks import check_dependencies, how_to_start
 from services.cli.launcher import (
     PORT_VARIABLES,
     NotReadyInTime,
@@ -82,7 +82,7 @@ def _check_or_explain(settings: CommonSettings, say: Say) -> bool:
             say(f"{result.name} reachable at {result.url}")
         else:
             say(f"{result.name} is NOT reachable at {result.url} ({result.error})")
-            say(f"  start it with: {HOW_TO_START[result.name]}")
+            say(f"  start it with: {how_to_start(result.name, result.url)}")
     return all(r.ok for r in results)
 
 
