@@ -129,3 +129,18 @@ def test_writes_from_many_threads_each_land_whole() -> None:
     for thread in threads:
         thread.join()
     assert out.getvalue().splitlines() == [b"y" * 1000] * 200
+
+
+def test_configuration_md_lists_every_variable_axon_up_gives_its_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [name for name in os.environ if name.startswith("AXON_")] + list(up._QUIET_LIBRARIES):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("PYTHONUNBUFFERED", "AXON_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    env, _ = up._child_environment()
+    added = set(env) - set(os.environ)
+    assert {"AXON_LOG_FORMAT", "AXON_ADMIN_TOKEN", "AXON_INTERNAL_TOKEN", "VLLM_LOGGING_LEVEL"} <= added
+    text = (Path(__file__).resolve().parents[3] / "docs" / "configuration.md").read_text()
+    section = " ".join(text[text.index("Each child gets a copy") : text.index("Their output shares")].split())
+    assert "two changes" not in section
+    for name in added:
+        assert f"`{name}" in section, name
