@@ -2,19 +2,37 @@
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from services.cli.launcher import Service
+from services.cli.launcher import Service, environment_with
 from tests.e2e.conftest import SIM_MODEL
 
 pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_readmes_example_is_the_file_it_runs_and_streams_an_answer(gateway: Service, api_key: str) -> None:
+    readme = (ROOT / "README.md").read_text()
+    run = re.search(r"`python (\S+\.py)`", readme[readme.index("with the official client") :])
+    assert run is not None
+    example = ROOT / run.group(1)
+    shown = readme[readme.index("```python", run.end()) + len("```python\n") :]
+    assert shown[: shown.index("```")] in example.read_text()  # the README shows the file's code
+    env = environment_with({"AXON_API_KEY": api_key, "AXON_GATEWAY_PORT": str(gateway.port), "AXON_MODEL": SIM_MODEL})
+    done = subprocess.run([sys.executable, str(example)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.split()) > 3, done.stdout  # the simulator's words, streamed
 
 
 def test_models_lists_the_live_worker_model(client: OpenAI) -> None:
