@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+import httpx
+
 from services.cli.checks import check_dependencies, how_to_start
 from services.cli.launcher import (
     PORT_VARIABLES,
@@ -26,11 +28,13 @@ from services.cli.launcher import (
 from services.cli.local_key import LocalKey, local_key_path
 from shared.migrations import migrate
 from shared.serving import grace_s
-from shared.settings import CommonSettings
+from shared.settings import DEFAULT_MODEL, CommonSettings
 from shared.stop_signals import StopSignals
 
 # The order they start in, and the ports they listen on unless AXON_<KIND>_PORT says otherwise.
 _DEFAULT_PORTS = {"worker": 8002, "sessions": 8001, "gateway": 8000}
+# How often `axon up` asks the gateway whether `/v1/models` lists the model yet.
+_LISTED_POLL_INTERVAL_S = 0.5
 # How much longer than the gateway's own stop `axon up` waits for its children before killing them.
 _STOP_MARGIN_S = 10.0
 # Library chatter the children print unless AXON_LOG_LEVEL=DEBUG asks for it: the model's loading
@@ -127,7 +131,7 @@ def _child_environment() -> tuple[dict[str, str], bool]:
 def _examples(env: dict[str, str], key: LocalKey, *, admin_token_generated: bool) -> str:
     port = env.get("AXON_GATEWAY_PORT", "8000")
     scheme = "https" if env.get("AXON_TLS_CERTFILE") else "http"
-    model = env.get("AXON_MODEL", "SmolLM2-135M-Instruct")
+    model = env.get("AXON_MODEL", DEFAULT_MODEL)
     admin_note = (
         f"Admin API token for this run (set AXON_ADMIN_TOKEN to choose your own): {env['AXON_ADMIN_TOKEN']}\n"
         if admin_token_generated
@@ -156,11 +160,59 @@ More keys: .venv/bin/axon keys create --name NAME
 """
 
 
+def _listed(client: httpx.Client, url: str, model: str) -> bool:
+    """Whether the gateway at `url` answers `GET /v1/models` with `model` in it."""
+    try:
+        response = client.get(f"{url}/v1/models")
+        return response.status_code == 200 and any(m.get("id") == model for m in response.json()["data"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _wait_until_listed(
+    children: list[Service], *, key: str, model: str, timeout_s: float, stop: _StopRequests, say: Say
+) -> bool:
+    """Until the gateway's `GET /v1/models` lists `model`, as a client's first request needs it
+    (the services are ready before the worker's heartbeat has reached the registry and the session
+    manager's list of live models): True then, False after `timeout_s` or at a stop request.
+
+    Raises:
+        ServiceExited: a child exited meanwhile.
+    """
+    gateway = next(child for child in children if child.name == "gateway")
+    deadline = time.monotonic() + timeout_s
+    told = False
+    # Our own gateway on the loopback interface: its certificate names its public host, not 127.0.0.1.
+    with httpx.Client(timeout=5, verify=False, headers={"Authorization": f"Bearer {key}"}) as client:
+        while not stop.requested:
+            if _listed(client, gateway.url, model):
+                return True
+            if exited := [child for child in children if child.exit_code is not None]:
+                raise ServiceExited(exited[0])
+            if time.monotonic() >= deadline:
+                return False
+            if not told:
+                say(f"waiting for the gateway to list {model} in /v1/models")
+                told = True
+            time.sleep(_LISTED_POLL_INTERVAL_S)
+    return False
+
+
 def _run(
-    children: list[Service], *, ready_timeout_s: float, stop: _StopRequests, say: Say, write: Say, examples: str
+    children: list[Service],
+    *,
+    ready_timeout_s: float,
+    key: str,
+    model: str,
+    stop: _StopRequests,
+    say: Say,
+    write: Say,
+    examples: str,
 ) -> int:
-    """Wait for the children to be ready, then watch them until a stop request: 0, or 1 if one
-    failed first."""
+    """Wait for the children to be ready and the gateway to list `model`, then watch them until a
+    stop request: 0, or 1 if one failed first or the model was not listed within `ready_timeout_s`."""
+    deadline = time.monotonic() + ready_timeout_s
+    listed = False
     try:
         wait_ready(
             children,
@@ -169,6 +221,9 @@ def _run(
             progress=_StartProgress(say),
             stop_requested=lambda: stop.requested,
         )
+        if not stop.requested:
+            remaining_s = max(0.0, deadline - time.monotonic())
+            listed = _wait_until_listed(children, key=key, model=model, timeout_s=remaining_s, stop=stop, say=say)
     except ServiceExited as exc:
         say(f"{exc.service.name} exited with code {exc.service.exit_code}; see its lines above")
         return 1
@@ -176,6 +231,12 @@ def _run(
         say(f"timed out waiting for: {', '.join(c.name for c in exc.pending)}")
         return 1
     if not stop.requested:
+        if not listed:
+            say(
+                f"timed out: the gateway did not list {model} in /v1/models within {ready_timeout_s:.0f}s "
+                "(--ready-timeout); see the worker's lines above"
+            )
+            return 1
         write(examples)
     while not stop.requested:
         for child in children:
@@ -236,6 +297,8 @@ def run_up(*, ready_timeout_s: float, new_key: bool) -> int:
         status = _run(
             children,
             ready_timeout_s=ready_timeout_s,
+            key=key.key,
+            model=env.get("AXON_MODEL", DEFAULT_MODEL),
             stop=stop,
             say=say,
             write=console.write,

@@ -7,12 +7,13 @@ import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services.cli import up
-from services.cli.launcher import PrefixedConsole, Service
+from services.cli.launcher import PrefixedConsole, Service, free_port, start_process
 from services.cli.local_key import _write, local_key_path
 
 
@@ -144,3 +145,63 @@ def test_configuration_md_lists_every_variable_axon_up_gives_its_children(monkey
     assert "two changes" not in section
     for name in added:
         assert f"`{name}" in section, name
+
+
+# A stand-in gateway on port argv[1]: every GET answers 200 (so /ready is ready), and /v1/models,
+# asked with the key `axk_test`, lists the model `m` from its (argv[2] + 1)th answer on.
+_GATEWAY = """
+import http.server, json, sys
+asked = 0
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global asked
+        models = self.path == "/v1/models" and self.headers.get("Authorization") == "Bearer axk_test"
+        asked += models
+        data = [{"id": "m", "object": "model"}] if models and asked > int(sys.argv[2]) else []
+        body = json.dumps({"object": "list", "data": data}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+@pytest.fixture
+def gateway_listing_after(request: pytest.FixtureRequest) -> Iterator[Service]:
+    port = free_port()
+    argv = [sys.executable, "-c", _GATEWAY, str(port), str(request.param)]
+    service = start_process("gateway", argv, env=dict(os.environ), port=port, log_path=None)
+    try:
+        yield service
+    finally:
+        service.kill()
+
+
+@pytest.mark.parametrize("gateway_listing_after", [2], indirect=True)
+def test_axon_up_waits_until_the_gateway_lists_the_model(gateway_listing_after: Service) -> None:
+    said: list[str] = []
+    assert up._wait_until_listed(
+        [gateway_listing_after], key="axk_test", model="m", timeout_s=30, stop=up._StopRequests(), say=said.append
+    )
+    assert said == ["waiting for the gateway to list m in /v1/models"]
+
+
+@pytest.mark.parametrize("gateway_listing_after", [10**6], indirect=True)
+def test_a_model_never_listed_fails_axon_up_with_a_clear_message_and_no_key(gateway_listing_after: Service) -> None:
+    said: list[str] = []
+    written: list[str] = []
+    status = up._run(
+        [gateway_listing_after],
+        ready_timeout_s=2,
+        key="axk_test",
+        model="m",
+        stop=up._StopRequests(),
+        say=said.append,
+        write=written.append,
+        examples="Axon is up",
+    )
+    assert status == 1 and not written
+    assert said[-1].startswith("timed out: the gateway did not list m in /v1/models within 2s"), said
