@@ -12,7 +12,8 @@ SIGINT and SIGTERM are the same request. The first one starts one graceful stop:
    gets `_CUT_MARGIN_S` more to write those ends.
 
 A second signal is logged and ignored: a terminal's Ctrl+C reaches every process of its group,
-and `axon up` then sends each of its children one SIGTERM of its own; both are one request. Only
+and a supervisor in that group may then forward a SIGTERM of its own; both are one request (`axon
+up` runs its children in sessions of their own and sends them its SIGTERM only). Only
 a third signal forces: the process exits at once with status 1 (a worker's unacknowledged jobs go
 back to their queue when its broker connection closes).
 

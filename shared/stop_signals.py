@@ -1,10 +1,12 @@
 """Stop signals, counted from the first moment of a service's process.
 
 SIGINT and SIGTERM are one stop request: the first one asks, the second belongs to it (a terminal's
-Ctrl+C reaches every process of its group, then `axon up` sends its children one SIGTERM each), a
-third exits at once. This module imports only the standard library, so a service's `main` can start
-counting before its heavy imports: a stop requested while it starts is a stop request like any
-other, not a `KeyboardInterrupt`. `shared/serving.py` takes the count over when the server runs.
+Ctrl+C reaches every process of its group, and a supervisor in that group may forward a SIGTERM of
+its own), a third exits at once. `axon up` runs its children in sessions of their own, so they get
+its one SIGTERM only (and its SIGKILL at a second Ctrl+C). This module imports only the standard
+library, so a service's `main` can start counting before its heavy imports: a stop requested while
+it starts is a stop request like any other, not a `KeyboardInterrupt`. `shared/serving.py` takes the
+count over when the server runs.
 """
 
 import os

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 import httpx
 
@@ -103,6 +103,7 @@ class PrefixedConsole:
         self._width = max((len(name) for name in names), default=0)
         self._out = out if out is not None else sys.stdout.buffer
         self._lock = threading.Lock()
+        self._gone = False
 
     def write(self, text: str) -> None:
         """Write `text` (whole lines) at once, between the children's lines."""
@@ -123,8 +124,15 @@ class PrefixedConsole:
 
     def _write(self, data: bytes) -> None:
         with self._lock:
-            self._out.write(data)
-            self._out.flush()
+            if self._gone:
+                return
+            try:
+                self._out.write(data)
+                self._out.flush()
+            except OSError:
+                # The terminal closed (EIO) or the pipe's reader left (EPIPE): nobody reads any more,
+                # and the children's lines are still drained, so none of them blocks writing.
+                self._gone = True
 
 
 def start_process(
@@ -136,18 +144,24 @@ def start_process(
     log_path: Path | None,
     console: PrefixedConsole | None = None,
     scheme: str = "http",
+    own_session: bool = False,
 ) -> Service:
     """Run `argv`, its stdout and stderr written to `log_path` (truncated first), else to `console`,
-    else straight to this process's own."""
+    else straight to this process's own. With `own_session`, in a session (and process group) of
+    its own, reading nothing: a terminal's Ctrl+C reaches this process alone, which decides what
+    its children get."""
+    options: dict[str, Any] = {"env": env}
+    if own_session:
+        options.update(start_new_session=True, stdin=subprocess.DEVNULL)
     if log_path is None and console is not None:
-        process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **options)
         assert process.stdout is not None
         console.follow(name, process.stdout)
         return Service(name, port, process, None, scheme)
     if log_path is None:
-        return Service(name, port, subprocess.Popen(argv, env=env), None, scheme)
+        return Service(name, port, subprocess.Popen(argv, **options), None, scheme)
     with log_path.open("wb") as log_file:
-        process = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, **options)
     return Service(name, port, process, log_path, scheme)
 
 
@@ -159,9 +173,10 @@ def start_service(
     name: str | None = None,
     log_path: Path | None = None,
     console: PrefixedConsole | None = None,
+    own_session: bool = False,
 ) -> Service:
     """An Axon service (`worker`, `sessions`, `gateway`) as its console script runs it, listening on `port`
-    (a gateway given a certificate, `AXON_TLS_CERTFILE`, with HTTPS)."""
+    (a gateway given a certificate, `AXON_TLS_CERTFILE`, with HTTPS); `own_session` as `start_process`'s."""
     return start_process(
         name or kind,
         [sys.executable, "-m", SERVICE_MODULES[kind]],
@@ -170,6 +185,7 @@ def start_service(
         log_path=log_path,
         console=console,
         scheme="https" if kind == "gateway" and env.get("AXON_TLS_CERTFILE") else "http",
+        own_session=own_session,
     )
 
 

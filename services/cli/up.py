@@ -1,8 +1,9 @@
 """`axon up`: run the whole platform locally as three child processes.
 
 The children share one console, each of their lines whole and prefixed with its process's name.
-One stop request (Ctrl+C, or SIGTERM to `axon up`) sends each child one SIGTERM and waits for them
-to drain; a second is ignored, a third kills them.
+They run in sessions of their own, so a terminal's Ctrl+C reaches `axon up` alone. The first stop
+signal (Ctrl+C, SIGTERM, or SIGHUP when the terminal closes) sends each child one SIGTERM and waits
+for them to drain; a second kills them at once.
 """
 
 import asyncio
@@ -29,7 +30,6 @@ from services.cli.local_key import LocalKey, local_key_path
 from shared.migrations import migrate
 from shared.serving import grace_s
 from shared.settings import DEFAULT_MODEL, CommonSettings
-from shared.stop_signals import StopSignals
 
 # The order they start in, and the ports they listen on unless AXON_<KIND>_PORT says otherwise.
 _DEFAULT_PORTS = {"worker": 8002, "sessions": 8001, "gateway": 8000}
@@ -52,31 +52,29 @@ Say = Callable[[str], None]
 
 
 class _StopRequests:
-    """The signal handler of `axon up`: the first signal asks the children to stop, the second is
-    only counted, the third kills them (at once, from the handler: the main thread may be waiting)."""
+    """The signal handler of `axon up`: the first signal asks the children to stop, the second
+    kills them (at once, from the handler: the main thread may be waiting)."""
+
+    # The terminal's Ctrl+C, a supervisor's stop, the terminal closing.
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self) -> None:
-        self._signals = StopSignals()
         self.requested = False
-        self.ignored = 0
         self.forced = False
         self.children: list[Service] = []
 
     def install(self) -> None:
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
 
     def _handle(self, _signum: int, _frame: FrameType | None) -> None:
-        action = self._signals.receive()
-        if action == "stop":
+        if not self.requested:
             self.requested = True
-        elif action == "ignore":
-            self.ignored += 1
-        else:
-            self.forced = True
-            for child in self.children:
-                if child.exit_code is None:
-                    child.process.kill()
+            return
+        self.forced = True
+        for child in self.children:
+            if child.exit_code is None:
+                child.process.kill()
 
 
 def _check_or_explain(settings: CommonSettings, say: Say) -> bool:
@@ -155,7 +153,7 @@ Try it:
 Or with the openai client: OpenAI(base_url="{scheme}://127.0.0.1:{port}/v1", api_key=os.environ["AXON_API_KEY"])
 Or in the browser, with the key above: {scheme}://127.0.0.1:{port}/playground
 More keys: .venv/bin/axon keys create --name NAME
-{admin_note}Press Ctrl+C to stop.
+{admin_note}Press Ctrl+C to stop: the services finish what they are answering first; Ctrl+C again stops them at once.
 
 """
 
@@ -249,24 +247,23 @@ def _run(
 
 def _stop_children(children: list[Service], *, stop: _StopRequests, timeout_s: float, say: Say) -> bool:
     """One SIGTERM to each child still running, then wait for them all (killed after `timeout_s`,
-    or at a third stop signal). Whether every one exited 0."""
-    say(f"stopping: the services finish what they are answering (up to {timeout_s:.0f}s); a third Ctrl+C kills them")
+    or at a second stop signal). Whether every one exited 0."""
+    say(
+        f"stopping: the services finish what they are answering (up to {timeout_s:.0f}s); "
+        "Ctrl+C again stops them at once"
+    )
     for child in reversed(children):
         child.terminate()
     deadline = time.monotonic() + timeout_s
-    told = stop.ignored
-    while any(child.exit_code is None for child in children):
-        if stop.ignored > told:
-            told = stop.ignored
-            say("already stopping; a third Ctrl+C kills the services")
-        if stop.forced or time.monotonic() > deadline:
-            say("killing the services" if stop.forced else f"still running after {timeout_s:.0f}s: killing them")
-            for child in children:
-                child.kill()
+    while any(child.exit_code is None for child in children) and not stop.forced:
+        if time.monotonic() > deadline:
+            say(f"still running after {timeout_s:.0f}s: killing them")
             break
         time.sleep(0.1)
+    if stop.forced:  # the signal handler has killed them already
+        say("second stop signal: killing the services")
     for child in children:
-        child.process.wait()
+        child.kill()  # if it still runs; then reaped
         say(f"{child.name} exited with code {child.exit_code}")
     return all(child.exit_code == 0 for child in children)
 
@@ -293,7 +290,7 @@ def run_up(*, ready_timeout_s: float, new_key: bool) -> int:
         for kind, default in _DEFAULT_PORTS.items():
             if not stop.requested:
                 port = int(env.get(PORT_VARIABLES[kind], default))
-                children.append(start_service(kind, env=env, port=port, console=console))
+                children.append(start_service(kind, env=env, port=port, console=console, own_session=True))
         status = _run(
             children,
             ready_timeout_s=ready_timeout_s,

@@ -3,6 +3,7 @@ terminal sends) while a stream runs. The stream ends normally, every process exi
 in the queue, and nothing is logged at error level."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,7 +51,7 @@ class Up:
 def _wait_until_serving(up: Up) -> None:
     """Until `axon up` has said it is up; by then the gateway lists the model, at the first ask."""
     deadline = time.monotonic() + _STARTED_WITHIN_S
-    while "Press Ctrl+C to stop." not in up.text():
+    while "Press Ctrl+C to stop" not in up.text():
         assert up.process.poll() is None, f"axon up exited early:\n{up.text()}"
         assert time.monotonic() < deadline, f"axon up not up within {_STARTED_WITHIN_S}s:\n{up.text()}"
         time.sleep(0.05)
@@ -98,9 +99,20 @@ def _start_up(
     return Up(process, output, own_namespace, f"http://127.0.0.1:{ports['GATEWAY']}", key_file)
 
 
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started that still run (each a session leader: `axon up`'s children)."""
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
 def _kill(up: Up) -> None:
-    if up.process.poll() is None:
-        os.killpg(up.process.pid, signal.SIGKILL)
+    """`axon up` and its children, each of which leads a process group of its own."""
+    for group in (*_children(up.process.pid), up.process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
         up.process.wait(timeout=10)
 
 
@@ -147,6 +159,8 @@ def test_ctrl_c_mid_stream_drains_it_and_every_process_exits_0(up: Up, service_u
         stream=True,
         stream_options={"include_usage": True},
     )
+    children = _children(up.process.pid)
+    assert len(children) == 3
     pieces, finish_reason, usage, interrupted_at = [], None, None, None
     for chunk in stream:
         if chunk.usage is not None:
@@ -165,18 +179,43 @@ def test_ctrl_c_mid_stream_drains_it_and_every_process_exits_0(up: Up, service_u
     assert up.process.wait(timeout=_STOPPED_WITHIN_S) == 0, up.text()
     assert time.monotonic() - interrupted_at < _STOPPED_WITHIN_S
     deadline = time.monotonic() + 5
-    while not _group_gone(up.process.pid) and time.monotonic() < deadline:
+    while not all(_group_gone(group) for group in (up.process.pid, *children)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _group_gone(up.process.pid), "a child of axon up outlived it"
+    assert all(_group_gone(group) for group in (up.process.pid, *children)), "a child of axon up outlived it"
     text = up.text()
     for name in ("worker", "sessions", "gateway"):
         assert f"axon: {name} exited with code 0" in text, text
         assert f"{name:<8} | " in text  # every child's lines carry its name
-    assert "stop_already_requested" in text  # axon up's SIGTERM after the group's SIGINT: one request
+    # The terminal's SIGINT reached axon up alone; each child got its one SIGTERM: one request each.
+    assert text.count("stop_requested") == 3 and text.count("signal=SIGTERM") == 3, text
+    assert "stop_already_requested" not in text and "signal=SIGINT" not in text, text
+    assert "drain_timeout_s=30.0" in text  # the worker names its real bound
     assert "handed_back=0" in text
     for sign in ("[error", "[critical", "Traceback", "CancelledError"):
         assert sign not in text, text
     assert asyncio.run(_queued_jobs(service_urls.amqp, Names(up.namespace).jobs_queue(MODEL))) == 0
+
+
+@pytest.mark.parametrize("up", [{"AXON_SIM_ITL_MS": "100"}], indirect=True)
+def test_a_second_ctrl_c_stops_the_services_at_once(up: Up) -> None:
+    """Mid-drain (a 30 s stream, a 30 s drain timeout), a second Ctrl+C kills the children: axon up
+    is gone within seconds, and so are they."""
+    children = _children(up.process.pid)
+    client = OpenAI(base_url=f"{up.gateway_url}/v1", api_key=up.key(), max_retries=0, timeout=30)
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300, stream=True)
+    next(iter(stream))
+    os.killpg(up.process.pid, signal.SIGINT)
+    deadline = time.monotonic() + _STOPPED_WITHIN_S
+    while "axon: stopping:" not in up.text():
+        assert time.monotonic() < deadline, up.text()
+        time.sleep(0.05)
+    assert "Ctrl+C again stops them at once" in up.text()
+    os.killpg(up.process.pid, signal.SIGINT)
+    stopped_at = time.monotonic()
+    assert up.process.wait(timeout=10) == 1, up.text()  # its children were killed: not a clean stop
+    assert time.monotonic() - stopped_at < 5
+    assert all(_group_gone(child) for child in children), "a child of axon up outlived it"
+    assert "axon: second stop signal: killing the services" in up.text()
 
 
 @pytest.mark.parametrize("up", [{"AXON_DRAIN_TIMEOUT_S": "1", "AXON_SIM_ITL_MS": "100"}], indirect=True)

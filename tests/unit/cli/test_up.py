@@ -69,20 +69,41 @@ def _sleeper() -> Service:
     return Service("sleeper", 0, process, None)
 
 
-def test_the_first_signal_asks_the_second_is_counted_the_third_kills_the_children() -> None:
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_the_first_signal_asks_the_second_kills_the_children(second: int) -> None:
     stop = up._StopRequests()
     child = _sleeper()
     stop.children.append(child)
     try:
         stop._handle(signal.SIGINT, None)
-        assert stop.requested and not stop.forced
-        stop._handle(signal.SIGTERM, None)
-        assert stop.ignored == 1 and child.exit_code is None
-        stop._handle(signal.SIGINT, None)
+        assert stop.requested and not stop.forced and child.exit_code is None
+        stop._handle(second, None)
         assert stop.forced
         assert child.process.wait(timeout=5) == -signal.SIGKILL
     finally:
         child.kill()
+
+
+def test_children_run_in_sessions_of_their_own_so_a_terminals_ctrl_c_reaches_axon_up_alone(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    child = start_process("child", argv, env=dict(os.environ), port=0, log_path=tmp_path / "c.log", own_session=True)
+    try:
+        assert os.getsid(child.pid) == child.pid != os.getsid(0)
+        assert os.getpgid(child.pid) == child.pid
+    finally:
+        child.kill()
+
+
+def test_a_console_whose_terminal_closed_drops_lines_instead_of_failing() -> None:
+    class Closed(io.BytesIO):
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            raise OSError(5, "Input/output error")
+
+    console = PrefixedConsole(["worker"], out=Closed())
+    console.write("axon: stopping\n")  # no exception: `axon up` goes on stopping its children
+    thread = console.follow("worker", _Pipe(b"a line\n"))
+    thread.join(timeout=5)
+    assert not thread.is_alive()
 
 
 def test_stopping_sends_one_sigterm_and_reports_a_clean_exit() -> None:
