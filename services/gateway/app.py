@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from services.gateway import playground
 from services.gateway.admission import Admitter, ModelAccess
 from services.gateway.api import admin, docs, routes
-from services.gateway.api.openapi import install_request_schemas
+from services.gateway.api.openapi import TAGS, install_request_schemas, install_tags
 from services.gateway.auth import Authenticator
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.proxy import Forwarder, GatewayService, InFlightLimit
@@ -103,6 +103,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         title="Axon",
         summary="OpenAI-compatible API for large language models.",
         version="0.1.0",
+        openapi_tags=TAGS,
         lifespan=lifespan,
         # /docs is served by api/docs.py from the gateway's own copy of Swagger UI, not a CDN.
         docs_url=None,
@@ -128,6 +129,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         not_ready_reason=_not_ready_reason,
         ready_doc="Readiness: Redis answers and the session manager is ready.",
     )
+    install_tags(app)
     return app
 
 

@@ -74,12 +74,17 @@ def test_the_page_shows_and_calls_the_api_in_a_browser_that_reaches_only_the_gat
     try:
         page.goto(f"{gateway.url}/docs")
         expect(page.locator(".opblock-summary-path[data-path='/v1/chat/completions']")).to_be_visible()
+        # Sections by API, the admin routes among them; none left under "default".
+        for tag in ("Chat", "Completions", "Responses", "Conversations", "Sessions", "Models", "Admin", "Operations"):
+            expect(page.locator(f"#operations-tag-{tag}")).to_be_visible()
+        expect(page.locator("#operations-tag-default")).to_have_count(0)
+        expect(page.locator(".opblock-summary-path[data-path='/admin/keys']").first).to_be_visible()
         # "Authorize" with a key, then "Try it out" on GET /v1/models: the page calls the API.
         page.click("button.authorize")
         page.fill(".modal-ux input[type=text]", api_key)
         page.click(".modal-ux button.authorize")
         page.click(".modal-ux button.close-modal")
-        models = page.locator("#operations-default-list_models_v1_models_get")
+        models = page.locator("#operations-Models-list_models_v1_models_get")
         models.locator(".opblock-summary").click()
         models.locator("button.try-out__btn").click()
         models.locator("button.execute").click()

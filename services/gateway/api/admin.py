@@ -3,15 +3,19 @@
 import datetime as dt
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request, Security
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
 from services.gateway.api.deps import AdminDep, KeysDep
+from services.gateway.api.openapi import admin_bearer_scheme, admin_error_responses
 from shared.errors import InvalidRequest, NotFound
 from shared.keys import BudgetPeriod, KeyRecord, evict_key, limits_with_defaults
 from shared.registry import WorkerRegistry
 
-router = APIRouter(prefix="/admin", dependencies=[AdminDep], include_in_schema=False)
+# In the API document (section Admin) with its own credential; `AdminDep` checks it.
+router = APIRouter(
+    prefix="/admin", dependencies=[AdminDep, Security(admin_bearer_scheme)], responses=admin_error_responses()
+)
 
 
 # The limit columns of `api_keys` are PostgreSQL integers: a larger limit is a 400, not a failed INSERT.
@@ -88,7 +92,7 @@ class KeyCreated(KeyRecord):
     key: str = Field(description="The API key. Shown this once; only its hash is stored.")
 
 
-@router.post("/keys", status_code=201)
+@router.post("/keys", status_code=201, responses=admin_error_responses(400))
 async def create_key(body: KeyCreate, keys: KeysDep, request: Request) -> KeyCreated:
     """Create an API key; the response is the only time the key is shown."""
     limits = limits_with_defaults(
@@ -116,7 +120,7 @@ async def list_keys(keys: KeysDep) -> dict[str, Any]:
     return {"object": "list", "data": [r.model_dump(mode="json") for r in await keys.list()]}
 
 
-@router.patch("/keys/{key_id}")
+@router.patch("/keys/{key_id}", responses=admin_error_responses(400, 404))
 async def update_key(key_id: str, body: KeyUpdate, keys: KeysDep, request: Request) -> KeyRecord:
     """Change an active key's limits, budget, expiry or allowed models; every gateway applies the
     change within a second (its cached lookups are evicted, as on revocation)."""
@@ -128,7 +132,7 @@ async def update_key(key_id: str, body: KeyUpdate, keys: KeysDep, request: Reque
     return record
 
 
-@router.delete("/keys/{key_id}")
+@router.delete("/keys/{key_id}", responses=admin_error_responses(404))
 async def revoke_key(key_id: str, keys: KeysDep, request: Request) -> dict[str, Any]:
     """Revoke an API key; every gateway refuses it within a second."""
     key_hash = await keys.revoke(key_id)
@@ -138,7 +142,7 @@ async def revoke_key(key_id: str, keys: KeysDep, request: Request) -> dict[str, 
     return {"id": key_id, "revoked": True}
 
 
-@router.get("/usage")
+@router.get("/usage", responses=admin_error_responses(400))
 async def usage(
     request: Request,
     since: Annotated[dt.date | None, Query(description="first day (UTC), default 30 days ago")] = None,
@@ -187,7 +191,7 @@ async def list_aliases(request: Request) -> dict[str, Any]:
     }
 
 
-@router.put("/models/aliases/{alias}")
+@router.put("/models/aliases/{alias}", responses=admin_error_responses(400, 409))
 async def set_alias(
     alias: Annotated[str, Path(min_length=1, max_length=256)], body: AliasTarget, request: Request
 ) -> dict[str, Any]:
@@ -196,7 +200,7 @@ async def set_alias(
     return {"alias": alias, "target": body.target}
 
 
-@router.delete("/models/aliases/{alias}")
+@router.delete("/models/aliases/{alias}", responses=admin_error_responses(404))
 async def remove_alias(alias: str, request: Request) -> dict[str, Any]:
     """Remove an alias."""
     if not await _registry(request).remove_alias(alias):

@@ -1,5 +1,6 @@
 """What the gateway's OpenAPI schema says about the public routes: request bodies, query
-parameters, the bearer key and the OpenAI error shape.
+parameters, the bearer key and the OpenAI error shape; and its sections (tags), the admin API's
+among them.
 
 The public routes take the raw body and forward it unchanged; the session manager validates it.
 The bodies are documented from the very models it validates them with (`shared/openai_requests.py`,
@@ -28,6 +29,61 @@ bearer_scheme = HTTPBearer(
     description="An Axon API key (`axon keys create`), sent as `Authorization: Bearer <key>`.",
     auto_error=False,
 )
+
+# The admin API's credential (`AXON_ADMIN_TOKEN`), documented like the key; `deps.require_admin` checks it.
+admin_bearer_scheme = HTTPBearer(
+    scheme_name="adminToken",
+    description="The admin token (`AXON_ADMIN_TOKEN`), sent as `Authorization: Bearer <token>`.",
+    auto_error=False,
+)
+
+# The document's sections, in the order /docs shows them.
+TAGS: list[dict[str, Any]] = [
+    {"name": "Chat", "description": "Chat completions (OpenAI's), and resuming a session turn's stream."},
+    {"name": "Completions", "description": "Text completions (OpenAI's legacy API)."},
+    {"name": "Responses", "description": "OpenAI's Responses API: stored, background and streamed responses."},
+    {"name": "Conversations", "description": "OpenAI's Conversations API (a conversation is a session)."},
+    {"name": "Sessions", "description": "Axon's sessions: history kept by the server, per tenant."},
+    {"name": "Models", "description": "The models live workers serve, and aliases."},
+    {"name": "Admin", "description": "API keys, usage and model aliases (the admin token, not an API key)."},
+    {"name": "Operations", "description": "Liveness, readiness and Prometheus metrics."},
+]
+# The section of a route, by the start of its path (the first that matches).
+_TAG_OF_PATH = (
+    ("/v1/chat/", "Chat"),
+    ("/v1/completions", "Completions"),
+    ("/v1/responses", "Responses"),
+    ("/v1/conversations", "Conversations"),
+    ("/v1/sessions", "Sessions"),
+    ("/v1/models", "Models"),
+    ("/admin/", "Admin"),
+    ("/health", "Operations"),
+    ("/ready", "Operations"),
+    ("/metrics", "Operations"),
+)
+
+
+def install_tags(app: FastAPI) -> None:
+    """Put every operation of `app`'s OpenAPI document in its section (`TAGS`), found by its path,
+    unless its route names one: the sections of /docs, rather than one "default".
+
+    Raises (when the document is built):
+        RuntimeError: an operation's path belongs to no section.
+    """
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            for path, operations in generate()["paths"].items():
+                tag = next((tag for prefix, tag in _TAG_OF_PATH if path.startswith(prefix)), None)
+                if tag is None:
+                    raise RuntimeError(f"{path} is in no section of the API document")
+                for operation in operations.values():
+                    operation.setdefault("tags", [tag])
+        return generate()
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
 
 _COMPONENT = "#/components/schemas/{model}"
 _BODY_MODELS: tuple[type[BaseModel], ...] = (
@@ -107,6 +163,24 @@ _ERROR_STATUSES: dict[int | str, str] = {
     504: "The answer did not start before the request's deadline.",
     "4XX": "Any other client error (e.g. a wrong method).",
 }
+
+
+_ADMIN_ERROR_STATUSES: dict[int | str, str] = {
+    400: "Invalid request: the body or a parameter is wrong (`param` names it).",
+    401: "Missing or incorrect admin token.",
+    404: "No such active key, or no such alias.",
+    409: "No live worker serves the alias's target.",
+    "4XX": "Any other client error (e.g. a wrong method).",
+}
+
+
+def admin_error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` entries for an admin route's errors: a wrong token, any other client error,
+    and `statuses`, all in OpenAI's shape."""
+    every: tuple[int | str, ...] = (401, "4XX")
+    return {
+        status: {"description": _ADMIN_ERROR_STATUSES[status], "model": ErrorResponse} for status in (*statuses, *every)
+    }
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

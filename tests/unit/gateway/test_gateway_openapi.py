@@ -105,3 +105,28 @@ def test_public_routes_document_their_bodies_the_key_and_openai_errors(schema: d
                 assert content["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}, (method, path, status)
     completions = paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert set(completions) == {"application/json", "text/event-stream"}
+
+
+def test_every_operation_is_in_one_section_and_the_admin_api_is_documented(schema: dict[str, Any]) -> None:
+    names = [tag["name"] for tag in openapi.TAGS]
+    assert [tag["name"] for tag in schema["tags"]] == names
+    sections: dict[str, set[str]] = {}
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            assert len(operation["tags"]) == 1 and operation["tags"][0] in names, (method, path)
+            sections.setdefault(operation["tags"][0], set()).add(path)
+    assert set(sections) == set(names)  # no section is empty, none is "default"
+    assert "/v1/chat/completions" in sections["Chat"] and "/v1/completions" in sections["Completions"]
+    assert "/v1/models" in sections["Models"] and "/health" in sections["Operations"]
+    admin = sections["Admin"]
+    assert {"/admin/keys", "/admin/keys/{key_id}", "/admin/usage", "/admin/models/aliases"} <= admin
+    # The fuzzing of tests/e2e/test_fuzz.py takes only ^/v1/: never the admin API.
+    assert not any(path.startswith("/v1/") for path in admin)
+    assert schema["components"]["securitySchemes"]["adminToken"]["scheme"] == "bearer"
+    for path in admin:
+        for method, operation in schema["paths"][path].items():
+            assert operation["security"] == [{"adminToken": []}], (method, path)
+            assert "422" not in operation["responses"], (method, path)  # refusals are 400s in OpenAI's shape
+            assert operation["responses"]["401"]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/ErrorResponse"
+            }
