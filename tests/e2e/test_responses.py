@@ -253,6 +253,12 @@ def test_bad_input(checked: tuple[OpenAI, ContractTransport], other_client: Open
         assert (error.status_code, error.body["param"]) == (status, param), (param, error.body)  # type: ignore[index]
     assert client.responses.retrieve(stored.id).id == stored.id
     assert client.conversations.items.list(conversation.id).data == []  # nothing was appended by the refusals
+    # max_output_tokens out of bounds, with OpenAI's codes: below 1, and past the whole context.
+    for max_output_tokens, code in ((0, "integer_below_min_value"), (10**7, "context_length_exceeded")):
+        error = _error(
+            lambda n=max_output_tokens: client.responses.create(model=SIM_MODEL, input="x", max_output_tokens=n)
+        )
+        assert (error.body["param"], error.body["code"]) == ("max_output_tokens", code), error.body  # type: ignore[index]
 
 
 def _persisted(database_url: str, response_id: str, timeout_s: float = 10) -> bool:

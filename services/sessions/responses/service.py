@@ -151,6 +151,7 @@ class ResponsesService:
             ModelNotFound, Unavailable: as a chat completion.
         """
         body.check()
+        await self._check_output_fits(body)
         new = input_messages(body)
         head = [Message(role="system", content=body.instructions)] if body.instructions else []
         history: list[Message] = []
@@ -203,11 +204,29 @@ class ResponsesService:
             body=body, chat=body.chat_request(head + history + new, self._settings.request_limits), target=target
         )
 
-    async def _budget(self, body: ResponseCreate) -> int:
-        """The prompt tokens the model's context leaves beside the answer (with no live worker, its
-        last-seen context: whether the request may wait for one is `start`'s to say)."""
+    async def _context_tokens(self, body: ResponseCreate) -> int:
+        """The model's context (with no live worker, its last-seen context: whether the request
+        may wait for one is `start`'s to say)."""
         _, live, _ = await self._catalog.require_or_wait(body.model, wait_s=math.inf)
-        return live.context_tokens - (body.max_output_tokens or self._settings.default_max_tokens)
+        return live.context_tokens
+
+    async def _check_output_fits(self, body: ResponseCreate) -> None:
+        """Refuse a `max_output_tokens` larger than the model's whole context, naming it (a chat
+        request's refusal would name its messages, which are the Responses API's `input`)."""
+        if body.max_output_tokens is None:
+            return
+        context_tokens = await self._context_tokens(body)
+        if body.max_output_tokens > context_tokens:
+            raise InvalidRequest(
+                f"max_output_tokens is {body.max_output_tokens}, more than this model's maximum context "
+                f"length of {context_tokens} tokens.",
+                param="max_output_tokens",
+                code="context_length_exceeded",
+            )
+
+    async def _budget(self, body: ResponseCreate) -> int:
+        """The prompt tokens the model's context leaves beside the answer."""
+        return await self._context_tokens(body) - (body.max_output_tokens or self._settings.default_max_tokens)
 
     async def start(self, prepared: Prepared, *, caller: Caller, request_id: str) -> ActiveRequest:
         """Publish the response's job (`CompletionService.start`; a stored response's keeps its
