@@ -3,7 +3,7 @@
 SIGINT and SIGTERM are one stop request: the first one asks, the second belongs to it (a terminal's
 Ctrl+C reaches every process of its group, and a supervisor in that group may forward a SIGTERM of
 its own), a third exits at once. `axon up` runs its children in sessions of their own, so they get
-its one SIGTERM only (and its SIGKILL at a second Ctrl+C). This module imports only the standard
+its one SIGTERM only (and its SIGKILL at a third Ctrl+C). This module imports only the standard
 library, so a service's `main` can start counting before its heavy imports: a stop requested while
 it starts is a stop request like any other, not a `KeyboardInterrupt`. `shared/serving.py` takes the
 count over when the server runs.

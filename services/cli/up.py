@@ -3,7 +3,8 @@
 The children share one console, each of their lines whole and prefixed with its process's name.
 They run in sessions of their own, so a terminal's Ctrl+C reaches `axon up` alone. The first stop
 signal (Ctrl+C, SIGTERM, or SIGHUP when the terminal closes) sends each child one SIGTERM and waits
-for them to drain; a second kills them at once.
+for them to drain; a second belongs to the same request (a supervisor may follow a Ctrl+C with a
+SIGTERM), a third kills them at once: the stop rule every Axon process keeps (`shared/stop_signals.py`).
 """
 
 import asyncio
@@ -30,6 +31,7 @@ from services.cli.local_key import LocalKey, local_key_path
 from shared.migrations import migrate
 from shared.serving import grace_s
 from shared.settings import DEFAULT_MODEL, CommonSettings
+from shared.stop_signals import StopSignals
 
 # The order they start in, and the ports they listen on unless AXON_<KIND>_PORT says otherwise.
 _DEFAULT_PORTS = {"worker": 8002, "sessions": 8001, "gateway": 8000}
@@ -52,14 +54,16 @@ Say = Callable[[str], None]
 
 
 class _StopRequests:
-    """The signal handler of `axon up`: the first signal asks the children to stop, the second
-    kills them (at once, from the handler: the main thread may be waiting)."""
+    """The signal handler of `axon up`: the first signal asks the children to stop, the second is
+    only counted, the third kills them (at once, from the handler: the main thread may be waiting)."""
 
     # The terminal's Ctrl+C, a supervisor's stop, the terminal closing.
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self) -> None:
+        self._signals = StopSignals()
         self.requested = False
+        self.ignored = 0
         self.forced = False
         self.children: list[Service] = []
 
@@ -67,9 +71,13 @@ class _StopRequests:
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
-    def _handle(self, _signum: int, _frame: FrameType | None) -> None:
-        if not self.requested:
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        action = self._signals.receive(signum)
+        if action == "stop":
             self.requested = True
+            return
+        if action == "ignore":
+            self.ignored += 1
             return
         self.forced = True
         for child in self.children:
@@ -153,7 +161,7 @@ Try it:
 Or with the openai client: OpenAI(base_url="{scheme}://127.0.0.1:{port}/v1", api_key=os.environ["AXON_API_KEY"])
 Or in the browser, with the key above: {scheme}://127.0.0.1:{port}/playground
 More keys: .venv/bin/axon keys create --name NAME
-{admin_note}Press Ctrl+C to stop: the services finish what they are answering first; Ctrl+C again stops them at once.
+{admin_note}Press Ctrl+C to stop: the services finish what they are answering first; a third Ctrl+C stops them at once.
 
 """
 
@@ -247,10 +255,10 @@ def _run(
 
 def _stop_children(children: list[Service], *, stop: _StopRequests, timeout_s: float, say: Say) -> bool:
     """One SIGTERM to each child still running, then wait for them all (killed after `timeout_s`,
-    or at a second stop signal). Whether every one exited 0."""
+    or at a third stop signal). Whether every one exited 0."""
     say(
         f"stopping: the services finish what they are answering (up to {timeout_s:.0f}s); "
-        "Ctrl+C again stops them at once"
+        "Ctrl+C twice more stops them at once"
     )
     for child in reversed(children):
         child.terminate()
@@ -261,7 +269,7 @@ def _stop_children(children: list[Service], *, stop: _StopRequests, timeout_s: f
             break
         time.sleep(0.1)
     if stop.forced:  # the signal handler has killed them already
-        say("second stop signal: killing the services")
+        say("third stop signal: killing the services")
     for child in children:
         child.kill()  # if it still runs; then reaped
         say(f"{child.name} exited with code {child.exit_code}")

@@ -197,9 +197,9 @@ def test_ctrl_c_mid_stream_drains_it_and_every_process_exits_0(up: Up, service_u
 
 
 @pytest.mark.parametrize("up", [{"AXON_SIM_ITL_MS": "100"}], indirect=True)
-def test_a_second_ctrl_c_stops_the_services_at_once(up: Up) -> None:
-    """Mid-drain (a 30 s stream, a 30 s drain timeout), a second Ctrl+C kills the children: axon up
-    is gone within seconds, and so are they."""
+def test_a_third_ctrl_c_stops_the_services_at_once(up: Up) -> None:
+    """Mid-drain (a 30 s stream, a 30 s drain timeout), a second Ctrl+C is only counted and a third
+    kills the children: axon up is gone within seconds, and so are they."""
     children = _children(up.process.pid)
     client = OpenAI(base_url=f"{up.gateway_url}/v1", api_key=up.key(), max_retries=0, timeout=30)
     stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300, stream=True)
@@ -209,13 +209,16 @@ def test_a_second_ctrl_c_stops_the_services_at_once(up: Up) -> None:
     while "axon: stopping:" not in up.text():
         assert time.monotonic() < deadline, up.text()
         time.sleep(0.05)
-    assert "Ctrl+C again stops them at once" in up.text()
+    assert "Ctrl+C twice more stops them at once" in up.text()
+    os.killpg(up.process.pid, signal.SIGINT)
+    time.sleep(1)
+    assert up.process.poll() is None and not any(_group_gone(child) for child in children), up.text()
     os.killpg(up.process.pid, signal.SIGINT)
     stopped_at = time.monotonic()
     assert up.process.wait(timeout=10) == 1, up.text()  # its children were killed: not a clean stop
     assert time.monotonic() - stopped_at < 5
     assert all(_group_gone(child) for child in children), "a child of axon up outlived it"
-    assert "axon: second stop signal: killing the services" in up.text()
+    assert "axon: third stop signal: killing the services" in up.text()
 
 
 @pytest.mark.parametrize("up", [{"AXON_DRAIN_TIMEOUT_S": "1", "AXON_SIM_ITL_MS": "100"}], indirect=True)

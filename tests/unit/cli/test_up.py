@@ -69,15 +69,17 @@ def _sleeper() -> Service:
     return Service("sleeper", 0, process, None)
 
 
-@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_the_first_signal_asks_the_second_kills_the_children(second: int) -> None:
+@pytest.mark.parametrize("later", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_the_first_signal_asks_the_second_is_counted_the_third_kills_the_children(later: int) -> None:
     stop = up._StopRequests()
     child = _sleeper()
     stop.children.append(child)
     try:
         stop._handle(signal.SIGINT, None)
         assert stop.requested and not stop.forced and child.exit_code is None
-        stop._handle(second, None)
+        stop._handle(later, None)
+        assert stop.ignored == 1 and not stop.forced and child.exit_code is None
+        stop._handle(later, None)
         assert stop.forced
         assert child.process.wait(timeout=5) == -signal.SIGKILL
     finally:
