@@ -5,8 +5,10 @@ import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import iter_route_contexts
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from shared.disconnects import ClientGone
 from shared.errors import AxonError, Unavailable, error_body, invalid_request
@@ -63,7 +65,25 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(invalid_request(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        body = error_body(str(exc.detail), error_type=error_type)
-        return ORJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        message, headers = str(exc.detail), exc.headers
+        if exc.status_code == 404:
+            # The router's: no route has this path (a route's own 404s are AxonErrors). OpenAI's words.
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        elif exc.status_code == 405:
+            # Starlette's Allow lists the methods of the first route with this path; FastAPI has a
+            # route per method, so list every route's.
+            message = f"Method Not Allowed ({request.method} {request.url.path})"
+            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request))}
+        return ORJSONResponse(error_body(message, error_type=error_type), status_code=exc.status_code, headers=headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the app (included routers' too) answers at the request's path, sorted."""
+    scope = {**request.scope, "method": ""}
+    methods: set[str] = set()
+    for route in iter_route_contexts(request.app.router.routes):
+        if route.methods and route.matches(scope)[0] is not Match.NONE:
+            methods.update(route.methods)
+    return sorted(methods)

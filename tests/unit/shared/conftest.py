@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, Field
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -44,6 +44,18 @@ def build_app() -> FastAPI:
     async def boom() -> None:
         raise RuntimeError("secret internal detail")
 
+    # A path with a route per method, on an included router (as the gateway's public routes are).
+    items = APIRouter()
+
+    @items.get("/items/{item_id}")
+    async def get_item(item_id: str) -> dict[str, str]:
+        return {"id": item_id}
+
+    @items.delete("/items/{item_id}")
+    async def delete_item(item_id: str) -> dict[str, str]:
+        return {"id": item_id}
+
+    app.include_router(items)
     app.add_middleware(HotRoutes, routes=hot_routes())  # inside the request context below
     app.add_middleware(RequestContextMiddleware)
     return app

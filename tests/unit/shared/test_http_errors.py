@@ -71,13 +71,29 @@ async def test_valid_body_passes(app_client: httpx.AsyncClient) -> None:
 
 
 async def test_unknown_route_is_404_openai_shape(app_client: httpx.AsyncClient) -> None:
-    error = assert_openai_error(await app_client.get("/v1/nope"), 404)
-    assert error["type"] == "invalid_request_error"
+    error = assert_openai_error(await app_client.post("/v1/embeddings"), 404)
+    assert error == {
+        "message": "Invalid URL (POST /v1/embeddings)",  # OpenAI's words
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
 
 
 async def test_wrong_method_is_405_openai_shape(app_client: httpx.AsyncClient) -> None:
-    error = assert_openai_error(await app_client.post("/ok"), 405)
+    response = await app_client.post("/ok")
+    error = assert_openai_error(response, 405)
     assert error["type"] == "invalid_request_error"
+    assert error["message"] == "Method Not Allowed (POST /ok)"
+    assert response.headers["allow"] == "GET"
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "OPTIONS"])
+async def test_allow_lists_every_method_of_the_path(app_client: httpx.AsyncClient, method: str) -> None:
+    """Not only the first route's (FastAPI has a route per method): Starlette's own said GET."""
+    response = await app_client.request(method, "/items/a")
+    assert_openai_error(response, 405)
+    assert response.headers["allow"] == "DELETE, GET"
 
 
 async def test_unexpected_exception_is_500_openai_shape(app_client: httpx.AsyncClient) -> None:
