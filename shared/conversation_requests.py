@@ -3,20 +3,77 @@
 Plain pydantic (no fastapi), like `shared/session_requests.py`: the session manager validates
 bodies with them and the gateway's OpenAPI document is generated from them. Items are checked
 and mapped onto session messages by `services/sessions/conversations/protocol.py` (a bad item gets a 400
-naming it, `items[0].type`), so here they are only JSON objects.
+naming it, `items[0].type`), so here they are JSON objects that the document describes as that
+module reads them (`ITEM_SCHEMA`).
 """
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic.config import JsonDict
 
 # At most 20 items at a time, as OpenAI takes them.
 MAX_ITEMS = 20
-Items = Annotated[list[dict[str, Any]], Field(max_length=MAX_ITEMS)]
 # OpenAI's limits on metadata: 16 pairs, keys of 1 to 64 characters, values of at most 512.
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
+# PostgreSQL's text and jsonb cannot hold U+0000 (refused where it would be stored as is).
+NO_NUL: Final[JsonDict] = {"not": {"type": "string", "pattern": "\\u0000"}}
+
+_STRING: Final = {"type": "string"}
+_CALL_ID: Final = {"type": "string", "minLength": 1}
+_TEXT: Final = {
+    "anyOf": [
+        _STRING,
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": _STRING},
+                "required": ["type", "text"],
+            },
+        },
+    ]
+}
+ITEM_SCHEMA: Final = {
+    "description": "A `message` (its `type` may be left out), a `function_call` or a `function_call_output`.",
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "message"},
+                "role": {"enum": ["user", "assistant", "system", "developer"]},
+                "content": _TEXT,
+            },
+            "required": ["role", "content"],
+        },
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "function_call"},
+                "call_id": _CALL_ID,
+                "name": _STRING,
+                "arguments": _STRING,
+            },
+            "required": ["type", "call_id", "name", "arguments"],
+        },
+        {
+            "type": "object",
+            "properties": {"type": {"const": "function_call_output"}, "call_id": _CALL_ID, "output": _TEXT},
+            "required": ["type", "call_id", "output"],
+        },
+    ],
+}
+Item = Annotated[dict[str, Any], WithJsonSchema(ITEM_SCHEMA)]
+Items = Annotated[list[Item], Field(max_length=MAX_ITEMS)]
+_METADATA_SCHEMA: Final = {
+    "type": "object",
+    "maxProperties": MAX_METADATA_PAIRS,
+    "propertyNames": {"minLength": 1, "maxLength": MAX_METADATA_KEY, **NO_NUL},
+    "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE, **NO_NUL},
+}
+Metadata = Annotated[dict[str, str], WithJsonSchema(_METADATA_SCHEMA)]
 
 
 def _metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
@@ -42,7 +99,7 @@ class ConversationCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     items: Items | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -55,7 +112,7 @@ class ConversationUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    metadata: dict[str, str] | None
+    metadata: Metadata | None
 
     @field_validator("metadata")
     @classmethod

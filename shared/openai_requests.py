@@ -12,6 +12,12 @@ bounds, plus vLLM's sampling extensions (`top_k`, `min_p`, `repetition_penalty`,
   holds its no-op value (`null`, `store: false`, `service_tier: "auto"`, ...);
 - a field whose engine support varies (`Capability`) is checked against the model's live workers
   by the session manager (`capabilities_used`).
+
+The document says what `check` checks where a JSON Schema can (`json_schema_extra`: a message's
+content by role, a tool_choice that needs tools, ...), so that what it accepts is accepted; what
+no JSON Schema can say (a schema's own validity, a named tool_choice's function being one of
+`tools`, `n` within the deployment's AXON_MAX_CHOICES, what the model's engine honours) is in the
+fields' descriptions and docs/api-compatibility.md.
 """
 
 from collections.abc import Iterator, Mapping
@@ -20,7 +26,7 @@ from typing import Annotated, Any, Final, Literal
 
 import jsonschema_rs
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WithJsonSchema
 
 from shared.errors import InvalidRequest, invalid_request
 from shared.schemas import (
@@ -44,7 +50,7 @@ MAX_CHOICES: Final = 128
 MAX_TOOLS: Final = 128
 _INT64 = 2**63
 # OpenAI's rule for function and response-format names.
-_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 # The JSON Schema dialects a schema may name in `$schema` (anything else would make the
 # validator fetch a metaschema from the network).
 _KNOWN_DIALECTS = frozenset(
@@ -69,20 +75,72 @@ class RequestLimits:
 # Messages ---------------------------------------------------------------------------------
 
 
+def json_schema_extra(**changes: Any) -> Any:
+    """A model's `json_schema_extra`: `changes` to its document's schema, keyword by keyword
+    (`properties` merged property by property)."""
+
+    def change(schema: dict[str, Any]) -> None:
+        for key, value in changes.items():
+            if key == "properties":
+                schema["properties"].update(value)
+            else:
+                schema[key] = value
+
+    return change
+
+
+def unless_null(field: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON Schema rule: `field` absent or null, or else the body matches `schema`."""
+    return {"anyOf": [{"properties": {field: {"type": "null"}}}, schema]}
+
+
 class TextPart(BaseModel):
     """A content part: only `text` parts are supported (others are refused naming the message)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra=json_schema_extra(
+            properties={"type": {"const": "text"}, "text": {"type": "string"}}, required=["type", "text"]
+        ),
+    )
 
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    """One message of `messages`: `system`, `developer`, `user`, `assistant` (content may be null
-    when it carries `tool_calls`) or `tool` (answers `tool_call_id`)."""
+_NOT_NULL: Final = {"type": ["string", "array"]}
 
-    model_config = ConfigDict(extra="ignore")
+
+class ChatMessage(BaseModel):
+    """One message of `messages`: `system`, `developer`, `user`, `assistant` (content may be null)
+    or `tool` (answers `tool_call_id`); only an assistant message carries `tool_calls`."""
+
+    # What `check` checks, by role.
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra=json_schema_extra(
+            anyOf=[
+                {"properties": {"role": {"const": "assistant"}}},
+                {
+                    "properties": {
+                        "role": {"enum": ["system", "developer", "user"]},
+                        "content": _NOT_NULL,
+                        "tool_calls": {"type": "null"},
+                    },
+                    "required": ["content"],
+                },
+                {
+                    "properties": {
+                        "role": {"const": "tool"},
+                        "content": _NOT_NULL,
+                        "tool_calls": {"type": "null"},
+                        "tool_call_id": {"type": "string", "minLength": 1},
+                    },
+                    "required": ["content", "tool_call_id"],
+                },
+            ]
+        ),
+    )
 
     role: Role
     content: str | list[TextPart] | None = Field(None, description="Text, or a list of text parts.")
@@ -124,9 +182,11 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(FunctionSpec):
-    name: str = Field(pattern=_NAME_PATTERN, description="a-z, A-Z, 0-9, underscores and dashes; at most 64.")
+    name: str = Field(pattern=NAME_PATTERN, description="a-z, A-Z, 0-9, underscores and dashes; at most 64.")
     parameters: dict[str, Any] | None = Field(
-        None, description="A JSON Schema of the arguments (at most AXON_MAX_SCHEMA_BYTES); none: no arguments."
+        None,
+        description="A valid JSON Schema of the arguments (at most AXON_MAX_SCHEMA_BYTES, 64-bit integers, a known "
+        "`$schema`); none: no arguments.",
     )
 
 
@@ -147,15 +207,26 @@ class NamedToolChoiceParam(BaseModel):
 
 
 class JsonSchemaParam(JsonSchemaFormat):
-    name: str = Field(pattern=_NAME_PATTERN)
+    name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     schema_: dict[str, Any] = Field(
-        alias="schema", description="The JSON Schema the answer follows (at most AXON_MAX_SCHEMA_BYTES)."
+        alias="schema",
+        description="A valid JSON Schema the answer follows (at most AXON_MAX_SCHEMA_BYTES, 64-bit integers, a known "
+        "`$schema`), which an answer within `max_tokens` can satisfy.",
     )
 
 
 class ResponseFormatParam(BaseModel):
     """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (that schema)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=json_schema_extra(
+            anyOf=[
+                {"properties": {"type": {"enum": ["text", "json_object"]}}},
+                {"properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]},
+            ]
+        )
+    )
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaParam | None = Field(None, description="Required with `type: json_schema`.")
@@ -181,6 +252,11 @@ class StreamOptions(BaseModel):
 _Penalty = Annotated[float | None, Field(None, ge=-2.0, le=2.0)]
 _TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
 _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+_LOGIT_BIAS_SCHEMA: Final = {
+    "type": "object",
+    "patternProperties": {"^[0-9]{1,10}$": {"type": "number", "minimum": -100.0, "maximum": 100.0}},
+    "additionalProperties": False,
+}
 
 
 class _CommonFields(BaseModel):
@@ -193,7 +269,10 @@ class _CommonFields(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(
-        1, ge=1, le=MAX_CHOICES, description="Independent choices: at most AXON_MAX_CHOICES (default 8)."
+        1,
+        ge=1,
+        le=MAX_CHOICES,
+        description="Independent choices: at most AXON_MAX_CHOICES (default 8), a deployment's setting.",
     )
     stream: bool | None = Field(False, description="Answer as server-sent events.")
     stream_options: StreamOptions | None = None
@@ -201,7 +280,7 @@ class _CommonFields(BaseModel):
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     presence_penalty: _Penalty = None
     frequency_penalty: _Penalty = None
-    logit_bias: dict[_TokenId, _Bias] | None = Field(
+    logit_bias: Annotated[dict[_TokenId, _Bias], WithJsonSchema(_LOGIT_BIAS_SCHEMA)] | None = Field(
         None, description="Token id (a string of digits) -> bias added to its logit, in [-100, 100]."
     )
     user: str | None = Field(None, max_length=256, description="An end-user identifier, logged.")
@@ -280,11 +359,27 @@ class _CommonFields(BaseModel):
 class ChatCompletionRequest(_CommonFields):
     """OpenAI's CreateChatCompletionRequest, as far as Axon honours it."""
 
+    # The rules of `check` between fields.
+    model_config = ConfigDict(
+        json_schema_extra=json_schema_extra(
+            allOf=[
+                unless_null("top_logprobs", {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
+                unless_null("session_id", {"properties": {"n": {"enum": [1, None]}}}),
+                {
+                    "anyOf": [
+                        {"properties": {"tool_choice": {"enum": ["none", "auto", None]}}},
+                        {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+                    ]
+                },
+            ]
+        )
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Wins over `max_tokens`.")
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoiceParam | None = Field(
-        None, description="`auto` with tools (the default), `none`, `required`, or a function of `tools`."
+        None, description="`auto` with tools (the default), `none`, `required` (needs tools), or a function of `tools`."
     )
     parallel_tool_calls: bool | None = Field(None, description="Whether several calls may be made (default true).")
     response_format: ResponseFormatParam | None = None
@@ -400,7 +495,9 @@ _CHAT_CHECKED = frozenset({"n", "top_logprobs", "tools", "tool_choice", "respons
 class CompletionRequest(_CommonFields):
     """OpenAI's CreateCompletionRequest, as far as Axon honours it (one prompt per request)."""
 
-    prompt: str | list[str] = Field(description="One prompt (a string, or a list holding exactly one string).")
+    prompt: str | Annotated[list[str], Field(json_schema_extra={"minItems": 1, "maxItems": 1})] = Field(
+        description="One prompt (a string, or a list holding exactly one string)."
+    )
     logprobs: int | None = Field(
         None, ge=0, le=5, description="The sampled token's log probability and the k most likely."
     )

@@ -13,9 +13,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shared.conversation_requests import _metadata
+from shared.conversation_requests import Item, Metadata, _metadata
 from shared.errors import InvalidRequest, invalid_request
-from shared.openai_requests import MAX_TOOLS, ChatCompletionRequest, RequestLimits
+from shared.openai_requests import (
+    MAX_TOOLS,
+    NAME_PATTERN,
+    ChatCompletionRequest,
+    RequestLimits,
+    json_schema_extra,
+    unless_null,
+)
 from shared.schemas import Message
 
 
@@ -52,9 +59,9 @@ class FunctionToolParam(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["function"]
-    name: str
+    name: str = Field(json_schema_extra={"pattern": NAME_PATTERN})
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A valid JSON Schema of the arguments.")
     strict: bool | None = None
 
 
@@ -68,7 +75,20 @@ class FunctionToolChoiceParam(BaseModel):
 class TextFormatParam(BaseModel):
     """`text.format`: `text`, `json_object`, or `json_schema` (flat: `name`, `schema`, `strict`)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # `json_schema` needs `name` and `schema` (as `chat_request` checks).
+    model_config = ConfigDict(
+        extra="ignore",
+        populate_by_name=True,
+        json_schema_extra=json_schema_extra(
+            anyOf=[
+                {"properties": {"type": {"enum": ["text", "json_object"]}}},
+                {
+                    "properties": {"name": {"type": "string", "pattern": NAME_PATTERN}, "schema": {"type": "object"}},
+                    "required": ["name", "schema"],
+                },
+            ]
+        ),
+    )
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -92,10 +112,40 @@ class ConversationRef(BaseModel):
 class ResponseCreate(BaseModel):
     """OpenAI's `ResponseCreateParams`, as far as Axon honours it."""
 
-    model_config = ConfigDict(extra="forbid")
+    # The rules of `check`.
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra=json_schema_extra(
+            allOf=[
+                unless_null("previous_response_id", {"properties": {"conversation": {"type": "null"}}}),
+                {
+                    "anyOf": [
+                        {"properties": {"tool_choice": {"enum": ["none", "auto", None]}}},
+                        {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+                    ]
+                },
+                # Some message to answer: an empty `input` needs history or instructions.
+                {
+                    "anyOf": [
+                        {"properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}}},
+                        *(
+                            {"properties": {field: {"not": {"type": "null"}}}, "required": [field]}
+                            for field in ("instructions", "previous_response_id", "conversation")
+                        ),
+                    ]
+                },
+                {
+                    "anyOf": [
+                        {"properties": {"background": {"enum": [False, None]}}},
+                        {"properties": {"store": {"enum": [True, None]}}},
+                    ]
+                },
+            ]
+        ),
+    )
 
     model: str = Field(min_length=1, max_length=256, description="A model name or alias.")
-    input: str | list[dict[str, Any]] = Field(
+    input: str | list[Item] = Field(
         description="A user message's text, or items: `message` (input_text parts), `function_call`, "
         "`function_call_output`."
     )
@@ -108,7 +158,7 @@ class ResponseCreate(BaseModel):
     parallel_tool_calls: bool | None = None
     text: TextParam | None = None
     store: bool | None = Field(True, description="Keep the response for retrieval and `previous_response_id`.")
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     previous_response_id: str | None = Field(None, max_length=128, description="Continue from a stored response.")
     conversation: str | ConversationRef | None = Field(
         None, description="A conversation (or `{id}`) whose items are the history and which this response extends."

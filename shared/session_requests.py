@@ -6,6 +6,11 @@ OpenAPI document is generated from them.
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.conversation_requests import NO_NUL
+
+# How the document says what `_no_nul` checks.
+_STORABLE = NO_NUL
+
 
 def _no_nul(value: str | None) -> str | None:
     # PostgreSQL's text cannot hold U+0000: refuse it here rather than fail the INSERT (a 500).
@@ -17,9 +22,9 @@ def _no_nul(value: str | None) -> str | None:
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    title: str | None = Field(None, max_length=200)
-    system_prompt: str | None = Field(None, max_length=100_000)
-    model: str | None = Field(None, max_length=256)
+    title: str | None = Field(None, max_length=200, json_schema_extra=_STORABLE)
+    system_prompt: str | None = Field(None, max_length=100_000, json_schema_extra=_STORABLE)
+    model: str | None = Field(None, max_length=256, json_schema_extra=_STORABLE)
 
     @field_validator("title", "system_prompt", "model")
     @classmethod
@@ -30,7 +35,7 @@ class SessionCreate(BaseModel):
 class SessionUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    title: str | None = Field(None, max_length=200)
+    title: str | None = Field(None, max_length=200, json_schema_extra=_STORABLE)
 
     @field_validator("title")
     @classmethod

@@ -136,6 +136,14 @@ def _string(item: dict[str, Any], field: str, param: str) -> str:
     return value
 
 
+def _call_id(item: dict[str, Any], param: str) -> str:
+    """The `call_id` of a function call or output: what pairs them, so never empty."""
+    value = _string(item, "call_id", param)
+    if not value:
+        raise _invalid("a call_id cannot be empty.", f"{param}.call_id")
+    return value
+
+
 def _text(content: Any, param: str) -> str:
     """A message's (or a tool output's) text: a string, or text parts joined."""
     if isinstance(content, str):
@@ -179,7 +187,7 @@ def items_to_messages(items: list[dict[str, Any]], *, param: str = "items") -> l
             messages.append(message)
         elif kind == "function_call":
             call = ToolCall(
-                id=_string(item, "call_id", where),
+                id=_call_id(item, where),
                 function=FunctionCall(name=_string(item, "name", where), arguments=_string(item, "arguments", where)),
             )
             if answer is None:
@@ -189,7 +197,7 @@ def items_to_messages(items: list[dict[str, Any]], *, param: str = "items") -> l
         elif kind == "function_call_output":
             output = item.get("output")
             content = _text(output, f"{where}.output")
-            messages.append(Message(role="tool", content=content, tool_call_id=_string(item, "call_id", where)))
+            messages.append(Message(role="tool", content=content, tool_call_id=_call_id(item, where)))
             answer = None
         else:
             supported = ", ".join(repr(t) for t in ITEM_TYPES)
