@@ -2,8 +2,14 @@
 
 Every generated request (valid bodies, and bodies that break the schema) must get an answer in
 time, never a 5xx, every error in OpenAI's shape, every response as the schema documents it; with
-no key, every /v1/* route answers 401. Deterministic (derandomized) and bounded (a few dozen
-examples per operation and generation mode).
+a key, what the schema accepts is accepted (or refused for a reason the schema cannot know: an
+unknown model, session or response is a 404) and what it refuses is refused, and a method a path
+does not have is a 405 whose `Allow` lists the ones it has; with no key, every /v1/* route answers
+401. Deterministic (derandomized) and bounded (a few dozen examples per operation and generation
+mode).
+
+A valid case is adjusted before it is sent where the API refuses, by design, what the schema
+cannot say (`_prepare`): the rest is as generated.
 
 The schema is fetched from the running gateway, so the operations are known only at run time:
 each test drives Hypothesis over every operation itself (schemathesis' lazy pytest integration,
@@ -18,6 +24,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import asyncpg
 import httpx
@@ -26,11 +33,16 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
+from schemathesis.generation.meta import CoverageScenario
 from schemathesis.specs.openapi.checks import (
+    allow_header_conformance,
     content_type_conformance,
     ignored_auth,
+    negative_data_rejection,
+    positive_data_acceptance,
     response_schema_conformance,
     status_code_conformance,
+    unsupported_method,
 )
 
 from services.cli.launcher import Service
@@ -40,12 +52,24 @@ from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.load import report
 from tests.e2e.stack import ADMIN_TOKEN
 
-pytestmark = pytest.mark.e2e
+# The fuzz is bounded by its number of examples, not by time: on two cores with a load average of 8
+# the with-key fuzz alone took 120 to 140 s (the whole module takes about 60 s on an idle machine),
+# which pytest's default timeout of 120 s cut; each request still has its own TIMEOUT_S.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 MAX_EXAMPLES = 50
-# Per request. The slowest legitimate answer is a sim generation of at most `_MAX_SIM_TOKENS`.
-TIMEOUT_S = 10
+# Per request: the slowest legitimate answer is a sim generation of at most `_MAX_SIM_TOKENS` for
+# each of at most `_MAX_CHOICES` choices (well under a second); the margin is for a loaded machine.
+TIMEOUT_S = 30
 _MAX_SIM_TOKENS = 8
+# The stack's AXON_MAX_CHOICES (its default): `n` above it is a 400 the schema cannot know of.
+_MAX_CHOICES = 8
+# The operations whose bodies name a model and ask for tokens, and the field that bounds them.
+_COMPLETIONS = {
+    "/v1/chat/completions": "max_completion_tokens",
+    "/v1/completions": "max_tokens",
+    "/v1/responses": "max_output_tokens",
+}
 ERROR_KEYS = {"message", "type", "param", "code"}
 FUZZ_SETTINGS = settings(
     max_examples=MAX_EXAMPLES,
@@ -73,11 +97,28 @@ def gateway_schema(gateway: Service) -> schemathesis.BaseSchema:
     return schema.include(path_regex="^/v1/")
 
 
+@pytest.fixture(scope="module")
+def sim_capabilities(gateway: Service, fuzz_key: str) -> frozenset[str]:
+    """The request parameters the sim worker's engine honours (`GET /v1/models/{id}`, once its
+    worker is listed)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        response = httpx.get(
+            f"{gateway.url}/v1/models/{SIM_MODEL}", headers={"Authorization": f"Bearer {fuzz_key}"}, timeout=TIMEOUT_S
+        )
+        if response.status_code != 404 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    response.raise_for_status()
+    return frozenset(response.json()["capabilities"])
+
+
 def fuzz(schema: schemathesis.BaseSchema, check: Callable[[schemathesis.Case], None], *, max_examples: int) -> None:
     """Run `check` on generated cases of every operation, valid and invalid ones; fail listing
     every operation that failed, with its first failure."""
     failures: list[str] = []
-    operations = [result.ok() for result in schema.get_all_operations()]
+    # In one order every run (schemathesis' varies): what one case creates, another may list.
+    operations = sorted((result.ok() for result in schema.get_all_operations()), key=lambda op: op.label)
     assert len(operations) >= 9, [op.label for op in operations]
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
@@ -90,24 +131,120 @@ def fuzz(schema: schemathesis.BaseSchema, check: Callable[[schemathesis.Case], N
             try:
                 run()
             except (Exception, BaseExceptionGroup) as exc:  # noqa: BLE001 - collected, reported below
-                failures.append(f"{operation.label} ({mode.value}): {type(exc).__name__}: {exc}")
+                failures.append(f"{operation.label} ({mode.value}): {_described(exc)}")
     assert not failures, "\n\n".join(failures)
 
 
-def _some_to_the_sim_model(case: schemathesis.Case) -> None:
+def _described(exc: BaseException) -> str:
+    """`exc` and, for a group (Hypothesis' FlakyFailure, schemathesis' FailureGroup), what it holds."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, BaseExceptionGroup):
+        text += "".join(f"\n  - {_described(inner)}" for inner in exc.exceptions)
+    return text
+
+
+def _prepare(case: schemathesis.Case, sim_capabilities: frozenset[str]) -> None:
+    """The case as it is sent: integers as integers, some to the sim model, and a case that is then
+    valid (as generated, or made so: schemathesis judges the body sent) within what no schema says."""
+    case.body = _integers_as_integers(case.body)
+    to_the_sim = _some_to_the_sim_model(case)
+    if _is_positive(case) and isinstance(case.body, dict) and case.path in _COMPLETIONS:
+        _within_what_no_schema_says(case.body, chat=case.path == "/v1/chat/completions")
+        if to_the_sim:
+            # What its engine does not honour is a 400 `unsupported_parameter`: the model's, not the body's.
+            for field in _CAPABILITY_FIELDS - sim_capabilities:
+                case.body.pop(field, None)
+
+
+def _some_to_the_sim_model(case: schemathesis.Case) -> bool:
     """Send about half of the completion bodies that name a model to the one a worker serves, with
     a short answer, so the fuzz reaches generation and streaming too, not only "model not found"."""
     body = case.body
-    if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-        return
+    if case.path not in _COMPLETIONS or not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        return False
     if hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=1).digest()[0] % 2:
-        return
+        return False
     body["model"] = SIM_MODEL
-    for field in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(field), int) and not isinstance(body.get(field), bool) and body[field] > _MAX_SIM_TOKENS:
+    bounds = [field for field in ("max_tokens", "max_completion_tokens", "max_output_tokens") if field in body]
+    for field in bounds:
+        if _is_int(body[field]) and body[field] > _MAX_SIM_TOKENS:
             body[field] = _MAX_SIM_TOKENS
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
-        body["max_tokens"] = _MAX_SIM_TOKENS
+    if not bounds:
+        body[_COMPLETIONS[case.path]] = _MAX_SIM_TOKENS
+    if _is_int(body.get("n")) and body["n"] > _MAX_CHOICES:
+        body["n"] = _MAX_CHOICES
+    return True
+
+
+# Request fields that are an engine capability of the same name (`shared.schemas.Capability`).
+_CAPABILITY_FIELDS = frozenset(
+    {
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "seed",
+        "stop",
+        "top_k",
+        "min_p",
+        "min_tokens",
+        "ignore_eos",
+        "echo",
+        "logprobs",
+        "tools",
+        "response_format",
+    }
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive(case: schemathesis.Case) -> bool:
+    """Whether the case is valid as it is now (reading `meta` revalidates an edited case)."""
+    return case.meta is not None and case.meta.generation.mode is GenerationMode.POSITIVE
+
+
+def _within_what_no_schema_says(body: dict[str, Any], *, chat: bool) -> None:
+    """Keep a valid completion body within what the API refuses by design and no JSON Schema can
+    say, each documented in docs/api-compatibility.md: `n` within the deployment's
+    AXON_MAX_CHOICES, a schema in a schema slot a valid JSON Schema (not any object), a named
+    `tool_choice` naming one of `tools`, whose names are distinct. (`chat`: chat's tools are
+    `{type, function: {name...}}`; the Responses' are flat.)"""
+    if _is_int(body.get("n")) and body["n"] > _MAX_CHOICES:
+        body["n"] = _MAX_CHOICES
+    names: list[str] = []
+    for index, tool in enumerate(body.get("tools") or []):
+        function = tool["function"] if chat else tool
+        function["name"] = f"{function['name']}_{index}"[-64:]
+        names.append(function["name"])
+        if function.get("parameters") is not None:
+            function["parameters"] = _A_SCHEMA
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and names:
+        (choice["function"] if chat else choice)["name"] = names[0]
+    response_format = body.get("response_format") or {}
+    if isinstance(response_format.get("json_schema"), dict):
+        response_format["json_schema"]["schema"] = _A_SCHEMA
+    text_format = (body.get("text") or {}).get("format") or {}
+    if text_format.get("schema") is not None:
+        text_format["schema"] = _A_SCHEMA
+
+
+_A_SCHEMA = {"type": "object"}
+
+
+def _integers_as_integers(value: Any) -> Any:
+    """`value` with each number of zero fraction an integer: JSON Schema's `integer` admits `2.0`,
+    the API reads JSON integers (docs/api-compatibility.md)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integers_as_integers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integers_as_integers(v) for v in value]
+    return value
 
 
 def _assert_openai_error(response: requests.Response) -> None:
@@ -131,15 +268,17 @@ def _call(case: schemathesis.Case, gateway: Service, headers: dict[str, str]) ->
         pytest.fail(f"no answer within {TIMEOUT_S} s: {case.as_curl_command()}")
 
 
-def test_fuzz_with_key(gateway_schema: schemathesis.BaseSchema, gateway: Service, fuzz_key: str) -> None:
+def test_fuzz_with_key(
+    gateway_schema: schemathesis.BaseSchema, gateway: Service, fuzz_key: str, sim_capabilities: frozenset[str]
+) -> None:
     headers = {"Authorization": f"Bearer {fuzz_key}"}
     statuses: Counter[int] = Counter()
 
     def check(case: schemathesis.Case) -> None:
-        _some_to_the_sim_model(case)
         # Always the valid key (schemathesis may generate an Authorization of its own);
         # `ignored_auth` below re-sends each case with no key and with a wrong one.
         case.headers = {**(case.headers or {}), **headers}
+        _prepare(case, sim_capabilities)
         response = _call(case, gateway, headers)
         statuses[response.status_code] += 1
         assert response.status_code < 500, (
@@ -149,13 +288,68 @@ def test_fuzz_with_key(gateway_schema: schemathesis.BaseSchema, gateway: Service
             _assert_openai_error(response)
         case.validate_response(
             response,
-            checks=[status_code_conformance, content_type_conformance, response_schema_conformance, ignored_auth],
+            checks=[
+                status_code_conformance,
+                content_type_conformance,
+                response_schema_conformance,
+                ignored_auth,
+                positive_data_acceptance,
+                negative_data_rejection,
+            ],
             headers=headers,
             transport_kwargs={"base_url": gateway.url, "timeout": TIMEOUT_S},
         )
 
     fuzz(gateway_schema, check, max_examples=MAX_EXAMPLES)
     _report("fuzz with a key", statuses)
+
+
+def test_methods_a_path_does_not_have_are_405_listing_the_ones_it_has(
+    gateway_schema: schemathesis.BaseSchema, gateway: Service, fuzz_key: str
+) -> None:
+    """Schemathesis' coverage phase sends each path every method its operations do not declare
+    (OPTIONS included): each must be a 405 in OpenAI's shape whose `Allow` lists exactly the
+    path's methods."""
+    headers = {"Authorization": f"Bearer {fuzz_key}"}
+    statuses: Counter[int] = Counter()
+    failures: list[str] = []
+    for operation in sorted((result.ok() for result in gateway_schema.get_all_operations()), key=lambda op: op.label):
+        config = gateway_schema.config.generation_for(operation=operation)
+        for case in gateway_schema.iter_coverage_cases(
+            operation, generation_modes=[GenerationMode.NEGATIVE], generation_config=config
+        ):
+            data = case.meta.phase.data if case.meta is not None else None
+            if getattr(data, "scenario", None) != CoverageScenario.UNSPECIFIED_HTTP_METHOD:
+                continue
+            case.headers = {**(case.headers or {}), **headers}
+            response = _call(case, gateway, headers)
+            statuses[response.status_code] += 1
+            try:
+                assert response.status_code == 405, response.text
+                _assert_openai_error(response)
+                declared = {method.upper() for method in gateway_schema.raw_schema["paths"][operation.path]}
+                allow = ", ".join(response.headers["allow"])  # schemathesis' headers: lists of values
+                assert {method.strip() for method in allow.split(",")} == declared, allow
+                case.validate_response(response, checks=[unsupported_method, allow_header_conformance], headers=headers)
+            except Exception as exc:  # noqa: BLE001 - collected, reported below
+                failures.append(f"{case.method} {operation.path}: {type(exc).__name__}: {exc}")
+    assert statuses[405] >= 100, statuses
+    assert not failures, "\n\n".join(failures)
+    _report("methods a path does not have", statuses)
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/embeddings"), ("GET", "/v1/nope"), ("GET", "/")])
+def test_an_unknown_path_is_openais_invalid_url(fuzz_api: httpx.Client, method: str, path: str) -> None:
+    response = fuzz_api.request(method, path)
+    assert response.status_code == 404, response.text
+    assert response.json() == {
+        "error": {
+            "message": f"Invalid URL ({method} {path})",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
 
 
 def test_fuzz_without_key_is_always_401(gateway_schema: schemathesis.BaseSchema, gateway: Service) -> None:
@@ -258,7 +452,7 @@ def test_nul_in_a_chat_message_does_not_stop_persistence(fuzz_api: httpx.Client,
         }
         response = fuzz_api.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # write-behind: quick, but not on a loaded machine
     while len(stored := asyncio.run(_stored_contents(database_url, session_id))) < 4 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert len(stored) == 4, stored
