@@ -50,7 +50,7 @@ from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.load import report
-from tests.e2e.stack import ADMIN_TOKEN
+from tests.e2e.stack import ADMIN_TOKEN, INTERNAL_AUTH
 
 # The fuzz is bounded by its number of examples, not by time: on two cores with a load average of 8
 # the with-key fuzz alone took 120 to 140 s (the whole module takes about 60 s on an idle machine),
@@ -350,6 +350,17 @@ def test_an_unknown_path_is_openais_invalid_url(fuzz_api: httpx.Client, method: 
             "code": None,
         }
     }
+
+
+def test_the_session_manager_answers_an_unknown_path_and_a_wrong_method_alike(sessions: Service) -> None:
+    """Its error handlers are the gateway's (shared/http_errors.py)."""
+    with httpx.Client(base_url=sessions.url, headers=INTERNAL_AUTH, timeout=TIMEOUT_S) as manager:
+        unknown = manager.post("/v1/embeddings")
+        assert unknown.status_code == 404, unknown.text
+        assert unknown.json()["error"]["message"] == "Invalid URL (POST /v1/embeddings)"
+        wrong = manager.put("/v1/sessions/a")
+        assert wrong.status_code == 405, wrong.text
+        assert wrong.headers["allow"] == "DELETE, GET, PATCH"
 
 
 def test_fuzz_without_key_is_always_401(gateway_schema: schemathesis.BaseSchema, gateway: Service) -> None:
