@@ -19,13 +19,15 @@ from structlog.typing import EventDict, FilteringBoundLogger, Processor, Wrapped
 __all__ = ["bind_contextvars", "clear_contextvars", "configure_logging", "get_logger"]
 
 
-def configure_logging(*, service: str, level: str = "INFO", log_format: str = "json") -> None:
+def configure_logging(*, service: str, level: str = "INFO", log_format: str = "json", traced: bool = False) -> None:
     """Route structlog and stdlib logging to stderr as JSON (or console) lines tagged with `service`.
 
     Args:
         service: Name put on every line (`gateway`, `sessions`, `worker`, `cli`).
         level: Minimum level name.
         log_format: `json` for machines, `console` for people.
+        traced: tracing is on (`AXON_OTLP_ENDPOINT`): a line written in a span carries its
+            `trace_id` and `span_id`.
     """
 
     def add_service(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
@@ -40,6 +42,8 @@ def configure_logging(*, service: str, level: str = "INFO", log_format: str = "j
         add_service,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    if traced:
+        shared_processors.insert(1, _add_trace_ids)
     if log_format == "json":
         structlog.configure(
             processors=[
@@ -117,6 +121,17 @@ def _add_logger_name(logger: WrappedLogger, _method: str, event_dict: EventDict)
     name = record.name if record is not None else getattr(logger, "name", None)
     if name:
         event_dict["logger"] = name
+    return event_dict
+
+
+def _add_trace_ids(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
+    """`trace_id` and `span_id` of the span the line is written in (none outside a span)."""
+    from opentelemetry.trace import get_current_span  # only with tracing on
+
+    context = get_current_span().get_span_context()
+    if context.is_valid:
+        event_dict["trace_id"] = format(context.trace_id, "032x")
+        event_dict["span_id"] = format(context.span_id, "016x")
     return event_dict
 
 

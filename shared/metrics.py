@@ -4,6 +4,8 @@ services' histograms share."""
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import Scope
 
+from shared.tracing import exemplar
+
 # Seconds; LLM requests run from milliseconds (errors, listings) to minutes (long answers).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -30,4 +32,4 @@ class HttpMetrics:
         route = scope.get("route")
         template = getattr(route, "path", "unmatched")
         self.requests.labels(template, scope["method"], str(status)).inc()
-        self.duration.labels(template, scope["method"]).observe(duration_s)
+        self.duration.labels(template, scope["method"]).observe(duration_s, exemplar())

@@ -11,6 +11,7 @@ from shared.errors import error_body
 from shared.http_responses import ORJSONResponse
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.metrics import HttpMetrics
+from shared.tracing import TRACE_ID_HEADER, StatusCode, Tracing, trace_id_hex
 
 REQUEST_ID_HEADER = "x-request-id"
 _MAX_REQUEST_ID_LEN = 128
@@ -27,6 +28,10 @@ class RequestContextMiddleware:
     """Gives every HTTP request a request id (taken from `x-request-id` or new), binds it to
     the log context, returns it as a response header and writes one access log line.
 
+    With `tracing`, every request but the probes also runs in a span of its own (a child of the
+    caller's `traceparent`, else a new trace's root), whose trace id is returned in
+    `x-axon-trace-id`; its access log line is written inside it.
+
     Pure ASGI rather than `BaseHTTPMiddleware`, which would buffer streamed responses.
     """
 
@@ -36,20 +41,38 @@ class RequestContextMiddleware:
         *,
         metrics: HttpMetrics | None = None,
         quiet_paths: frozenset[str] = frozenset(),
+        tracing: Tracing | None = None,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.quiet_paths = quiet_paths
+        self.tracing = tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        status: dict[str, int | bool] = {"code": 500}
+        if self.tracing is not None and scope["path"] not in self.quiet_paths:
+            with self.tracing.server_span(scope["method"], scope["headers"]) as span:
+                try:
+                    await self._handle(scope, receive, send, status, trace_id=trace_id_hex(span))
+                finally:
+                    route = scope.get("route")
+                    span.update_name(f"{scope['method']} {getattr(route, 'path', 'unmatched')}")
+                    span.set_attribute("http.response.status_code", status["code"])
+                    if status["code"] >= 500:
+                        span.set_status(StatusCode.ERROR)
+            return
+        await self._handle(scope, receive, send, status)
+
+    async def _handle(
+        self, scope: Scope, receive: Receive, send: Send, status: dict[str, int | bool], *, trace_id: str | None = None
+    ) -> None:
         request_id = _incoming_request_id(scope) or secrets.token_hex(16)
         scope.setdefault("state", {})["request_id"] = request_id
         clear_contextvars()
         bind_contextvars(request_id=request_id)
-        status: dict[str, int | bool] = {"code": 500}
         started = time.perf_counter()
 
         async def send_with_id(message: Message) -> None:
@@ -58,6 +81,8 @@ class RequestContextMiddleware:
                 status["started"] = True
                 headers = list(message.get("headers", []))
                 headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+                if trace_id is not None:
+                    headers.append((TRACE_ID_HEADER.encode(), trace_id.encode()))
                 message["headers"] = headers
             await send(message)
 

@@ -6,7 +6,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from shared.http_responses import ORJSONResponse
 
@@ -48,7 +49,9 @@ def install_probes(
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
-        """Prometheus metrics."""
+        """Prometheus metrics; in the OpenMetrics format, with the latency histograms' exemplars
+        (trace ids), when the scraper accepts `application/openmetrics-text`."""
         if before_scrape is not None:
             await before_scrape(request.app)
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        encode, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encode(registry), headers={"content-type": content_type})

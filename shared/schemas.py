@@ -215,6 +215,9 @@ class TokenChunk(BaseModel):
     error: ChunkError | None = None
     tool_calls: list[ToolCallDelta] | None = None
     logprobs: list[TokenLogprob] | None = None
+    # The final chunk only, when the worker traces: its job span's W3C `traceparent`, which the
+    # session manager's span links to (shared/tracing.py).
+    traceparent: str | None = None
 
     @property
     def is_final(self) -> bool:

@@ -41,6 +41,15 @@ class CommonSettings(BaseSettings):
     internal_token: SecretStr | None = None
     # Let the internal services' /metrics answer without the internal token (a private scrape network).
     metrics_public: bool = False
+    # OpenTelemetry traces (shared/tracing.py): the OTLP/HTTP collector's base URL (spans go to
+    # <url>/v1/traces); empty: tracing off, at no cost.
+    otlp_endpoint: str = ""
+    # The share of new traces kept (head sampling; a sampled caller's trace is always kept).
+    trace_sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    # Spans waiting for export, at most; past it they are dropped (and counted), never waited for.
+    trace_max_queued_spans: int = Field(2048, ge=1)
+    # How long one export to the collector may take (on the exporter's own thread).
+    trace_export_timeout_s: float = Field(5.0, gt=0)
 
     def internal_token_problem(self) -> str | None:
         """Why the internal token is unacceptable, or None."""

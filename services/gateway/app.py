@@ -28,6 +28,7 @@ from shared.probes import PROBE_PATHS, install_probes
 from shared.ratelimit import RateLimiter
 from shared.registry import WorkerRegistry
 from shared.settings import InsecureConfiguration
+from shared.tracing import Tracing
 
 log = get_logger(__name__)
 
@@ -36,7 +37,12 @@ _SESSIONS_READY_TIMEOUT_S = 3.0
 
 
 def _attach_services(
-    app: FastAPI, clients: GatewayClients, *, settings: GatewaySettings, metrics: GatewayMetrics
+    app: FastAPI,
+    clients: GatewayClients,
+    *,
+    settings: GatewaySettings,
+    metrics: GatewayMetrics,
+    tracing: Tracing | None,
 ) -> None:
     """Build the gateway's services on its connections and put them on `app.state`, for the routes."""
     names = Names(settings.namespace)
@@ -71,6 +77,7 @@ def _attach_services(
         body_timeout_s=settings.request_body_timeout_s,
         default_max_tokens=settings.default_max_tokens,
         max_tokens_limit=settings.max_tokens_limit,
+        tracing=tracing,
     )
 
 
@@ -90,13 +97,18 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     if problem is not None:
         raise InsecureConfiguration(f"Refusing to start HTTPS: {problem}.")
     metrics = GatewayMetrics()
+    tracing = Tracing.of(settings, service="axon-gateway", registry=metrics.registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with open_clients(settings) as clients:
-            _attach_services(app, clients, settings=settings, metrics=metrics)
-            log.info("gateway_ready", port=settings.gateway_port, sessions_url=settings.sessions_url)
-            yield
+        try:
+            async with open_clients(settings) as clients:
+                _attach_services(app, clients, settings=settings, metrics=metrics, tracing=tracing)
+                log.info("gateway_ready", port=settings.gateway_port, sessions_url=settings.sessions_url)
+                yield
+        finally:
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(
         telemetry=NO_FASTAPI_TELEMETRY,
@@ -116,6 +128,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         RequestContextMiddleware,
         metrics=metrics.http,
         quiet_paths=PROBE_PATHS,
+        tracing=tracing,
     )
     app.include_router(routes.router)
     app.include_router(admin.router)

@@ -18,7 +18,9 @@ def main() -> None:
     from shared.settings import InsecureConfiguration
 
     settings = GatewaySettings()
-    configure_logging(service="gateway", level=settings.log_level, log_format=settings.log_format)
+    configure_logging(
+        service="gateway", level=settings.log_level, log_format=settings.log_format, traced=bool(settings.otlp_endpoint)
+    )
     try:
         app = create_app(settings)
     except InsecureConfiguration as exc:

@@ -32,12 +32,22 @@ from shared.keys import KeyRecord
 from shared.logging import bind_contextvars, get_logger
 from shared.openai_requests import MAX_CHOICES
 from shared.tokens import estimate_tokens
+from shared.tracing import TRACE_ID_HEADER, SpanKind, Tracing, span
 
 log = get_logger(__name__)
 
 # Response headers that describe the upstream hop, not the answer.
 _HOP_HEADERS = frozenset(
-    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server", b"x-request-id"}
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"content-length",
+        b"date",
+        b"server",
+        b"x-request-id",
+        TRACE_ID_HEADER.encode(),
+    }
 )
 _STREAM_BROKEN_EVENT = (
     b"data: "
@@ -238,7 +248,9 @@ class GatewayService:
         body_timeout_s: float,
         default_max_tokens: int,
         max_tokens_limit: int,
+        tracing: Tracing | None = None,
     ) -> None:
+        self._tracing = tracing
         self._forwarder = forwarder
         self._authenticator = authenticator
         self._admitter = admitter
@@ -260,7 +272,9 @@ class GatewayService:
             await self._complete(scope, receive, send)
 
     async def _complete(self, scope: Scope, receive: Receive, send: Send) -> None:
-        record = await self._authenticator.authenticate(header(scope, b"authorization"))
+        tracing = self._tracing
+        with span(tracing, "authenticate"):
+            record = await self._authenticator.authenticate(header(scope, b"authorization"))
         bind_contextvars(tenant=record.tenant, key_id=record.id)
         body = await read_body(scope, receive, max_bytes=self._max_body_bytes, timeout_s=self._body_timeout_s)
         parsed = parse_json_object(body)
@@ -271,18 +285,22 @@ class GatewayService:
             default_max_tokens=self._default_max_tokens,
             limit=self._max_tokens_limit,
         )
-        admission = await self._admitter.admit(record, tokens=tokens)
+        with span(tracing, "admission", attributes={"axon.tokens": tokens}):
+            admission = await self._admitter.admit(record, tokens=tokens)
         # The session manager settles what the admission holds when the answer ends.
         headers = self._upstream_headers(scope["state"]["request_id"], caller_of(record, admission))
         handed_over = False
         try:
             watch = DisconnectWatch(scope, receive)
             try:
-                upstream = await self._forwarder.open("POST", scope["path"], body=body, headers=headers)
-                try:
-                    handed_over = await _relay(upstream, send, watch, extra_headers=admission.headers())
-                finally:
-                    upstream.close()
+                with span(tracing, "upstream", kind=SpanKind.CLIENT):
+                    if tracing is not None:
+                        tracing.inject(headers)
+                    upstream = await self._forwarder.open("POST", scope["path"], body=body, headers=headers)
+                    try:
+                        handed_over = await _relay(upstream, send, watch, extra_headers=admission.headers())
+                    finally:
+                        upstream.close()
             finally:
                 watch.stop()
         finally:

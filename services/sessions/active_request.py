@@ -19,6 +19,7 @@ from shared.errors import AxonError, DeadlineExceeded, InvalidRequest, UpstreamE
 from shared.internal_headers import HISTORY_DROPPED_HEADER, Caller
 from shared.logging import get_logger
 from shared.schemas import Job, TokenChunk, Usage
+from shared.tracing import link_current_span
 
 log = get_logger(__name__)
 
@@ -109,6 +110,8 @@ class ActiveRequest:
         if chunk.finish_reason is not None and answer.finish_reason is None:
             answer.finish_reason = chunk.finish_reason
             self.unfinished -= 1
+            if chunk.traceparent is not None:
+                link_current_span(chunk.traceparent)
         return choice, chunk
 
     async def chunks(self) -> AsyncIterator[tuple[Choice, TokenChunk]]:

@@ -32,6 +32,7 @@ from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
 from shared.probes import PROBE_PATHS, install_probes
 from shared.ratelimit import RateLimiter
+from shared.tracing import Tracing
 
 log = get_logger(__name__)
 
@@ -73,7 +74,12 @@ async def _update_outbox_gauges(app: FastAPI, metrics: SessionsMetrics) -> None:
 
 
 def _attach_services(
-    app: FastAPI, opened: SessionsResources, *, settings: SessionsSettings, metrics: SessionsMetrics
+    app: FastAPI,
+    opened: SessionsResources,
+    *,
+    settings: SessionsSettings,
+    metrics: SessionsMetrics,
+    tracing: Tracing | None,
 ) -> SessionServices:
     """Build the services on what is open; the probes' connections go on `app.state`, the routes'
     services in `app.state.services` (`deps.SessionServices`)."""
@@ -98,6 +104,7 @@ def _attach_services(
             affinity=opened.publisher.affinity,
         ),
         metrics=metrics,
+        tracing=tracing,
     )
     run_on = RunOn(
         ResponseLeases(
@@ -135,6 +142,7 @@ def _attach_services(
         chunk_log=opened.chunk_log,
         metrics=metrics,
         request_limits=settings.request_limits,
+        tracing=tracing,
     )
     app.state.services = services
     return services
@@ -149,22 +157,27 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     settings = settings or SessionsSettings()
     settings.require_internal_token()
     metrics = SessionsMetrics()
+    tracing = Tracing.of(settings, service="axon-sessions", registry=metrics.registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with open_resources(settings, metrics) as opened:
-            services = _attach_services(app, opened, settings=settings, metrics=metrics)
-            # Renews this process's leases on unfinished stored responses, takes over expired ones.
-            sweeping = asyncio.create_task(services.run_on.sweep(services.responses.take_over))
-            log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)
-            try:
-                yield
-            finally:
-                sweeping.cancel()
-                await asyncio.gather(sweeping, return_exceptions=True)
-                # Stored responses are handed over at once; turns whose clients left may still be
-                # running: stored complete if they end within the stop's grace (`RunOn`).
-                await services.run_on.stop()
+        try:
+            async with open_resources(settings, metrics) as opened:
+                services = _attach_services(app, opened, settings=settings, metrics=metrics, tracing=tracing)
+                # Renews this process's leases on unfinished stored responses, takes over expired ones.
+                sweeping = asyncio.create_task(services.run_on.sweep(services.responses.take_over))
+                log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)
+                try:
+                    yield
+                finally:
+                    sweeping.cancel()
+                    await asyncio.gather(sweeping, return_exceptions=True)
+                    # Stored responses are handed over at once; turns whose clients left may still be
+                    # running: stored complete if they end within the stop's grace (`RunOn`).
+                    await services.run_on.stop()
+        finally:
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(
         title="Axon session manager",
@@ -180,6 +193,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         RequestContextMiddleware,
         metrics=metrics.http,
         quiet_paths=PROBE_PATHS,
+        tracing=tracing,
     )
     app.include_router(models_router.router)
     app.include_router(chat_router.router)

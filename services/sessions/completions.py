@@ -39,6 +39,7 @@ from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Job, TokenChunk, Usage
 from shared.tasks import BackgroundTasks
+from shared.tracing import SpanKind, Tracing, exemplar, span
 
 log = get_logger(__name__)
 
@@ -58,7 +59,9 @@ class CompletionService:
         limiter: RateLimiter,
         turns: Turns,
         metrics: SessionsMetrics,
+        tracing: Tracing | None = None,
     ) -> None:
+        self._tracing = tracing
         self._settings = settings
         self._names = Names(settings.namespace)
         self._catalog = catalog
@@ -99,6 +102,7 @@ class CompletionService:
             any work was queued.
         """
         started = time.perf_counter()
+        tracing = self._tracing
         model, live, wait_s = await self._catalog.require_or_wait(body.model, wait_s=cold_start_wait_s)
         require_supported(body, model, live)
         sampling = self._jobs.sampling(body, live)
@@ -118,31 +122,33 @@ class CompletionService:
         try:
             if session_id is not None:
                 assert messages is not None
-                turn = await self._turns.begin(
-                    tenant=caller.tenant,
-                    session_id=session_id,
-                    job_id=streams[0].job_id,
-                    new_messages=messages,
-                    budget_tokens=live.context_tokens - sampling.max_tokens,
-                )
+                with span(tracing, "history"):
+                    turn = await self._turns.begin(
+                        tenant=caller.tenant,
+                        session_id=session_id,
+                        job_id=streams[0].job_id,
+                        new_messages=messages,
+                        budget_tokens=live.context_tokens - sampling.max_tokens,
+                    )
                 messages = turn.prompt
-            job = self._jobs.job(
-                body,
-                *live.route(model),
-                messages=messages,
-                prompt=prompt,
-                sampling=sampling,
-                stream=streams[0],
-                turn=turn,
-                caller=caller,
-            )
-            if resumable:
-                job.chunk_log_ttl_s = self._settings.stream_log_ttl_s
-            if timeout_s is not None:
-                job.deadline = time.time() + timeout_s
-            if wait_s > 0:
-                job = cold_start_job(job, body, wait_s)
-            jobs = [job, *(for_choice(job, i, s) for i, s in enumerate(streams[1:], 1))]
+            with span(tracing, "build job"):
+                job = self._jobs.job(
+                    body,
+                    *live.route(model),
+                    messages=messages,
+                    prompt=prompt,
+                    sampling=sampling,
+                    stream=streams[0],
+                    turn=turn,
+                    caller=caller,
+                )
+                if resumable:
+                    job.chunk_log_ttl_s = self._settings.stream_log_ttl_s
+                if timeout_s is not None:
+                    job.deadline = time.time() + timeout_s
+                if wait_s > 0:
+                    job = cold_start_job(job, body, wait_s)
+                jobs = [job, *(for_choice(job, i, s) for i, s in enumerate(streams[1:], 1))]
             # The worker whose prefix cache holds the conversation, first (`shared/affinity.py`).
             home = job_home(
                 session_home=turn.home if turn is not None else None,
@@ -152,9 +158,16 @@ class CompletionService:
                 homes=live.homes,
                 prefix_affinity=self._settings.prefix_affinity and self._publisher.affinity,
             )
-            await publish_all(
-                self._publisher, jobs, priority=caller.priority, request_id=request_id, home=home, cancel=self._cancel
-            )
+            with span(tracing, "publish", kind=SpanKind.PRODUCER, attributes={"axon.job_id": job.job_id}):
+                await publish_all(
+                    self._publisher,
+                    jobs,
+                    priority=caller.priority,
+                    request_id=request_id,
+                    home=home,
+                    cancel=self._cancel,
+                    headers=tracing.job_headers() if tracing is not None else None,
+                )
         except BaseException:
             await stream.close()
             if turn is not None:
@@ -254,7 +267,7 @@ class CompletionService:
         except BaseException:
             await self.finish(active, outcome="error")
             raise
-        self._metrics.ttft.labels(active.job.model).observe(time.perf_counter() - active.started)
+        self._metrics.ttft.labels(active.job.model).observe(time.perf_counter() - active.started, exemplar())
         return first, chunks
 
     async def first_of(
@@ -304,9 +317,10 @@ class CompletionService:
                 status = _ANSWER_STATUSES.get(outcome, "failed")
                 answer = active.choices[0].answer
                 try:
-                    await self._turns.record_answer(
-                        active.turn, text=answer.content, status=status, tool_calls=answer.tool_calls
-                    )
+                    with span(self._tracing, "history write"):
+                        await self._turns.record_answer(
+                            active.turn, text=answer.content, status=status, tool_calls=answer.tool_calls
+                        )
                 except _STORAGE_ERRORS as exc:
                     log.error("answer_not_stored", error=repr(exc))
                     not_stored = exc

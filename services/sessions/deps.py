@@ -24,6 +24,7 @@ from shared import internal_headers
 from shared.internal_headers import Caller
 from shared.logging import bind_contextvars
 from shared.openai_requests import RequestLimits
+from shared.tracing import Tracing
 
 # The gateway forwards bodies of at most AXON_MAX_BODY_BYTES; this only bounds a bad internal caller.
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -62,6 +63,7 @@ class SessionServices:
     chunk_log: ChunkLog
     metrics: SessionsMetrics
     request_limits: RequestLimits
+    tracing: Tracing | None = None
 
 
 def services_of(scope: Scope) -> SessionServices:

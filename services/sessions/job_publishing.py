@@ -5,7 +5,7 @@ a timer of ours)."""
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aio_pika
@@ -68,7 +68,15 @@ class JobPublisher:
         """Whether a session's jobs go to the worker that served its last turn first."""
         return self._affinity_wait_ms > 0
 
-    async def publish(self, job: Job, *, priority: int, request_id: str, home: str | None = None) -> None:
+    async def publish(
+        self,
+        job: Job,
+        *,
+        priority: int,
+        request_id: str,
+        home: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+    ) -> None:
         """Publish `job` persistently; the broker drops it unread once its deadline passes.
 
         With `home` (a live worker that served the session's last turn, and affinity on), the job
@@ -76,6 +84,8 @@ class JobPublisher:
         left to its deadline, if less); expired there, RabbitMQ dead-letters it to the model's
         queue. That queue gone (its worker died a while ago), the broker returns the job and it is
         published to the model's queue instead.
+
+        `headers`: more message headers (the trace context, `shared/tracing.py`).
 
         Published on the underlying aiormq channel: aio-pika's `Exchange.publish` adds a
         `Message` object and checks per call, and its robust channel still recovers the
@@ -90,7 +100,7 @@ class JobPublisher:
             # request wait for the broker's return, however long that takes.
             raise Unavailable("The job broker is unavailable; try again shortly.", retry_after_s=2)
         left_ms = max(1, int((job.deadline - time.time()) * 1000))
-        properties = _properties(job, priority=priority, request_id=request_id, expiration_ms=left_ms)
+        properties = _properties(job, priority=priority, request_id=request_id, expiration_ms=left_ms, headers=headers)
         body = job.model_dump_json().encode()
         try:
             await self._ensure_queue(self._channel, job.model)
@@ -101,7 +111,9 @@ class JobPublisher:
                     body,
                     exchange=self._names.jobs_exchange,
                     routing_key=self._names.worker_queue(job.model, home),
-                    properties=_properties(job, priority=priority, request_id=request_id, expiration_ms=wait_ms),
+                    properties=_properties(
+                        job, priority=priority, request_id=request_id, expiration_ms=wait_ms, headers=headers
+                    ),
                     mandatory=True,
                     timeout=self._publish_timeout_s,
                 )
@@ -141,15 +153,17 @@ class JobPublisher:
             self._routed.labels(model, route).inc()
 
 
-def _properties(job: Job, *, priority: int, request_id: str, expiration_ms: int) -> spec.Basic.Properties:
+def _properties(
+    job: Job, *, priority: int, request_id: str, expiration_ms: int, headers: Mapping[str, Any] | None = None
+) -> spec.Basic.Properties:
     """A job message's AMQP properties: persistent, its id, its caller's priority, expiring after
-    `expiration_ms` (RabbitMQ then dead-letters it)."""
+    `expiration_ms` (RabbitMQ then dead-letters it), with `headers` beside its request id."""
     return spec.Basic.Properties(
         content_type="application/json",
         delivery_mode=2,  # persistent
         message_id=job.job_id,
         priority=max(0, min(priority, MAX_JOB_PRIORITY)),
-        headers={"x-request-id": request_id},
+        headers={"x-request-id": request_id, **headers} if headers else {"x-request-id": request_id},
         expiration=str(expiration_ms),
     )
 
@@ -162,14 +176,18 @@ async def publish_all(
     request_id: str,
     home: str | None,
     cancel: Callable[[str], "asyncio.Future[Any]"],
+    headers: Mapping[str, Any] | None = None,
 ) -> None:
     """Publish every job of a request (one per choice), or none: when one fails, the others are
-    called off (`cancel`). `home`: the worker whose own queue a session's (single) job goes to first.
+    called off (`cancel`). `home`: the worker whose own queue a session's (single) job goes to
+    first; `headers`: more message headers (`JobPublisher.publish`).
 
     Raises:
         Unavailable: a job could not be queued.
     """
-    publishes = [publisher.publish(job, priority=priority, request_id=request_id, home=home) for job in jobs]
+    publishes = [
+        publisher.publish(job, priority=priority, request_id=request_id, home=home, headers=headers) for job in jobs
+    ]
     results: list[BaseException | None]
     if len(publishes) == 1:
         try:

@@ -17,7 +17,12 @@ def main() -> None:
     from shared.settings import InsecureConfiguration
 
     settings = SessionsSettings()
-    configure_logging(service="sessions", level=settings.log_level, log_format=settings.log_format)
+    configure_logging(
+        service="sessions",
+        level=settings.log_level,
+        log_format=settings.log_format,
+        traced=bool(settings.otlp_endpoint),
+    )
     try:
         app = create_app(settings)
     except InsecureConfiguration as exc:

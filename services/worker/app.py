@@ -47,6 +47,7 @@ def create_app(settings: WorkerSettings | None = None, engine: Engine | None = N
         RequestContextMiddleware,
         metrics=worker.metrics.http,
         quiet_paths=PROBE_PATHS,
+        tracing=worker.tracing,
     )
 
     install_probes(

@@ -170,8 +170,11 @@ class ChunkPublisher:
         owner: UsageOwner | None = None,
         home: Home | None = None,
         chunk_log: ChunkLogTarget | None = None,
+        traceparent: str | None = None,
     ) -> None:
         self._pipe = pipe
+        # Put on the final chunk: the worker's span, for the session manager's to link to.
+        self._traceparent = traceparent
         self._channel = channel
         self._deadline = deadline
         self._job_id = job_id
@@ -280,6 +283,8 @@ class ChunkPublisher:
         a worker dying in between never leaves half a record. `text` is the engine's raw text
         (tool calls included), which a resumed job replays."""
         final = chunk.finish_reason is not None
+        if final and self._traceparent is not None:
+            chunk.traceparent = self._traceparent
         expire_s = 0
         creates = (bool(text) and not self._text_expiring) or (bool(token_ids) and not self._tokens_expiring)
         if final or not self._expiry_set or creates:

@@ -10,8 +10,10 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 from aio_pika.exceptions import AMQPError
@@ -41,9 +43,21 @@ from shared.outages import Outage, redis_unreachable
 from shared.redis_pipe import RedisPipe, RedisSubscriber
 from shared.schemas import FinishReason, Job
 from shared.topology import spilled_from_worker_queue
+from shared.tracing import (
+    PUBLISHED_AT_HEADER,
+    SpanKind,
+    Tracing,
+    annotate,
+    context_from,
+    current_traceparent,
+    exemplar,
+    span,
+)
 
 log = get_logger(__name__)
 
+# Outcomes whose job span is marked as an error (a trace a collector's tail sampling keeps).
+_FAILED = frozenset({"failed", "expired"})
 # How many cancelled job ids to remember, so a job cancelled while still queued is skipped.
 _CANCELLED_MEMORY = 10_000
 
@@ -99,8 +113,10 @@ class JobRunner:
         gate: RedisGate,
         worker_id: str = "",
         on_engine_failure: Callable[[str], None] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._engine = engine
+        self._tracing = tracing
         # Called when the engine died under a job: the worker stops (`Worker.fail`).
         self._on_engine_failure = on_engine_failure
         # Named as a session's home by its answers (none: this runner records no affinity).
@@ -165,6 +181,31 @@ class JobRunner:
         bind_contextvars(
             job_id=job.job_id, tenant=job.tenant, session_id=job.session_id, request_id=headers.get("x-request-id")
         )
+        if self._tracing is None:
+            await self._handle_job(job, message)
+            return
+        with self._job_span(self._tracing, job, message):
+            await self._handle_job(job, message)
+
+    def _job_span(self, tracing: Tracing, job: Job, message: AbstractIncomingMessage) -> AbstractContextManager[Any]:
+        """The job's span on this worker, a child of the session manager's publish (the job
+        message's `traceparent`): a redelivered or handed-back job's attempts join the same trace.
+        Its time in the queue, from the publish to now, is a `queued` span beside it."""
+        headers = message.headers or {}
+        parent = context_from(headers)
+        published_ns = headers.get(PUBLISHED_AT_HEADER)
+        if isinstance(published_ns, int):
+            tracing.record("queued", start_ns=published_ns, end_ns=time.time_ns(), context=parent)
+        attributes = {
+            "axon.job_id": job.job_id,
+            "axon.model": job.model,
+            "axon.worker_id": self._worker_id,
+            "messaging.message.redelivered": bool(message.redelivered),
+            "axon.handed_back": HANDED_BACK_HEADER in headers,
+        }
+        return tracing.span("job", kind=SpanKind.CONSUMER, context=parent, attributes=attributes)
+
+    async def _handle_job(self, job: Job, message: AbstractIncomingMessage) -> None:
         started = time.perf_counter()
         attempt, outages = Attempt.first(message), 0
         while True:
@@ -207,6 +248,8 @@ class JobRunner:
         if ended is None:
             return  # dead-lettered
         outcome, publisher = ended
+        if self._tracing is not None:
+            annotate({"axon.outcome": outcome}, error=outcome in _FAILED)
         self._metrics.jobs.labels(job.model, outcome).inc()
         if publisher.resumed:
             self._metrics.jobs.labels(job.model, "resumed").inc()
@@ -236,6 +279,8 @@ class JobRunner:
             owner=UsageOwner.of(job),
             home=self._home(job),
             chunk_log=ChunkLogTarget.of(job, self._names),
+            # The final chunk carries the job span's context back to the session manager.
+            traceparent=current_traceparent() if self._tracing is not None else None,
         )
         if progress.done:
             return "duplicate", publisher  # finished before; only its ack was lost
@@ -342,7 +387,7 @@ class JobRunner:
             adapter=job.adapter,
         )
         model = job.model
-        started = time.perf_counter()
+        started, started_ns = time.perf_counter(), time.time_ns()
         outputs = Coalescer()
         pump = asyncio.create_task(self._pump(outputs, publisher, job_id=job.job_id, model=model, started=started))
         self._metrics.running.labels(model).inc()
@@ -363,7 +408,7 @@ class JobRunner:
             except EngineError as exc:
                 engine_error = exc  # publish what was generated first, then report it
             outputs.close()
-            reason = await pump
+            reason, first_token_ns = await pump
         finally:
             self._metrics.running.labels(model).dec()
             self.generating -= 1
@@ -374,25 +419,37 @@ class JobRunner:
             raise engine_error
         if reason is None:
             raise EngineError("The engine ended the answer without a finish reason.")
-        self._metrics.job_duration.labels(model).observe(time.perf_counter() - started)
+        self._metrics.job_duration.labels(model).observe(time.perf_counter() - started, exemplar())
+        if self._tracing is not None and first_token_ns is not None:
+            self._tracing.record("prefill", start_ns=started_ns, end_ns=first_token_ns)
+            generated = {"axon.completion_tokens": publisher.completion_tokens, "axon.chunks": publisher.seq}
+            self._tracing.record("generation", start_ns=first_token_ns, end_ns=time.time_ns(), attributes=generated)
         if reason == "cancelled":
             return "unheard" if publisher.unheard else "cancelled"
         return "completed"
 
     async def _pump(
         self, outputs: Coalescer, publisher: ChunkPublisher, *, job_id: str, model: str, started: float
-    ) -> FinishReason | None:
+    ) -> tuple[FinishReason | None, int | None]:
         """Publish what the engine produced, merging whatever piled up during the last publish.
         A chunk nobody received, of a job without a chunk log, aborts the engine's sequence: its
-        `cancelled` end comes within a step, and its usage is recorded here."""
+        `cancelled` end comes within a step, and its usage is recorded here.
+
+        Returns:
+            The answer's finish reason, and when its first output came (Unix time in ns).
+        """
         reason: FinishReason | None = None
-        first = True
+        first_ns: int | None = None
         aborted = False
         while (out := await outputs.take()) is not None:
-            if first:
-                self._metrics.ttft.labels(model).observe(time.perf_counter() - started)
-                first = False
-            await publisher.publish(out)
+            if first_ns is None:
+                first_ns = time.time_ns()
+                self._metrics.ttft.labels(model).observe(time.perf_counter() - started, exemplar())
+            if out.finish_reason is not None:
+                with span(self._tracing, "publish", attributes={"axon.final": True}):
+                    await publisher.publish(out)
+            else:
+                await publisher.publish(out)
             if publisher.unheard and not aborted:
                 aborted = True
                 log.info("job_unheard", seq=publisher.seq - 1)
@@ -402,7 +459,7 @@ class JobRunner:
                 reason = out.finish_reason
                 self._metrics.prompt_tokens.labels(model).inc(publisher.prompt_tokens)
                 self._metrics.cached_prompt_tokens.labels(model).inc(out.cached_tokens)
-        return reason
+        return reason, first_ns
 
 
 async def _ack_or_requeue(message: AbstractIncomingMessage, *, requeue: bool = False) -> None:

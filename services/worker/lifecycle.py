@@ -28,6 +28,7 @@ from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
 from shared.schemas import Job
 from shared.topology import declare_job_queue, declare_worker_queue
+from shared.tracing import Tracing
 
 log = get_logger(__name__)
 
@@ -43,6 +44,9 @@ class Worker:
         self.engine = engine
         self.names = Names(settings.namespace)
         self.metrics = WorkerMetrics()
+        self.tracing = Tracing.of(
+            settings, service="axon-worker", registry=self.metrics.registry, instance_id=settings.worker_id
+        )
         self.redis = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
         # Every chunk's publish script, batched per loop iteration across the jobs running here.
         self.pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
@@ -60,6 +64,7 @@ class Worker:
             gate=self.gate,
             worker_id=settings.worker_id,
             on_engine_failure=self.fail,
+            tracing=self.tracing,
         )
         self.not_ready_reason: str | None = "starting"
         # Why the process must exit non-zero (the engine failed), so an orchestrator restarts it.
@@ -303,3 +308,5 @@ class Worker:
             boot.cancel()
             await asyncio.gather(boot, return_exceptions=True)
             await self.shutdown()
+            if self.tracing is not None:
+                await asyncio.to_thread(self.tracing.shutdown)

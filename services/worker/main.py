@@ -32,7 +32,9 @@ def main() -> None:
         configure_logging(service="worker", level="INFO", log_format="json")
         get_logger(__name__).error("refusing_to_start", reason=_settings_errors(exc))
         sys.exit(2)
-    configure_logging(service="worker", level=settings.log_level, log_format=settings.log_format)
+    configure_logging(
+        service="worker", level=settings.log_level, log_format=settings.log_format, traced=bool(settings.otlp_endpoint)
+    )
     try:
         app = create_app(settings)
     except InsecureConfiguration as exc:

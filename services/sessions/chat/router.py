@@ -23,6 +23,7 @@ from shared.http_responses import SSE_END
 from shared.internal_headers import Caller
 from shared.logging import bind_contextvars
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest, Kind, parse_request
+from shared.tracing import span
 
 router = APIRouter()
 
@@ -67,7 +68,7 @@ async def _complete(
         bind_contextvars(session_id=body.session_id)
     if body.user is not None:
         bind_contextvars(user=body.user)
-    service, chat = services.completions, services.chat
+    service, chat, tracing = services.completions, services.chat, services.tracing
     active = await service.start(body, kind=kind, caller=caller, request_id=scope["state"]["request_id"])
     watch = DisconnectWatch(scope, receive)
     try:
@@ -76,28 +77,31 @@ async def _complete(
         if body.stream and active.job.start_by is not None:  # queued for a model with no live worker
             keepalive = StreamKeepAlive(send, SSE_HEADERS + extra)
         try:
-            first, rest = await service.first_chunk(active, on_wait=keepalive.beat if keepalive else None)
+            with span(tracing, "first chunk"):
+                first, rest = await service.first_chunk(active, on_wait=keepalive.beat if keepalive else None)
         except AxonError as exc:
             if keepalive is None or not keepalive.started:
                 raise
             watch.stop()
             await send({"type": "http.response.body", "body": sse_error(exc), "more_body": False})
             return 200
-        if not body.stream:
-            answer = await chat.collect(active, first, rest)
-            watch.stop()
-            await send_json(send, 200, orjson.dumps(answer), extra)
-            return 200
-        started = keepalive is not None and keepalive.started
-        async for piece in chat.sse(active, first, rest):
-            if not started:  # the head goes out right before the first piece: the gateway reads them together
-                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + extra})
-                started = True
-            ended = piece.endswith(SSE_END)
-            if ended:
+        # The worker's final chunk links this span to the worker's (`ActiveRequest.receive`).
+        with span(tracing, "relay"):
+            if not body.stream:
+                answer = await chat.collect(active, first, rest)
                 watch.stop()
-            await send({"type": "http.response.body", "body": piece, "more_body": not ended})
-        return 200
+                await send_json(send, 200, orjson.dumps(answer), extra)
+                return 200
+            started = keepalive is not None and keepalive.started
+            async for piece in chat.sse(active, first, rest):
+                if not started:  # the head goes out right before the first piece: the gateway reads them together
+                    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + extra})
+                    started = True
+                ended = piece.endswith(SSE_END)
+                if ended:
+                    watch.stop()
+                await send({"type": "http.response.body", "body": piece, "more_body": not ended})
+            return 200
     finally:
         watch.stop()
 

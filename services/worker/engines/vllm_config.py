@@ -44,6 +44,9 @@ class VllmOptions:
     lora_adapters: Mapping[str, str] = field(default_factory=dict)
     max_loras: int = 4
     max_lora_rank: int = 16
+    # The OTLP/HTTP collector's base URL (`AXON_OTLP_ENDPOINT`): vLLM exports its own request
+    # spans there, as children of the worker's job span; None: vLLM traces nothing.
+    otlp_endpoint: str | None = None
 
     @property
     def ranks(self) -> int:
@@ -68,6 +71,7 @@ def engine_kwargs(options: VllmOptions, *, on_cpu: bool) -> dict[str, Any]:
         "gpu_memory_utilization": options.gpu_memory_utilization,
         "kv_cache_memory_bytes": int(kv_cache_gib * GIB) if kv_cache_gib is not None else None,
         "enforce_eager": eager,
+        "otlp_traces_endpoint": f"{options.otlp_endpoint.rstrip('/')}/v1/traces" if options.otlp_endpoint else None,
     } | lora_engine_kwargs(options.lora_adapters, max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
     return {name: value for name, value in chosen.items() if value is not None}
 
@@ -140,4 +144,7 @@ def vllm_environment(options: VllmOptions, *, on_cpu: bool, cores: Sequence[int]
         env["HF_HUB_OFFLINE"] = "1"
     if on_cpu:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(options.cpu_threads_bind, ranks=options.ranks, cores=cores)
+    if options.otlp_endpoint:
+        # vLLM's exporter speaks gRPC unless told otherwise; Axon's collector endpoint is OTLP/HTTP.
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
     return env

@@ -75,6 +75,7 @@ from services.worker.engines.vllm_tools import Specials, VllmToolCallParser
 from services.worker.prompts import tool_prompt_messages
 from shared.logging import get_logger
 from shared.schemas import Capability, FunctionSpec, Job, Message, Sampling
+from shared.tracing import TRACEPARENT, current_traceparent
 
 log = get_logger(__name__)
 
@@ -536,6 +537,8 @@ class VllmEngine(Engine):
                 params,
                 request.request_id,
                 lora_request=self._lora_request(request.adapter),
+                # vLLM's spans of the request become children of the worker's job span.
+                trace_headers=_trace_headers() if self._options.otlp_endpoint else None,
             )
             return await anext(outputs), outputs
         except (VLLMValidationError, ValueError, TypeError) as exc:  # what vLLM refuses (not all checks raise its own)
@@ -611,3 +614,9 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield first
     async for item in rest:
         yield item
+
+
+def _trace_headers() -> dict[str, str] | None:
+    """The current span's `traceparent`, as vLLM takes it (`AsyncLLM.generate(trace_headers=...)`)."""
+    traceparent = current_traceparent()
+    return {TRACEPARENT: traceparent} if traceparent is not None else None

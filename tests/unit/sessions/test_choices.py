@@ -20,7 +20,9 @@ class Publisher:
         self.failures = failures
         self.published: list[str] = []
 
-    async def publish(self, job: Job, *, priority: int, request_id: str, home: str | None = None) -> None:
+    async def publish(
+        self, job: Job, *, priority: int, request_id: str, home: str | None = None, headers: object = None
+    ) -> None:
         await asyncio.sleep(0)
         if job.job_id in self.failures:
             raise self.failures[job.job_id]
