@@ -292,15 +292,24 @@ PARSERS: dict[str, Callable[[str], dict[str, float]]] = {
 
 
 def run_benchmark(
-    tree: Tree, benchmark: str, args: Sequence[str], *, python: str, round_: int, output: Path, timeout_s: float
+    tree: Tree,
+    benchmark: str,
+    args: Sequence[str],
+    *,
+    python: str,
+    round_: int,
+    output: Path,
+    timeout_s: float,
+    extra_env: dict[str, str] | None = None,
 ) -> Run:
-    """One run of the tree's own `benchmarks/<benchmark>.py`, its output kept in `output`."""
+    """One run of the tree's own `benchmarks/<benchmark>.py`, its output kept in `output`, with
+    `extra_env` added to its environment."""
     run = Run(tree=tree.label, round=round_, load_before=os.getloadavg()[0])
     script = tree.path / "benchmarks" / f"{benchmark}.py"
     if not script.exists():
         run.problem = f"{tree.sha[:7]} has no benchmarks/{benchmark}.py"
         return run
-    env = {**os.environ, "PYTHONPATH": str(tree.path)}
+    env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(tree.path)}
     argv = [python, str(script), *args]
     started = time.monotonic()
     try:
@@ -360,6 +369,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=DEFAULT_CAPACITY_ARGS,
         help=f"capacity.py's arguments, one string (default: {DEFAULT_CAPACITY_ARGS!r})",
     )
+    for label in ("base", "head"):
+        parser.add_argument(
+            f"--{label}-env",
+            default="",
+            metavar="'NAME=VALUE ...'",
+            help=f"environment variables of the {label} tree's runs, one string (e.g. the harness's "
+            "AXON_BENCH_OTLP_ENDPOINT: the same commit twice, tracing off against on)",
+        )
     parser.add_argument("--python", default=sys.executable, help="the interpreter of both trees (default: this one)")
     parser.add_argument("--repo", type=Path, help="the git repository (default: the one holding this script)")
     parser.add_argument("--output-dir", type=Path, help="where each run's output is kept (default: a new folder)")
@@ -382,6 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engine_vs_stack": shlex.split(args.engine_vs_stack_args),
         "capacity": shlex.split(args.capacity_args),
     }
+    try:
+        tree_env = {"base": _assignments(args.base_env), "head": _assignments(args.head_env)}
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         described = [describe(repo, "base", args.base), describe(repo, "head", args.head)]
     except subprocess.CalledProcessError as exc:
@@ -406,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         round_=round_,
                         output=output,
                         timeout_s=args.timeout_s,
+                        extra_env=tree_env[tree.label],
                     )
                     _say(f"  {run.seconds:.0f} s" + (f"; {run.problem}" if run.problem else ""))
                     runs[benchmark].append(run)
@@ -451,6 +473,21 @@ def report(
         "head vs base: the ratio of the means (head / base); for TTFT and ITL added, head's mean minus base's",
     ]
     return "\n".join(lines)
+
+
+def _assignments(text: str) -> dict[str, str]:
+    """`NAME=VALUE` words of `text` as a dict.
+
+    Raises:
+        ValueError: a word without `=`.
+    """
+    env = {}
+    for word in shlex.split(text):
+        name, sep, value = word.partition("=")
+        if not sep or not name:
+            raise ValueError(f"not NAME=VALUE: {word!r}")
+        env[name] = value
+    return env
 
 
 def _say(message: str) -> None:

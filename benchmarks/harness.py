@@ -56,6 +56,10 @@ class BenchEnvironment:
     postgres_url: str = os.environ.get("AXON_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     redis_url: str = os.environ.get("AXON_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
     amqp_url: str = os.environ.get("AXON_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+    # Traces of every service of the run (issue 30's overhead figures): the collector's URL
+    # (`AXON_OTLP_ENDPOINT`; empty: tracing off) and the share of requests traced.
+    otlp_endpoint: str = os.environ.get("AXON_BENCH_OTLP_ENDPOINT", "")
+    trace_sample_ratio: str = os.environ.get("AXON_BENCH_TRACE_SAMPLE_RATIO", "1.0")
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
     processes: list[Service] = field(default_factory=list)
     # Models whose job queues this run declared (removed with the run).
@@ -90,6 +94,8 @@ class BenchEnvironment:
                 "AXON_ADMIN_TOKEN": ADMIN_TOKEN,
                 "AXON_INTERNAL_TOKEN": INTERNAL_TOKEN,
                 "AXON_LOG_LEVEL": "INFO",
+                "AXON_OTLP_ENDPOINT": self.otlp_endpoint,
+                "AXON_TRACE_SAMPLE_RATIO": self.trace_sample_ratio,
                 **(extra or {}),
             }
         )
