@@ -241,13 +241,14 @@ def link_to(traceparent: str) -> Link | None:
     return Link(span_context) if span_context.is_valid else None
 
 
-def link_current_span(traceparent: str) -> None:
-    """Link the current span (if it records) to the span `traceparent` names (a worker's job span,
-    from its final chunk)."""
+def link_current_span(traceparent: str, *, why: str) -> None:
+    """Link the current span (if it records) to the span `traceparent` names, saying `why`
+    (`worker`: a job's span, from its final chunk; `stream start`: the request a resumed stream
+    began with)."""
     current = trace.get_current_span()
     link = link_to(traceparent) if current.is_recording() else None
     if link is not None:
-        current.add_link(link.context, {"axon.link": "worker"})
+        current.add_link(link.context, {"axon.link": why})
 
 
 def current_traceparent() -> str | None:

@@ -342,6 +342,8 @@ class GatewayService:
         last_event_id = request.headers.get("last-event-id")
         if last_event_id is not None:  # where a resumed stream (`GET .../stream`) goes on from
             headers["last-event-id"] = last_event_id
+        if self._tracing is not None:  # the session manager's span joins the request's trace
+            self._tracing.inject(headers)
         upstream = await unless_disconnected(
             request, self._forwarder.open(request.method, upstream_target(request), body=body, headers=headers)
         )

@@ -111,7 +111,7 @@ class ActiveRequest:
             answer.finish_reason = chunk.finish_reason
             self.unfinished -= 1
             if chunk.traceparent is not None:
-                link_current_span(chunk.traceparent)
+                link_current_span(chunk.traceparent, why="worker")
         return choice, chunk
 
     async def chunks(self) -> AsyncIterator[tuple[Choice, TokenChunk]]:

@@ -40,7 +40,8 @@ PAGE = 1000
 class StreamMeta:
     """What a resumed chat stream needs besides its chunks: the tenant it belongs to, and the
     fields its events repeat (`model`, `created`), whether it ends with a usage event and carries
-    logprobs, and its job's deadline (no chunk comes after it)."""
+    logprobs, and its job's deadline (no chunk comes after it). `traceparent`: the span of the
+    request that started it (tracing on), which a resume's span links to."""
 
     tenant: str
     model: str
@@ -48,6 +49,7 @@ class StreamMeta:
     include_usage: bool
     logprobs: bool
     deadline: float
+    traceparent: str | None = None
 
     def dumps(self) -> bytes:
         return orjson.dumps(asdict(self))

@@ -39,7 +39,7 @@ from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Job, TokenChunk, Usage
 from shared.tasks import BackgroundTasks
-from shared.tracing import SpanKind, Tracing, exemplar, span
+from shared.tracing import SpanKind, Tracing, current_traceparent, exemplar, span
 
 log = get_logger(__name__)
 
@@ -200,6 +200,7 @@ class CompletionService:
             include_usage=builder.include_usage,
             logprobs=builder.logprobs,
             deadline=job.deadline,
+            traceparent=current_traceparent() if self._tracing is not None else None,
         )
         ttl_s = max(1, int(job.deadline - time.time())) + self._settings.stream_log_ttl_s
         written = self._pipe.submit("SET", self._names.chunk_log_meta(job.job_id), meta.dumps(), "EX", ttl_s)

@@ -108,7 +108,8 @@ def test_a_session_turn_is_one_trace_across_gateway_sessions_worker_and_back(
         | {"session_id": session},
     ) as streamed:
         assert streamed.status_code == 200
-        assert "data: [DONE]" in list(streamed.iter_lines())
+        lines = list(streamed.iter_lines())
+        assert "data: [DONE]" in lines
         trace_id = streamed.headers["x-axon-trace-id"]
     assert _HEX32.match(trace_id)
     spans = receiver.wait_for(trace_id, lambda s: _complete(s) and any(x.name == "history write" for x in s))
@@ -144,6 +145,19 @@ def test_a_session_turn_is_one_trace_across_gateway_sessions_worker_and_back(
     # The answer is stored after the relay's last chunk (session history write).
     assert _one(spans, "axon-sessions", "history write").trace_id == trace_id
     assert len({s.trace_id for s in spans}) == 1
+
+    # A resumed stream is a request of its own, whose span links to the one that started the stream.
+    completion_id = json.loads(next(line for line in lines if line.startswith("data: {"))[6:])["id"]
+    resumed = httpx.get(f"{gateway.url}/v1/chat/completions/{completion_id}/stream", headers=auth, timeout=30)
+    assert resumed.status_code == 200 and resumed.text.rstrip().endswith("data: [DONE]")
+    resume_trace = resumed.headers["x-axon-trace-id"]
+    assert resume_trace != trace_id
+    route = "GET /v1/chat/completions/{completion_id}/stream"
+    both = {"axon-gateway", "axon-sessions"}
+    resume_spans = receiver.wait_for(resume_trace, lambda s: {x.service for x in s} >= both)
+    resume = _one(resume_spans, "axon-sessions", route)
+    assert resume.parent_span_id == _one(resume_spans, "axon-gateway", route).span_id
+    assert resume.links == ((trace_id, handled.span_id),)
 
 
 def test_a_clients_traceparent_is_honoured_and_a_malformed_one_starts_a_new_trace(

@@ -22,6 +22,7 @@ from shared.errors import AxonError, InvalidRequest, NotFound, UpstreamError
 from shared.http_responses import SSE_END
 from shared.logging import get_logger
 from shared.schemas import TokenChunk
+from shared.tracing import link_current_span
 
 log = get_logger(__name__)
 
@@ -63,6 +64,8 @@ async def open_chat_stream(
     meta = await chunk_log.meta(job_id) if completion_id.startswith(COMPLETION_ID_PREFIX) else None
     if meta is None or meta.tenant != tenant:
         raise NotFound(f"No resumable stream with id '{completion_id}' found.", param="completion_id")
+    if meta.traceparent is not None:  # the resume's trace points at the request that started the stream
+        link_current_span(meta.traceparent, why="stream start")
     after = _starting_after(starting_after, last_event_id)
     last = await chunk_log.last(job_id)
     if last is None and time.time() > meta.deadline + FINAL_GRACE_S:
