@@ -180,13 +180,9 @@ class Tracing:
         kind: SpanKind = SpanKind.INTERNAL,
         attributes: Mapping[str, Any] | None = None,
         context: Context | None = None,
-        links: Sequence[Link] | None = None,
-        start_time_ns: int | None = None,
     ) -> contextlib.AbstractContextManager[Span]:
         """A child span of the current one (or of `context`), current for the block."""
-        return self.tracer.start_as_current_span(
-            name, context=context, kind=kind, attributes=attributes, links=links, start_time=start_time_ns
-        )
+        return self.tracer.start_as_current_span(name, context=context, kind=kind, attributes=attributes)
 
     def record(
         self,
