@@ -230,6 +230,11 @@ def context_from(headers: Mapping[str, Any] | None) -> Context | None:
     return _PROPAGATOR.extract({TRACEPARENT: value})
 
 
+def remote_parent(traceparent: str | None) -> Context | None:
+    """A context whose span is the (remote) one `traceparent` names, or None."""
+    return _PROPAGATOR.extract({TRACEPARENT: traceparent}) if traceparent else None
+
+
 def link_to(traceparent: str) -> Link | None:
     """A span link to the span a `traceparent` names, or None if it is malformed."""
     context = _PROPAGATOR.extract({TRACEPARENT: traceparent})
@@ -289,6 +294,7 @@ __all__ = [
     "exemplar",
     "link_current_span",
     "link_to",
+    "remote_parent",
     "span",
     "trace_id_hex",
 ]

@@ -131,6 +131,7 @@ def _attach_services(
         ),
         chunk_log=opened.chunk_log,
         run_on=run_on,
+        tracing=tracing,
     )
     services = SessionServices(
         completions=completions,

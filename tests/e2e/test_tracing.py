@@ -56,7 +56,8 @@ def traced(
     try:
         for name in ("worker:trace-a", "worker:trace-b"):
             stack.start(name, env=worker_env)
-        sessions = stack.start("sessions", env=env)
+        # A short response lease: it takes over a dead session manager's stored responses sooner.
+        sessions = stack.start("sessions", env={**env, "AXON_RESPONSE_LEASE_S": "2"})
         stack.start("gateway", env={**env, "AXON_SESSIONS_URL": sessions.url})
         yield stack
     finally:
@@ -257,6 +258,38 @@ def test_a_failed_over_job_joins_its_requests_trace(traced: Stack, receiver: Otl
     assert job.attributes["messaging.message.redelivered"] is True
     assert job.attributes["resource.service.instance.id"] == job.attributes["axon.worker_id"]
     assert any((trace_id, job.span_id) in s.links for s in spans if s.service == "axon-sessions")
+
+
+def _response_status(gateway: Service, auth: dict[str, str], response_id: str, wanted: set[str]) -> str:
+    deadline = time.monotonic() + 30
+    while True:
+        status = httpx.get(f"{gateway.url}/v1/responses/{response_id}", headers=auth, timeout=10).json()["status"]
+        if status in wanted:
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.1)
+
+
+def test_a_stored_response_taken_over_joins_its_requests_trace(
+    traced: Stack, receiver: OtlpReceiver, api_key: str
+) -> None:
+    env = {"AXON_OTLP_ENDPOINT": receiver.endpoint, **_EXPORT_ENV}
+    victim = traced.start("sessions:victim", env={**env, "AXON_RESPONSE_LEASE_S": "2"})
+    victim_gateway = traced.start("gateway:victim", env={**env, "AXON_SESSIONS_URL": victim.url})
+    auth = {"Authorization": f"Bearer {api_key}"}
+    body = {"model": MODEL, "input": "a long story", "background": True, "max_output_tokens": 150}
+    created = httpx.post(f"{victim_gateway.url}/v1/responses", headers=auth, json=body, timeout=30)
+    assert created.status_code == 200, created.text
+    trace_id, response_id = created.headers["x-axon-trace-id"], created.json()["id"]
+    survivor = _service(traced, "gateway")
+    _response_status(survivor, auth, response_id, {"in_progress"})
+    victim.kill()
+    # The simulator answers exactly max_output_tokens: `incomplete`, as OpenAI ends such an answer.
+    assert _response_status(survivor, auth, response_id, {"completed", "incomplete", "failed"}) == "incomplete"
+    spans = receiver.wait_for(trace_id, lambda s: any(x.name == "take over" for x in s))
+    take_over = _one(spans, "axon-sessions", "take over")
+    assert take_over.parent_span_id == _one(spans, "axon-sessions", "POST /v1/responses").span_id
+    assert take_over.attributes["axon.response_id"] == response_id
 
 
 def test_a_collector_that_is_down_costs_requests_nothing(traced: Stack, receiver: OtlpReceiver, api_key: str) -> None:

@@ -64,6 +64,7 @@ from shared.logging import get_logger
 from shared.openai_requests import ChatCompletionRequest
 from shared.responses_requests import ResponseCreate, as_response_error
 from shared.schemas import Message, TokenChunk, Usage
+from shared.tracing import Tracing, current_traceparent, remote_parent, span
 
 log = get_logger(__name__)
 _NEVER_STARTED = "The response's job did not start before its deadline (no worker took it)."
@@ -85,8 +86,8 @@ class Target:
     session: SessionInfo | None
     stored: bool
 
-    def record(self, *, job_id: str, deadline: float, caller: Caller) -> StoredResponse:
-        """Its stored record while unfinished."""
+    def record(self, *, job_id: str, deadline: float, caller: Caller, traceparent: str | None = None) -> StoredResponse:
+        """Its stored record while unfinished (`traceparent`: the span of the request that made it)."""
         return StoredResponse(
             tenant=self.tenant,
             response=self.initial,
@@ -98,6 +99,7 @@ class Target:
                 session_id=self.session.id if self.session is not None else None,
                 deadline=deadline,
                 caller=caller,
+                traceparent=traceparent,
             ),
         )
 
@@ -125,7 +127,9 @@ class ResponsesService:
         store: ResponseStore,
         chunk_log: ChunkLog,
         run_on: RunOn,
+        tracing: Tracing | None = None,
     ) -> None:
+        self._tracing = tracing
         self._settings = settings
         self.completions = completions
         self._catalog = catalog
@@ -254,7 +258,12 @@ class ResponsesService:
         except InvalidRequest as exc:
             raise as_response_error(exc) from None
         if target.stored:
-            record = target.record(job_id=active.job.job_id, deadline=active.job.deadline, caller=caller)
+            record = target.record(
+                job_id=active.job.job_id,
+                deadline=active.job.deadline,
+                caller=caller,
+                traceparent=current_traceparent() if self._tracing is not None else None,
+            )
             try:
                 await self.store.open(
                     target.response_id, record, owner=self.leases.owner, lease_expiry_ms=self.leases.expiry_ms()
@@ -564,6 +573,12 @@ class ResponsesService:
         if stored is None or stored.pending is None or stored.job_id is None:
             await self.store.drop_lease(response_id)  # deleted, or finished meanwhile
             return None
+        parent = remote_parent(stored.pending.traceparent)
+        with span(self._tracing, "take over", context=parent, attributes={"axon.response_id": response_id}):
+            return await self._take_over(stored)
+
+    async def _take_over(self, stored: StoredResponse) -> dict[str, Any] | None:
+        assert stored.pending is not None and stored.job_id is not None
         target = await self._target_of(stored)
         events = ResponseEvents(skeleton_of(stored.response), quiet=True)
         idle_s = max(0.0, stored.pending.deadline - time.time()) + DEADLINE_GRACE_S

@@ -30,6 +30,9 @@ class Pending(BaseModel):
     # What its request's admission charged (key, estimate, budget reservation, concurrency
     # lease): settled by whoever stores it when its relay handed it over (`take_over`).
     caller: Caller | None = None
+    # The span of the request that created it (tracing on): a take-over's span is its child, so
+    # the response's whole life is one trace.
+    traceparent: str | None = None
 
 
 class StoredResponse(BaseModel):
