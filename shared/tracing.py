@@ -15,7 +15,7 @@ holds its own `Tracing` on `app.state` (tests run several apps in one process).
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -161,17 +161,19 @@ class Tracing:
         """Export what is queued (within the export timeout) and stop the exporter's thread."""
         self._provider.shutdown()
 
-    @contextlib.contextmanager
-    def server_span(self, name: str, headers: Sequence[tuple[bytes, bytes]]) -> Iterator[Span]:
+    def server_span(self, name: str, headers: Sequence[tuple[bytes, bytes]]) -> contextlib.AbstractContextManager[Span]:
         """A request's span, current for the block: a child of the caller's valid `traceparent`
-        header, else the root of a new trace (a malformed one is ignored)."""
+        header, else the root of a new trace (a malformed one is ignored). A caller's unsampled
+        trace makes no span here: its context is current as it came (`_unsampled`)."""
         parent = None
         for key, value in headers:
             if key == b"traceparent":
                 parent = _PROPAGATOR.extract({TRACEPARENT: value.decode("latin-1")})
                 break
-        with self.tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER) as span:
-            yield span
+        caller = trace.get_current_span(parent)
+        if _unsampled(caller):
+            return trace.use_span(caller, end_on_exit=False)
+        return self.tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER)
 
     def span(
         self,
@@ -180,8 +182,22 @@ class Tracing:
         kind: SpanKind = SpanKind.INTERNAL,
         attributes: Mapping[str, Any] | None = None,
         context: Context | None = None,
-    ) -> contextlib.AbstractContextManager[Span]:
-        """A child span of the current one (or of `context`), current for the block."""
+    ) -> contextlib.AbstractContextManager[Span | None]:
+        """A child span of the current one (or of `context`), current for the block; none in an
+        unsampled trace (`_unsampled`)."""
+        return self._child(name, context=context, kind=kind, attributes=attributes)
+
+    def _child(
+        self,
+        name: str,
+        *,
+        context: Context | None,
+        kind: SpanKind,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> contextlib.AbstractContextManager[Span | None]:
+        parent = trace.get_current_span(context)
+        if _unsampled(parent):  # current already, unless it came as `context`
+            return _NO_SPAN if context is None else trace.use_span(parent, end_on_exit=False)
         return self.tracer.start_as_current_span(name, context=context, kind=kind, attributes=attributes)
 
     def record(
@@ -194,8 +210,9 @@ class Tracing:
         context: Context | None = None,
     ) -> None:
         """A span that already happened (from `start_ns` to `end_ns`, Unix time in nanoseconds),
-        a child of the current one (or of `context`)."""
-        self.tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns).end(end_ns)
+        a child of the current one (or of `context`); none in an unsampled trace."""
+        if not _unsampled(trace.get_current_span(context)):
+            self.tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns).end(end_ns)
 
     @staticmethod
     def inject(carrier: MutableMapping[str, Any]) -> None:
@@ -209,6 +226,16 @@ class Tracing:
         headers: dict[str, Any] = {PUBLISHED_AT_HEADER: time.time_ns()}
         _PROPAGATOR.inject(headers)
         return headers
+
+
+def _unsampled(parent: Span) -> bool:
+    """Whether `parent` belongs to a trace head sampling dropped. Its children would be dropped
+    too (the sampler is parent-based), so none is made: the SDK makes even a dropped span at about
+    the cost of a recorded one, and an unsampled request costs one span (its root, at the gateway)
+    instead of one per step. Its context stays current, so its trace id still reaches the logs and
+    the next hop."""
+    context = parent.get_span_context()
+    return context.is_valid and not context.trace_flags.sampled
 
 
 def span(tracing: Tracing | None, name: str, **kwargs: Any) -> contextlib.AbstractContextManager[Span | None]:

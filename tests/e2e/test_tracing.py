@@ -88,10 +88,18 @@ def _one(spans: list[ReceivedSpan], service: str, name: str) -> ReceivedSpan:
     return found[0]
 
 
+_REQUEST_SPANS = {
+    ("axon-gateway", "POST /v1/chat/completions"),
+    ("axon-sessions", "POST /v1/chat/completions"),
+    ("axon-sessions", "relay"),
+    ("axon-worker", "job"),
+    ("axon-worker", "generation"),
+}
+
+
 def _complete(spans: list[ReceivedSpan]) -> bool:
-    """The whole request's spans have arrived: the gateway's request span ends last."""
-    names = {(s.service, s.name) for s in spans}
-    return ("axon-gateway", "POST /v1/chat/completions") in names and ("axon-worker", "generation") in names
+    """A chat completion's spans from every process have arrived (each exports on its own)."""
+    return _REQUEST_SPANS <= {(s.service, s.name) for s in spans}
 
 
 def test_a_session_turn_is_one_trace_across_gateway_sessions_worker_and_back(
@@ -283,6 +291,8 @@ def test_a_stored_response_taken_over_joins_its_requests_trace(
     trace_id, response_id = created.headers["x-axon-trace-id"], created.json()["id"]
     survivor = _service(traced, "gateway")
     _response_status(survivor, auth, response_id, {"in_progress"})
+    # The victim's request span is exported before it dies (a killed process loses what it holds).
+    receiver.wait_for(trace_id, lambda s: ("axon-sessions", "POST /v1/responses") in {(x.service, x.name) for x in s})
     victim.kill()
     # The simulator answers exactly max_output_tokens: `incomplete`, as OpenAI ends such an answer.
     assert _response_status(survivor, auth, response_id, {"completed", "incomplete", "failed"}) == "incomplete"

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from prometheus_client import CollectorRegistry, Counter
 
 from shared.logging import configure_logging, get_logger
@@ -48,6 +49,7 @@ def _app(tracing: Tracing | None) -> FastAPI:
     async def ok() -> dict[str, str | None]:
         with span(tracing, "inner"):
             found = exemplar()
+            get_logger("test").info("handled")
         return {"trace_id": found["trace_id"] if found else None}
 
     app.add_middleware(RequestContextMiddleware, tracing=tracing)
@@ -98,6 +100,30 @@ async def test_a_malformed_traceparent_starts_a_new_trace(
     assert len(trace_id) == 32 and trace_id not in {"a" * 32, "0" * 32}
     request = next(s for s in exported.get_finished_spans() if s.name == "GET /ok")
     assert request.parent is None
+
+
+async def test_an_unsampled_callers_trace_makes_no_span_but_keeps_its_id(
+    tracing: Tracing, exported: InMemorySpanExporter, logs: pytest.CaptureFixture[str]
+) -> None:
+    configure_logging(service="test", traced=True)
+    response = await _get(_app(tracing), {"traceparent": f"00-{'a' * 32}-{'b' * 16}-00"})
+    assert response.headers[TRACE_ID_HEADER] == "a" * 32
+    assert response.json() == {"trace_id": None}  # no exemplar from an unsampled trace
+    assert exported.get_finished_spans() == ()
+    (handled,) = [line for line in _lines(logs) if line["event"] == "handled"]
+    assert (handled["trace_id"], handled["span_id"]) == ("a" * 32, "b" * 16)
+
+
+def test_spans_of_an_unsampled_root_are_not_made(exported: InMemorySpanExporter) -> None:
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(0)))
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    tracing = Tracing(provider)
+    with tracing.server_span("GET", []) as root:
+        assert root.get_span_context().is_valid and not root.is_recording()
+        with span(tracing, "child") as child:
+            assert child is None
+        tracing.record("done", start_ns=1, end_ns=2)
+    assert exported.get_finished_spans() == ()
 
 
 def test_message_headers_and_links_read_a_traceparent_or_nothing() -> None:
