@@ -13,6 +13,7 @@ from typing import BinaryIO, TextIO, cast
 
 import orjson
 import structlog
+from opentelemetry.trace import get_current_span
 from structlog.contextvars import bind_contextvars, clear_contextvars, merge_contextvars
 from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
 
@@ -126,8 +127,6 @@ def _add_logger_name(logger: WrappedLogger, _method: str, event_dict: EventDict)
 
 def _add_trace_ids(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
     """`trace_id` and `span_id` of the span the line is written in (none outside a span)."""
-    from opentelemetry.trace import get_current_span  # only with tracing on
-
     context = get_current_span().get_span_context()
     if context.is_valid:
         event_dict["trace_id"] = format(context.trace_id, "032x")
