@@ -176,6 +176,33 @@ def test_a_whole_ab_runs_each_commits_own_scripts_and_removes_its_worktrees(
     assert worktrees.count("\n") == 1  # only the repository's own
 
 
+def test_one_commit_against_itself_with_each_trees_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "-C", str(repo), "init", "-q"], check=True)
+    subprocess.run(["git", "-C", str(repo), "config", "user.email", "ab@example.com"], check=True)
+    subprocess.run(["git", "-C", str(repo), "config", "user.name", "ab"], check=True)
+    # A stand-in engine_vs_stack.py whose TTFT added is the value of AB_TTFT in its environment.
+    printing = ENGINE_VS_STACK_OUTPUT.replace("p50 +7.6 ms", "p50 +{ttft} ms")
+    (repo / "benchmarks").mkdir()
+    (repo / "benchmarks" / "engine_vs_stack.py").write_text(
+        f"import os\nprint({printing!r}.format(ttft=os.environ['AB_TTFT']))\n"
+    )
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "commit.gpgsign=false", "commit", "-qm", "one"], check=True)
+    argv = ["HEAD", "HEAD", "--repo", str(repo), "--rounds", "1", "--benchmarks", "engine_vs_stack"]
+    argv += ["--base-env", "AB_TTFT=1.0", "--head-env", "AB_TTFT=3.5 UNUSED='a b'", "--output-dir", str(tmp_path / "o")]
+    assert ab.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ttft = lines.index(next(line for line in lines if line.startswith("TTFT added p50 (ms)")))
+    assert lines[ttft].split()[-4:] == ["+1.0", "+1.0", "+1.0", "+1.0"]
+    assert lines[ttft + 1].split()[-5:] == ["+3.5", "+3.5", "+3.5", "+3.5", "+2.5"]
+    with pytest.raises(SystemExit):
+        ab.main(["HEAD", "HEAD", "--repo", str(repo), "--head-env", "NOT_AN_ASSIGNMENT"])
+
+
 def test_waiting_for_a_quiet_machine_is_bounded() -> None:
     assert ab.wait_for_quiet(1e9, 10.0) < 1.0  # quiet enough at once
     assert 0.05 <= ab.wait_for_quiet(-1.0, 0.05, poll_s=0.01) < 1.0  # never quiet: gives up in time
