@@ -8,6 +8,8 @@ and bytes it took.
 """
 
 import argparse
+import signal
+import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -36,6 +38,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=4318)
     args = parser.parse_args()
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Sink)
+    # Also when started in the background by a script, whose shell ignores SIGINT for it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.serve_forever()
     except KeyboardInterrupt:
