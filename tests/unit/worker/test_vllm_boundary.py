@@ -186,6 +186,7 @@ def test_the_factory_passes_every_vllm_setting(monkeypatch: pytest.MonkeyPatch, 
         "AXON_GRAMMAR_COMPILE_TIMEOUT_S": "2.5",
         "AXON_GRAMMAR_COMPILE_MEMORY_MB": "512",
         "AXON_GRAMMAR_MAX_SCHEMA_BYTES": "4096",
+        "AXON_OTLP_ENDPOINT": "http://collector:4318",
     }
     for name, value in settings.items():
         monkeypatch.setenv(name, value)
@@ -203,7 +204,18 @@ def test_the_factory_passes_every_vllm_setting(monkeypatch: pytest.MonkeyPatch, 
         cpu_threads_bind="0|1|2|3",
         structured_outputs_backend="guidance",
         tool_parser="xlam",
+        otlp_endpoint="http://collector:4318",
     )
+
+
+def test_the_collector_endpoint_reaches_vllm_over_otlp_http() -> None:
+    traced = options(otlp_endpoint="http://collector:4318/")
+    args = AsyncEngineArgs(**engine_kwargs(traced, on_cpu=True))
+    assert args.otlp_traces_endpoint == "http://collector:4318/v1/traces"
+    env = vllm_environment(traced, on_cpu=True, cores=[0])
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"  # vLLM's default is gRPC
+    assert "otlp_traces_endpoint" not in engine_kwargs(options(), on_cpu=True)
+    assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in vllm_environment(options(), on_cpu=True, cores=[0])
 
 
 def test_the_default_model_is_the_bundled_gguf_and_another_name_a_hub_id(monkeypatch: pytest.MonkeyPatch) -> None:
