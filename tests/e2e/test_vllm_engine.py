@@ -38,6 +38,7 @@ from shared.settings import DEFAULT_MODEL
 from tests.contract.transport import ContractTransport
 from tests.e2e.hostile_schemas import ADMITTED, NOWHERE, REFUSED, TOO_COMPLEX, Sender, check, health_watched
 from tests.e2e.load import report
+from tests.e2e.otlp import OtlpReceiver
 from tests.e2e.stack import INTERNAL_AUTH, Stack
 from tests.e2e.test_workers import holder, metric, wait_listed
 from tests.e2e.vllm import VllmWorkers, no_process_left, stream_killing
@@ -87,9 +88,20 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def workers(stack: Stack, vllm_model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmWorkers]:
+def receiver() -> Iterator[OtlpReceiver]:
+    """Where the workers export their spans and vLLM its own (`AXON_OTLP_ENDPOINT`)."""
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def workers(
+    stack: Stack, vllm_model_cache: Path, tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver
+) -> Iterator[VllmWorkers]:
     """The module's workers: no engine, model or dtype chosen, and a random LoRA adapter of the model;
-    stopped with the module (their memory and cores are not the later modules' to share)."""
+    they trace to `receiver`; stopped with the module (their memory and cores are not the later
+    modules' to share)."""
     (converted,) = [p for p in vllm_model_cache.iterdir() if not p.name.startswith(".")]
     adapter = tmp_path_factory.mktemp("lora") / ADAPTER
     random_lora(adapter, base=converted)
@@ -97,6 +109,7 @@ def workers(stack: Stack, vllm_model_cache: Path, tmp_path_factory: pytest.TempP
         "AXON_MODEL_CACHE_DIR": str(vllm_model_cache),
         "AXON_LORA_ADAPTERS": json.dumps({ADAPTER: str(adapter)}),
         "AXON_MAX_SEQS": "16",
+        "AXON_OTLP_ENDPOINT": receiver.endpoint,
     }
     pool = VllmWorkers(stack, "vllm", env)
     yield pool
@@ -136,6 +149,22 @@ def test_the_default_engine_is_vllm_and_says_so(sdk: OpenAI, gateway: Service, a
     )
     adapter = httpx.get(f"{gateway.url}/v1/models/{ADAPTER}", headers=auth, timeout=10).json()
     assert (adapter["parent"], adapter["engines"]) == (MODEL, ["vllm"])
+
+
+def test_vllms_own_span_is_a_child_of_the_workers_job_span(sdk: OpenAI, receiver: OtlpReceiver) -> None:
+    sdk.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=4)
+
+    def vllm_under_job() -> list[tuple[str, str]]:
+        spans = list(receiver.spans)
+        jobs = {s.span_id: s.trace_id for s in spans if s.service == "axon-worker" and s.name == "job"}
+        vllm = [s for s in spans if s.name == "llm_request" and s.parent_span_id in jobs]
+        return [(s.trace_id, jobs[s.parent_span_id]) for s in vllm]
+
+    deadline = time.monotonic() + 30
+    while not (found := vllm_under_job()):
+        assert time.monotonic() < deadline, sorted({(s.service, s.name, s.parent_span_id) for s in receiver.spans})
+        time.sleep(0.5)
+    assert all(vllm_trace == job_trace for vllm_trace, job_trace in found)
 
 
 def test_streamed_and_whole_greedy_answers_are_the_same(sdk: OpenAI) -> None:
