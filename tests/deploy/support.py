@@ -182,6 +182,19 @@ def workloads(manifests: list[dict]) -> list[dict]:
     return of_kind(manifests, "Deployment") + of_kind(manifests, "Job")
 
 
+# Components the chart runs from other projects' images (tracing.collector): not Axon processes.
+THIRD_PARTY_COMPONENTS = {"otel-collector"}
+
+
+def axon_workloads(manifests: list[dict]) -> list[dict]:
+    """Workloads that run Axon's own processes (its console scripts, its probes)."""
+    return [
+        w
+        for w in workloads(manifests)
+        if w["metadata"]["labels"].get("app.kubernetes.io/component") not in THIRD_PARTY_COMPONENTS
+    ]
+
+
 def env_of(container: dict) -> dict[str, object]:
     """name -> literal value, or ("secret", name, key), or ("field", path)."""
     out: dict[str, object] = {}

@@ -20,6 +20,7 @@ from tests.deploy.support import (
     KUBERNETES_VERSION,
     REQUIRED_SECRETS,
     axon_names_in_text,
+    axon_workloads,
     component,
     console_scripts,
     env_of,
@@ -177,7 +178,7 @@ def test_every_axon_variable_in_the_eks_guide_is_a_setting() -> None:
 
 def test_commands_are_console_scripts(manifests: list[dict]) -> None:
     scripts = console_scripts()
-    for manifest in workloads(manifests):
+    for manifest in axon_workloads(manifests):
         for container in manifest["spec"]["template"]["spec"]["containers"]:
             assert container["command"][0] in scripts, f"{manifest['metadata']['name']}: {container['command']}"
 
@@ -255,7 +256,7 @@ def test_workers_have_a_writable_cache_for_model_files(manifests: list[dict]) ->
 
 
 def test_every_deployment_probes_health_and_readiness(manifests: list[dict]) -> None:
-    for deployment in of_kind(manifests, "Deployment"):
+    for deployment in of_kind(axon_workloads(manifests), "Deployment"):
         for container in deployment["spec"]["template"]["spec"]["containers"]:
             assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
             assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}

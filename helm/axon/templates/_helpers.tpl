@@ -92,11 +92,32 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+
 {{/* Settings every process shares, merged with a component's own map and its fixed settings:
      (dict "ctx" $ "env" .Values.gateway.env "fixed" (dict "AXON_GATEWAY_PORT" "8000")) */}}
 {{- define "axon.env" -}}
-{{- $env := deepCopy (.ctx.Values.config.env | default dict) -}}
+{{- $env := include "axon.tracingEnv" .ctx | fromYaml | default dict -}}
+{{- $env = mergeOverwrite $env (deepCopy (.ctx.Values.config.env | default dict)) -}}
 {{- $env = mergeOverwrite $env (deepCopy (.env | default dict)) -}}
 {{- $env = mergeOverwrite $env (dict "AXON_NAMESPACE" .ctx.Values.config.namespace) -}}
 {{- $env = mergeOverwrite $env (.fixed | default dict) -}}
 {{- include "axon.envFromMap" $env | trim -}}
+{{- end -}}
+
+{{/* Traces: AXON_OTLP_ENDPOINT (tracing.endpoint, else the chart's collector when enabled) and
+     AXON_TRACE_SAMPLE_RATIO, for every process; nothing when neither is set. A component's env
+     and config.env may override them. */}}
+{{- define "axon.otlpEndpoint" -}}
+{{- $t := .Values.tracing -}}
+{{- if $t.endpoint -}}
+{{- $t.endpoint -}}
+{{- else if $t.collector.enabled -}}
+{{- printf "http://%s:%d" (include "axon.componentName" (dict "ctx" . "component" "otel-collector")) (int $t.collector.httpPort) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "axon.tracingEnv" -}}
+{{- $endpoint := include "axon.otlpEndpoint" . -}}
+{{- if $endpoint -}}
+AXON_OTLP_ENDPOINT: {{ $endpoint | quote }}
+AXON_TRACE_SAMPLE_RATIO: {{ .Values.tracing.sampleRatio | toString | quote }}
+{{- end -}}
 {{- end -}}
 
 {{/* Pod pieces ----------------------------------------------------------------------------------- */}}
