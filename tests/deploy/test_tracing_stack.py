@@ -21,11 +21,11 @@ from tests.deploy.test_compose import env_of, interpolate
 PROVISIONING = ROOT / "infra" / "grafana" / "provisioning" / "datasources"
 AXON_SERVICES = ("migrate", "gateway", "sessions", "worker", "worker-gpu")
 
-# The latency histograms whose panels show exemplars; a panel over any of them must.
+# The latency histograms observed with an exemplar (the trace of the request being measured); a
+# panel over any of them shows them. The inter-chunk latency has none: a chunk is not a request.
 LATENCY_HISTOGRAMS = (
     "axon_http_request_duration_seconds",
     "axon_sessions_time_to_first_token_seconds",
-    "axon_sessions_inter_chunk_latency_seconds",
     "axon_worker_time_to_first_token_seconds",
     "axon_worker_job_duration_seconds",
 )
