@@ -207,11 +207,66 @@ def test_collector_gives_an_axon_line_its_trace_context(collector: dict) -> None
     assert axon["trace"]["trace_id"]["parse_from"] == f"{target}.trace_id"
     assert axon["trace"]["span_id"]["parse_from"] == f"{target}.span_id"
     assert axon["severity"]["parse_from"] == f"{target}.level"
+    # Every level structlog writes is a severity: the collector's default preset knows the
+    # OpenTelemetry names (debug, info, warn, error, fatal), the mapping adds the others.
+    preset = {"trace", "debug", "info", "warn", "error", "fatal"}
+    mapped = {str(v) for v in axon["severity"]["mapping"].values()}
+    assert {"debug", "info", "warning", "error", "critical"} <= preset | mapped
     moved = {
         op["to"]: op["from"] for op in collector["receivers"]["filelog/docker"]["operators"] if op["type"] == "move"
     }
     assert moved["body"] == "attributes.log", "the line Docker captured becomes the log body"
     assert moved['resource["service.name"]'] == 'attributes.attrs["com.docker.compose.service"]'
+
+
+def split_field(field: str) -> list[str]:
+    """The collector's field syntax (pkg/stanza's entry fields): dot-separated keys, or ["a.b"] for a
+    key with dots in it; the first key is body, attributes or resource."""
+    keys, rest = [], field
+    while rest:
+        if rest.startswith("["):
+            quote = rest[1:2]
+            assert quote in ("'", '"'), f"{field}: a bracketed key must be quoted"
+            end = rest.find(quote + "]", 2)
+            assert end > 0, f"{field}: unclosed bracket"
+            keys.append(rest[2:end])
+            rest = rest[end + 2 :]
+            assert not rest or rest[0] in ".[", f"{field}: a bracketed key is followed by . or ["
+            rest = rest.removeprefix(".")
+        else:
+            token = re.match(r"[^.\[]+", rest)
+            assert token, f"{field}: empty key"
+            keys.append(token.group(0))
+            rest = rest[token.end() :].removeprefix(".")
+    assert keys[0] in ("body", "attributes", "resource"), f"{field} names no part of a log record"
+    return keys
+
+
+def _fields(value: object) -> list[str]:
+    """Every field an operator's configuration names (parse_from, parse_to, from, to, field)."""
+    if isinstance(value, dict):
+        found = [v for k, v in value.items() if k in ("parse_from", "parse_to", "from", "to", "field")]
+        return found + [f for v in value.values() for f in _fields(v)]
+    if isinstance(value, list):
+        return [f for v in value for f in _fields(v)]
+    return []
+
+
+def test_collector_operators_name_valid_fields(collector: dict) -> None:
+    operators = collector["receivers"]["filelog/docker"]["operators"]
+    fields = _fields(operators)
+    assert len(fields) >= 10
+    for field in fields:
+        split_field(field)
+    assert split_field('attributes.attrs["com.docker.compose.service"]') == [
+        "attributes",
+        "attrs",
+        "com.docker.compose.service",
+    ]
+    with pytest.raises(AssertionError):
+        split_field("attributes.attrs[com.docker.compose.service]")
+    ids = [op.get("id", op["type"]) for op in operators]
+    assert len(ids) == len(set(ids)), "two operators with one id"
 
 
 def test_collector_runs_hardened_and_restarts(services: dict) -> None:
