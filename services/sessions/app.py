@@ -135,6 +135,8 @@ def _attach_services(
         chunk_log=opened.chunk_log,
         metrics=metrics,
         request_limits=settings.request_limits,
+        files=opened.files,
+        file_max_bytes=settings.file_max_bytes,
     )
     app.state.services = services
     return services

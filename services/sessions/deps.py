@@ -16,6 +16,7 @@ from services.sessions.catalog import ModelCatalog
 from services.sessions.chat.service import ChatService
 from services.sessions.chunk_log import ChunkLog
 from services.sessions.completions import CompletionService
+from services.sessions.files.store import FileStore
 from services.sessions.history import SessionStore
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.responses.service import ResponsesService
@@ -62,6 +63,9 @@ class SessionServices:
     chunk_log: ChunkLog
     metrics: SessionsMetrics
     request_limits: RequestLimits
+    files: FileStore
+    # The largest file an upload may store (AXON_FILE_MAX_BYTES).
+    file_max_bytes: int
 
 
 def services_of(scope: Scope) -> SessionServices:

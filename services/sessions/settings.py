@@ -90,6 +90,10 @@ class SessionsSettings(CommonSettings):
         description="how long the raw usage rows (one per request) are kept; the per-day rollups /admin/usage"
         " reports are kept beyond",
     )
+    # Files API (`services/sessions/files/`)
+    file_max_bytes: int = Field(
+        200 * 1024 * 1024, ge=1, description="the largest file `POST /v1/files` takes (OpenAI's 200 MB); larger: 413"
+    )
     # Outbox persister (write-behind to PostgreSQL)
     persist_batch_size: int = Field(2000, ge=1)
     persist_flush_interval_ms: int = Field(100, ge=1)
