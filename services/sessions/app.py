@@ -13,6 +13,7 @@ from services.sessions.chat.service import ChatService
 from services.sessions.completions import CompletionService
 from services.sessions.conversations import router as conversations_router
 from services.sessions.deps import SessionServices
+from services.sessions.files import router as files_router
 from services.sessions.leases import ResponseLeases
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.models import router as models_router
@@ -188,6 +189,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     app.include_router(session_router.router)
     app.include_router(conversations_router.router)
     app.include_router(responses_router.router)
+    app.include_router(files_router.router)
 
     install_probes(
         app,

@@ -99,9 +99,9 @@ def query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]
 _ERROR_STATUSES: dict[int | str, str] = {
     400: "Invalid request: the body or a parameter is wrong (`param` names it).",
     401: "Missing, unknown or revoked API key.",
-    404: "Unknown model, or no such session, conversation, item or response for this key's tenant.",
+    404: "Unknown model, or no such session, conversation, item, response or file for this key's tenant.",
     409: "The session is answering another request.",
-    413: "The request body is too large.",
+    413: "The request body is too large (a file: larger than AXON_FILE_MAX_BYTES).",
     429: "A rate limit of the key is exhausted; see `Retry-After` and `x-ratelimit-*`.",
     503: "Overloaded, or no worker serves the model; see `Retry-After`.",
     504: "The answer did not start before the request's deadline.",

@@ -28,9 +28,11 @@ from typing import Any, Protocol
 
 import asyncpg
 
-from shared.errors import InvalidRequest, NotFound, PayloadTooLarge
+from shared.errors import EmptyFile, FileGone, FileTooLarge
 from shared.logging import get_logger
 from shared.postgres_text import postgres_text
+
+__all__ = ["DatabaseFileStore", "EmptyFile", "FileContent", "FileGone", "FileRecord", "FileStore", "FileTooLarge"]
 
 log = get_logger(__name__)
 
@@ -42,28 +44,6 @@ PIECE_BYTES = 1024 * 1024
 DEFAULT_EXPIRY_S: dict[str, int] = {"batch": 30 * 86_400, "batch_output": 30 * 86_400}
 # An upload no piece was written to for this long belongs to a process that died.
 STALE_UPLOAD_S = 3600
-
-
-class FileTooLarge(PayloadTooLarge):
-    """The upload passed the limit; nothing of it is kept."""
-
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(f"File is too large: the maximum is {max_bytes} bytes.", param="file", code="file_too_large")
-        self.max_bytes = max_bytes
-
-
-class EmptyFile(InvalidRequest):
-    """The upload had no bytes; nothing is kept."""
-
-    def __init__(self) -> None:
-        super().__init__("File is empty.", param="file", code="empty_file")
-
-
-class FileGone(NotFound):
-    """The file was deleted (or expired) while it was being read."""
-
-    def __init__(self, file_id: str) -> None:
-        super().__init__(f"No such File object: {file_id}", param="file_id", code="file_not_found")
 
 
 def new_file_id() -> str:
@@ -187,7 +167,7 @@ class PostgresContent:
         while sent < size:
             piece = await self._db.fetchval(_READ_PART, file_id, seq)
             if piece is None:
-                raise FileGone(file_id)
+                raise FileGone.of(file_id)
             sent += len(piece)
             seq += 1
             yield piece
@@ -208,7 +188,7 @@ async def _pieces(
     async for chunk in chunks:
         total[0] += len(chunk)
         if total[0] > max_bytes:
-            raise FileTooLarge(max_bytes)
+            raise FileTooLarge.over(max_bytes)
         buffer += chunk
         while len(buffer) >= piece_bytes:
             yield bytes(buffer[:piece_bytes])
@@ -267,10 +247,10 @@ class DatabaseFileStore:
             pieces = _pieces(chunks, piece_bytes=self._content.piece_bytes, max_bytes=max_bytes, total=total)
             await self._content.write(file_id, pieces)
             if total[0] == 0:
-                raise EmptyFile()
+                raise EmptyFile("File is empty.", param="file")
             row = await self._db.fetchrow(_FINISH_UPLOAD, file_id, total[0])
             if row is None:  # swept as abandoned meanwhile: a stall of over `stale_upload_s`
-                raise FileGone(file_id)
+                raise FileGone.of(file_id)
         except BaseException:
             # Shielded: a cancelled upload (the client left) must still be removed.
             await asyncio.shield(self._discard([file_id]))
@@ -294,7 +274,7 @@ class DatabaseFileStore:
     async def read(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
         record = await self.get(tenant, file_id)
         if record is None:
-            raise FileGone(file_id)
+            raise FileGone.of(file_id)
         async for piece in self._content.read(file_id, record.bytes):
             yield piece
 
