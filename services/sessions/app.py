@@ -8,6 +8,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from services.sessions.batches import router as batches_router
+from services.sessions.batches.admission import LineAdmission
+from services.sessions.batches.service import BatchService
+from services.sessions.batches.store import BatchStore
 from services.sessions.chat import router as chat_router
 from services.sessions.chat.service import ChatService
 from services.sessions.completions import CompletionService
@@ -28,6 +32,7 @@ from services.sessions.turns import Turns
 from shared.hot_routes import HotRoutes
 from shared.http_errors import install_error_handlers
 from shared.internal_auth import InternalAuth
+from shared.keys import KeyRepository
 from shared.logging import get_logger
 from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
@@ -126,9 +131,10 @@ def _attach_services(
         chunk_log=opened.chunk_log,
         run_on=run_on,
     )
+    chat = ChatService(completions=completions, run_on=run_on, chunk_log=opened.chunk_log, metrics=metrics)
     services = SessionServices(
         completions=completions,
-        chat=ChatService(completions=completions, run_on=run_on, chunk_log=opened.chunk_log, metrics=metrics),
+        chat=chat,
         responses=responses,
         run_on=run_on,
         catalog=opened.catalog,
@@ -137,10 +143,46 @@ def _attach_services(
         metrics=metrics,
         request_limits=settings.request_limits,
         files=opened.files,
+        batches=_batches(opened, settings=settings, metrics=metrics, chat=chat, responses=responses),
         file_max_bytes=settings.file_max_bytes,
     )
     app.state.services = services
     return services
+
+
+def _batches(
+    opened: SessionsResources,
+    *,
+    settings: SessionsSettings,
+    metrics: SessionsMetrics,
+    chat: ChatService,
+    responses: ResponsesService,
+) -> BatchService:
+    """The Batch API's service: its own leases (`<ns>:batches:*`) and its lines' admission."""
+    return BatchService(
+        settings=settings,
+        store=BatchStore(opened.db),
+        files=opened.files,
+        completions=responses.completions,
+        chat=chat,
+        responses=responses,
+        admission=LineAdmission(
+            keys=KeyRepository(opened.db),
+            catalog=opened.catalog,
+            limiter=RateLimiter(opened.pipe, opened.names),
+            lease_s=settings.background_timeout_s,
+        ),
+        leases=ResponseLeases(
+            opened.redis,
+            namespace=settings.namespace,
+            instance_id=opened.instance_id,
+            lease_s=settings.response_lease_s,
+            leased=metrics.batches_leased,
+            taken_over=metrics.batches_taken_over,
+            keys=(opened.names.batches_running, opened.names.batches_owners),
+        ),
+        metrics=metrics,
+    )
 
 
 def create_app(settings: SessionsSettings | None = None) -> FastAPI:
@@ -159,12 +201,17 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
             services = _attach_services(app, opened, settings=settings, metrics=metrics)
             # Renews this process's leases on unfinished stored responses, takes over expired ones.
             sweeping = asyncio.create_task(services.run_on.sweep(services.responses.take_over))
+            # Runs the batches this process owns, takes over those whose owner died.
+            batching = asyncio.create_task(services.batches.sweep())
             log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)
             try:
                 yield
             finally:
                 sweeping.cancel()
-                await asyncio.gather(sweeping, return_exceptions=True)
+                batching.cancel()
+                await asyncio.gather(sweeping, batching, return_exceptions=True)
+                # Batches are handed over at once (their running lines' jobs are called off).
+                await services.batches.leases.stop()
                 # Stored responses are handed over at once; turns whose clients left may still be
                 # running: stored complete if they end within the stop's grace (`RunOn`).
                 await services.run_on.stop()
@@ -190,6 +237,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     app.include_router(conversations_router.router)
     app.include_router(responses_router.router)
     app.include_router(files_router.router)
+    app.include_router(batches_router.router)
 
     install_probes(
         app,

@@ -39,6 +39,7 @@ from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Job, TokenChunk, Usage
 from shared.tasks import BackgroundTasks
+from shared.topology import job_priority
 
 log = get_logger(__name__)
 
@@ -153,7 +154,12 @@ class CompletionService:
                 prefix_affinity=self._settings.prefix_affinity and self._publisher.affinity,
             )
             await publish_all(
-                self._publisher, jobs, priority=caller.priority, request_id=request_id, home=home, cancel=self._cancel
+                self._publisher,
+                jobs,
+                priority=job_priority(caller.priority, batch=caller.batch),
+                request_id=request_id,
+                home=home,
+                cancel=self._cancel,
             )
         except BaseException:
             await stream.close()

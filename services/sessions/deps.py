@@ -12,6 +12,7 @@ from typing import Annotated, cast
 from fastapi import Depends, Request
 from starlette.types import Scope
 
+from services.sessions.batches.service import BatchService
 from services.sessions.catalog import ModelCatalog
 from services.sessions.chat.service import ChatService
 from services.sessions.chunk_log import ChunkLog
@@ -64,6 +65,7 @@ class SessionServices:
     metrics: SessionsMetrics
     request_limits: RequestLimits
     files: FileStore
+    batches: BatchService
     # The largest file an upload may store (AXON_FILE_MAX_BYTES).
     file_max_bytes: int
 

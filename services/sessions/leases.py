@@ -1,6 +1,6 @@
 """Leases on answers that run on without their clients and that any session manager can finish
-(today stored responses; `run_on.py` holds them), so that each is finished by exactly one live
-session manager, whichever dies.
+(stored responses, held by `run_on.py`, and batches, held by `batches/service.py`, each kind with
+a set of its own), so that each is finished by exactly one live session manager, whichever dies.
 
 An unfinished stored response is a member of the sorted set `<ns>:responses:running`, scored by
 the time (ms) its lease expires, and `<ns>:responses:owners` maps it to the instance holding the
@@ -81,14 +81,15 @@ class ResponseLeases:
         lease_s: float,
         leased: Gauge | None = None,
         taken_over: Counter | None = None,
+        keys: tuple[str, str] | None = None,
     ) -> None:
         self._client = client
         # `axon_sessions_responses_leased` and `axon_sessions_responses_taken_over_total`.
         self._leased = leased
         self.taken_over = taken_over
         names = Names(namespace)
-        self.running_key = names.responses_running
-        self.owners_key = names.responses_owners
+        # The running set and the owners hash (default: the stored responses').
+        self.running_key, self.owners_key = keys or (names.responses_running, names.responses_owners)
         self.owner = instance_id
         self.lease_s = lease_s
         # Leased response -> the task relaying it (None: a client's request relays it).
@@ -99,6 +100,26 @@ class ResponseLeases:
 
     def expiry_ms(self) -> int:
         return int((time.time() + self.lease_s) * 1000)
+
+    async def open(self, answer_id: str) -> None:
+        """Lease `answer_id` to this process (it then `hold`s it)."""
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.zadd(self.running_key, {answer_id: self.expiry_ms()})
+            pipe.hset(self.owners_key, answer_id, self.owner)
+            await pipe.execute()
+
+    async def drop(self, answer_id: str) -> None:
+        """`answer_id` is finished: nobody holds it any more."""
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.zrem(self.running_key, answer_id)
+            pipe.hdel(self.owners_key, answer_id)
+            await pipe.execute()
+
+    async def offer(self, answer_ids: list[str]) -> None:
+        """Lease those of `answer_ids` that nobody holds as expired, so that the next sweep of some
+        session manager claims them (their leases were lost with Redis' data)."""
+        if answer_ids:
+            await self._client.zadd(self.running_key, dict.fromkeys(answer_ids, 0), nx=True)
 
     def hold(self, response_id: str, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":
         """Run `coro`, the relay of leased `response_id`, as a task of its own (its lease is renewed

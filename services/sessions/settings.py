@@ -84,6 +84,17 @@ class SessionsSettings(CommonSettings):
         ge=60,
         description="how long a resumable stream's chunk log (`<ns>:chunks:<job>`) is kept after its last chunk",
     )
+    batch_max_requests: int = Field(
+        50_000, ge=1, description="the requests (lines) a batch's input file may hold, as OpenAI's limit"
+    )
+    batch_lines_in_flight: int = Field(
+        8,
+        ge=1,
+        description="the lines of one batch its owner runs at a time (released as jobs at the lowest priority)",
+    )
+    batch_line_attempts: int = Field(
+        3, ge=1, description="how many times a batch line that fails on the server's side (5xx) is tried"
+    )
     usage_retention_days: int = Field(
         90,
         ge=1,

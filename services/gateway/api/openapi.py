@@ -4,7 +4,7 @@ parameters, the bearer key and the OpenAI error shape.
 The public routes take the raw body and forward it unchanged; the session manager validates it.
 The bodies are documented from the very models it validates them with (`shared/openai_requests.py`,
 `shared/session_requests.py`, `shared/conversation_requests.py`,
-`shared/responses_requests.py`): their JSON Schemas, each model a
+`shared/responses_requests.py`, `shared/batch_requests.py`): their JSON Schemas, each model a
 named schema under `components.schemas` (`install_request_schemas`). Nothing in the gateway
 validates against them.
 """
@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
+from shared.batch_requests import BatchCreate
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.responses_requests import ResponseCreate
@@ -39,6 +40,7 @@ _BODY_MODELS: tuple[type[BaseModel], ...] = (
     ConversationUpdate,
     ConversationItemsCreate,
     ResponseCreate,
+    BatchCreate,
 )
 
 
@@ -99,7 +101,7 @@ def query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]
 _ERROR_STATUSES: dict[int | str, str] = {
     400: "Invalid request: the body or a parameter is wrong (`param` names it).",
     401: "Missing, unknown or revoked API key.",
-    404: "Unknown model, or no such session, conversation, item, response or file for this key's tenant.",
+    404: "Unknown model, or no such session, conversation, item, response, file or batch for this key's tenant.",
     409: "The session is answering another request.",
     413: "The request body is too large (a file: larger than AXON_FILE_MAX_BYTES).",
     429: "A rate limit of the key is exhausted; see `Retry-After` and `x-ratelimit-*`.",

@@ -21,6 +21,7 @@ from services.gateway.api.openapi import (
     json_body,
     query,
 )
+from shared.batch_requests import BatchCreate
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
 from shared.files_api import LIST_MAX, FileDeleted, FileList, FileObject, upload_form_schema
 from shared.hot_routes import HotRoute, document
@@ -314,4 +315,33 @@ async def get_file_content(file_id: str, request: Request, caller: CallerDep, se
 @router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=error_responses(404))
 async def delete_file(file_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Delete one of your files."""
+
+
+_PAGE_BATCHES = [
+    query("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}, "Batches per page."),
+    query("after", {"type": "string", "maxLength": 64}, "Id of the last batch of the previous page."),
+]
+
+
+@router.post("/v1/batches", responses=error_responses(400, 404, 413), openapi_extra=json_body(BatchCreate))
+async def create_batch(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Create a batch: run every request of an uploaded JSONL file (`purpose=batch`) within `completion_window`."""
+    return await service.call(request, caller)
+
+
+@router.get("/v1/batches", responses=error_responses(400), openapi_extra={"parameters": _PAGE_BATCHES})
+async def list_batches(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """List your batches, newest first (`limit`, `after`)."""
+    return await service.call(request, caller)
+
+
+@router.get("/v1/batches/{batch_id}", responses=error_responses(404))
+async def get_batch(batch_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Get one of your batches: its status, request counts and output and error files."""
+    return await service.call(request, caller)
+
+
+@router.post("/v1/batches/{batch_id}/cancel", responses=error_responses(400, 404))
+async def cancel_batch(batch_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Cancel one of your batches: lines not started never run, running ones stop; the rest is in its error file."""
     return await service.call(request, caller)

@@ -1,0 +1,48 @@
+-- OpenAI's Batch API (`/v1/batches`). A batch's row holds its state and counts; each line of its
+-- input file, once validated, is a row of `batch_lines` holding the request to run and, once the
+-- line is answered, its output or error line (`result`). A line is answered at most once
+-- (`result` is only set while NULL, in the same statement that counts it), so a session manager
+-- that takes a batch over after its owner died runs exactly the lines still unanswered.
+CREATE TABLE batches (
+    id                 text PRIMARY KEY,
+    tenant             text NOT NULL,
+    key_id             text,
+    endpoint           text NOT NULL,
+    input_file_id      text NOT NULL,
+    completion_window  text NOT NULL,
+    status             text NOT NULL,
+    metadata           jsonb,
+    errors             jsonb,
+    output_file_id     text,
+    error_file_id      text,
+    total              integer NOT NULL DEFAULT 0,
+    completed          integer NOT NULL DEFAULT 0,
+    failed             integer NOT NULL DEFAULT 0,
+    created_at         timestamptz NOT NULL,
+    expires_at         timestamptz NOT NULL,
+    in_progress_at     timestamptz,
+    finalizing_at      timestamptz,
+    completed_at       timestamptz,
+    failed_at          timestamptz,
+    expired_at         timestamptz,
+    cancelling_at      timestamptz,
+    cancelled_at       timestamptz
+);
+
+CREATE INDEX batches_tenant_created ON batches (tenant, created_at DESC, id DESC);
+-- The batches some session manager must run to their end.
+CREATE INDEX batches_unfinished ON batches (id) WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling');
+
+CREATE TABLE batch_lines (
+    batch_id    text NOT NULL REFERENCES batches (id) ON DELETE CASCADE,
+    line        integer NOT NULL,
+    custom_id   text NOT NULL,
+    model       text NOT NULL,
+    body        text NOT NULL,
+    -- The output line (`ok`) or error-file line, once answered.
+    ok          boolean,
+    result      jsonb,
+    PRIMARY KEY (batch_id, line)
+);
+
+CREATE INDEX batch_lines_unanswered ON batch_lines (batch_id, line) WHERE result IS NULL;
