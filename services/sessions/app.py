@@ -180,6 +180,7 @@ def _batches(
             leased=metrics.batches_leased,
             taken_over=metrics.batches_taken_over,
             keys=(opened.names.batches_running, opened.names.batches_owners),
+            kind="batch",
         ),
         metrics=metrics,
     )

@@ -82,6 +82,7 @@ class ResponseLeases:
         leased: Gauge | None = None,
         taken_over: Counter | None = None,
         keys: tuple[str, str] | None = None,
+        kind: str = "response",
     ) -> None:
         self._client = client
         # `axon_sessions_responses_leased` and `axon_sessions_responses_taken_over_total`.
@@ -90,6 +91,8 @@ class ResponseLeases:
         names = Names(namespace)
         # The running set and the owners hash (default: the stored responses').
         self.running_key, self.owners_key = keys or (names.responses_running, names.responses_owners)
+        # What is leased, in log events (`response_taken_over`, `batch_taken_over`).
+        self._kind = kind
         self.owner = instance_id
         self.lease_s = lease_s
         # Leased response -> the task relaying it (None: a client's request relays it).
@@ -145,7 +148,7 @@ class ResponseLeases:
             del self._tasks[response_id]
         self._abandoned.discard(response_id)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("response_relay_failed", response_id=response_id, error=repr(task.exception()))
+            log.warning(f"{self._kind}_relay_failed", **{f"{self._kind}_id": response_id}, error=repr(task.exception()))
 
     def holding(self, response_id: str) -> bool:
         return response_id in self._tasks
@@ -163,7 +166,7 @@ class ResponseLeases:
             try:
                 await self._renew_held()
                 for response_id in await self._claim_expired():
-                    log.info("response_taken_over", response_id=response_id)
+                    log.info(f"{self._kind}_taken_over", **{f"{self._kind}_id": response_id})
                     if self.taken_over is not None:
                         self.taken_over.labels("lease_expired").inc()
                     self.hold(response_id, take_over(response_id))
@@ -185,7 +188,7 @@ class ResponseLeases:
                 continue
             if result == 0:
                 self._abandoned.add(response_id)
-            log.info("response_lease_lost", response_id=response_id, finished=result == 0)
+            log.info(f"{self._kind}_lease_lost", **{f"{self._kind}_id": response_id}, finished=result == 0)
             task = self._tasks[response_id]
             if task is not None:
                 task.cancel()
@@ -210,4 +213,4 @@ class ResponseLeases:
             try:
                 await self._renew(keys=[self.running_key, self.owners_key], args=[self.owner, 0, *ids])
             except Exception as exc:  # noqa: BLE001 - they then expire a lease later
-                log.warning("response_leases_not_handed_over", error=repr(exc))
+                log.warning(f"{self._kind}_leases_not_handed_over", error=repr(exc))

@@ -16,6 +16,8 @@ from services.cli.launcher import Service
 from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
+from tests.e2e.stack import Stack
+from tests.e2e.test_workers import client_for, holder, sim_worker, wait_listed
 
 pytestmark = pytest.mark.e2e
 
@@ -198,3 +200,40 @@ def test_another_tenant_gets_404_and_lists_page(client: OpenAI, limited: OpenAI)
     assert second.data[0].id == created[0]
     with pytest.raises(NotFoundError):
         client.batches.retrieve("batch_unknown")
+
+
+def test_owner_and_worker_killed_mid_batch_every_line_once(stack: Stack, gateway: Service, api_key: str) -> None:
+    """kill -9 of a worker mid-line (its jobs fail over to the other) and then of the batch's owner
+    (another session manager takes the batch over once its lease expires): the batch completes
+    with every line answered exactly once, each with the answer the same request gets online."""
+    model = "takeover-batch-sim"
+    workers = [sim_worker(stack, f"batch-takeover-{i}", model, AXON_SIM_ITL_MS="25") for i in range(2)]
+    owner = stack.start("sessions:batch-owner", env={"AXON_RESPONSE_LEASE_S": "2", "AXON_BATCH_LINES_IN_FLIGHT": "4"})
+    owner_gateway = stack.start("gateway:batch-owner", env={"AXON_SESSIONS_URL": owner.url})
+    client, survivor = client_for(owner_gateway, api_key), client_for(gateway, api_key)
+    wait_listed(client, model)
+    lines = [_line(f"t-{i}", model=model, max_tokens=24) for i in range(16)]
+    batch = client.batches.create(input_file_id=upload(client, _jsonl(lines)), endpoint=CHAT, completion_window="24h")
+    wait_status(client, batch.id, {"in_progress"})
+    holder(workers, model).kill()
+    deadline = time.monotonic() + 60
+    while (counts := client.batches.retrieve(batch.id).request_counts) is None or counts.completed < 6:
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.1)
+    owner.kill()
+    done = wait_status(survivor, batch.id, {"completed", "failed", "expired"}, timeout_s=120)
+    assert done.status == "completed"
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (16, 16, 0)
+    assert done.output_file_id is not None and done.error_file_id is None
+    output = content_lines(survivor, done.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(f"t-{i}" for i in range(16))
+    for line in output:
+        request = next(raw for raw in lines if raw["custom_id"] == line["custom_id"])["body"]
+        online = survivor.chat.completions.create(**request)
+        assert line["response"]["body"]["choices"][0]["message"]["content"] == online.choices[0].message.content
+    assert any('"event":"batch_taken_over"' in text and batch.id in text for text in _sessions_logs(stack, owner))
+
+
+def _sessions_logs(stack: Stack, dead: Service) -> list[str]:
+    return [s.log_text() for s in stack.services if s.name.split(":")[0] == "sessions" and s is not dead]

@@ -315,6 +315,7 @@ async def get_file_content(file_id: str, request: Request, caller: CallerDep, se
 @router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=error_responses(404))
 async def delete_file(file_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
     """Delete one of your files."""
+    return await service.call(request, caller)
 
 
 _PAGE_BATCHES = [
