@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from services.sessions.batches import router as batches_router
 from services.sessions.batches.admission import LineAdmission
 from services.sessions.batches.service import BatchService
+from services.sessions.batches.slack import QueueSlack
 from services.sessions.batches.store import BatchStore
 from services.sessions.chat import router as chat_router
 from services.sessions.chat.service import ChatService
@@ -182,6 +183,7 @@ def _batches(
             keys=(opened.names.batches_running, opened.names.batches_owners),
             kind="batch",
         ),
+        slack=QueueSlack(opened.amqp, opened.names),
         metrics=metrics,
     )
 

@@ -88,9 +88,10 @@ class SessionsSettings(CommonSettings):
         50_000, ge=1, description="the requests (lines) a batch's input file may hold, as OpenAI's limit"
     )
     batch_lines_in_flight: int = Field(
-        8,
+        32,
         ge=1,
-        description="the lines of one batch its owner runs at a time (released as jobs at the lowest priority)",
+        description="the lines of one batch its owner runs at a time (released as jobs at the lowest priority,"
+        " only while their model's queue is empty)",
     )
     batch_line_attempts: int = Field(
         3, ge=1, description="how many times a batch line that fails on the server's side (5xx) is tried"

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from services.sessions.batches.admission import LineAdmission
 from services.sessions.batches.protocol import WINDOWS_S, batch_not_found, new_batch_id, output_line
+from services.sessions.batches.slack import QueueSlack
 from services.sessions.batches.store import BatchRecord, BatchStore, PendingLine, line_request_id
 from services.sessions.batches.validation import BatchLine, TooManyErrors, Validator, numbered_lines
 from services.sessions.chat.service import ChatService
@@ -71,6 +72,7 @@ class BatchService:
         responses: ResponsesService,
         admission: LineAdmission,
         leases: ResponseLeases,
+        slack: QueueSlack,
         metrics: SessionsMetrics,
     ) -> None:
         self._settings = settings
@@ -81,6 +83,7 @@ class BatchService:
         self._responses = responses
         self._admission = admission
         self.leases = leases
+        self._slack = slack
         self._metrics = metrics
 
     # The API.
@@ -222,9 +225,12 @@ class BatchService:
         return moved if moved is not None else await self.store.load(record.id)
 
     async def _run_lines(self, record: BatchRecord) -> BatchRecord | None:
-        """Release the unanswered lines, at most `AXON_BATCH_LINES_IN_FLIGHT` at a time, until every
-        one is answered (`finalizing`), the batch is cancelled or its window ends."""
+        """Release the unanswered lines into the models' slack (`slack.py`), at most
+        `AXON_BATCH_LINES_IN_FLIGHT` at a time, until every one is answered (`finalizing`), the
+        batch is cancelled or its window ends."""
         running: dict[int, asyncio.Task[None]] = {}
+        # Lines read but not released: their model had no slack.
+        held: list[PendingLine] = []
         cursor, exhausted = 0, False
         try:
             while True:
@@ -236,7 +242,7 @@ class BatchService:
                     return await self._end_early(record, running, end="cancelled", code="batch_cancelled")
                 if dt.datetime.now(dt.UTC) >= record.expires_at:
                     return await self._end_early(record, running, end="expired", code="batch_expired")
-                if exhausted and not running:
+                if exhausted and not running and not held:
                     if not await self.store.unanswered(record.id, after_line=0, limit=1):
                         moved = await self._moved(record, "finalizing", from_=("in_progress",))
                         if moved is None or moved.status != "cancelling":
@@ -244,20 +250,33 @@ class BatchService:
                         continue
                     cursor, exhausted = 0, False
                 free = self._settings.batch_lines_in_flight - len(running)
-                if free > 0 and not exhausted:
-                    pending = await self.store.unanswered(record.id, after_line=cursor, limit=free)
-                    exhausted = len(pending) < free
-                    for line in pending:
-                        running[line.line] = asyncio.create_task(self._line(record, line))
-                        cursor = line.line
+                if free > len(held) and not exhausted:
+                    pending = await self.store.unanswered(record.id, after_line=cursor, limit=free - len(held))
+                    exhausted = len(pending) < free - len(held)
+                    cursor = pending[-1].line if pending else cursor
+                    held += pending
+                held = await self._release(record, held, running, free)
                 if running:
                     await asyncio.wait(running.values(), timeout=TICK_S, return_when=asyncio.FIRST_COMPLETED)
                     for number in [n for n, task in running.items() if task.done()]:
                         _retrieve(running.pop(number))
-                elif not exhausted:
+                elif held or not exhausted:
                     await asyncio.sleep(TICK_S)
         finally:
             await _stop(running)
+
+    async def _release(
+        self, record: BatchRecord, lines: list[PendingLine], running: dict[int, "asyncio.Task[None]"], free: int
+    ) -> list[PendingLine]:
+        """Start up to `free` of `lines` whose model has slack; the others, held."""
+        held: list[PendingLine] = []
+        for line in lines:
+            if free > 0 and await self._slack.has_slack(line.model):
+                running[line.line] = asyncio.create_task(self._line(record, line))
+                free -= 1
+            else:
+                held.append(line)
+        return held
 
     async def _end_early(
         self, record: BatchRecord, running: dict[int, "asyncio.Task[None]"], *, end: str, code: str
