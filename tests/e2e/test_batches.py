@@ -7,13 +7,14 @@ import asyncio
 import time
 from typing import Any
 
+import asyncpg
 import orjson
 import pytest
 from openai import NotFoundError, OpenAI
 from openai.types import Batch
 
 from services.cli.launcher import Service
-from shared.keys import KeyLimits
+from shared.keys import KeyLimits, hash_key
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.stack import Stack
@@ -61,10 +62,6 @@ def limited(gateway: Service, database_url: str) -> OpenAI:
 
 
 async def _allow(database_url: str, key: str, models: list[str]) -> None:
-    import asyncpg
-
-    from shared.keys import hash_key
-
     conn = await asyncpg.connect(database_url)
     try:
         await conn.execute("UPDATE api_keys SET allowed_models = $2 WHERE key_hash = $1", hash_key(key), models)
@@ -72,7 +69,7 @@ async def _allow(database_url: str, key: str, models: list[str]) -> None:
         await conn.close()
 
 
-def test_batch_runs_every_line_once(client: OpenAI) -> None:
+def test_batch_runs_every_line_once(client: OpenAI, database_url: str) -> None:
     ids = [f"req-{i}" for i in range(12)]
     file_id = upload(client, _jsonl([_line(i) for i in ids]))
     batch = client.batches.create(
@@ -99,6 +96,23 @@ def test_batch_runs_every_line_once(client: OpenAI) -> None:
         assert body["model"] == SIM_MODEL
         assert body["choices"][0]["message"]["content"]
         assert body["usage"]["completion_tokens"] == 4
+    # Its usage rows are marked batch (written behind: within a few seconds).
+    assert asyncio.run(_batch_usage_rows(database_url, "tests", at_least=12)) >= 12
+
+
+async def _batch_usage_rows(database_url: str, tenant: str, *, at_least: int) -> int:
+    conn = await asyncpg.connect(database_url)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            rows = await conn.fetchval(
+                "SELECT count(*) FROM usage WHERE batch AND tenant = $1 AND completion_tokens = 4", tenant
+            )
+            if rows >= at_least or time.monotonic() > deadline:
+                return int(rows)
+            await asyncio.sleep(0.2)
+    finally:
+        await conn.close()
 
 
 @pytest.mark.parametrize(

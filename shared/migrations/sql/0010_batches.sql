@@ -46,3 +46,34 @@ CREATE TABLE batch_lines (
 );
 
 CREATE INDEX batch_lines_unanswered ON batch_lines (batch_id, line) WHERE result IS NULL;
+
+-- A batch line's usage row is marked, and the daily rollups count batch usage apart as well (its
+-- share of each day's requests and tokens), which `/admin/usage` reports.
+ALTER TABLE usage ADD COLUMN batch boolean NOT NULL DEFAULT false;
+ALTER TABLE usage_daily
+    ADD COLUMN batch_requests bigint NOT NULL DEFAULT 0,
+    ADD COLUMN batch_prompt_tokens bigint NOT NULL DEFAULT 0,
+    ADD COLUMN batch_completion_tokens bigint NOT NULL DEFAULT 0;
+
+CREATE OR REPLACE FUNCTION usage_roll_up() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO usage_daily AS d (day, tenant, key_id, model, requests, prompt_tokens, completion_tokens,
+                                  batch_requests, batch_prompt_tokens, batch_completion_tokens)
+    SELECT (created_at AT TIME ZONE 'UTC')::date, tenant, key_id, model,
+           count(*), sum(prompt_tokens), sum(completion_tokens),
+           count(*) FILTER (WHERE batch),
+           coalesce(sum(prompt_tokens) FILTER (WHERE batch), 0),
+           coalesce(sum(completion_tokens) FILTER (WHERE batch), 0)
+    FROM inserted
+    GROUP BY 1, 2, 3, 4
+    ORDER BY 1, 2, 3, 4
+    ON CONFLICT (day, tenant, key_id, model) DO UPDATE SET
+        requests = d.requests + excluded.requests,
+        prompt_tokens = d.prompt_tokens + excluded.prompt_tokens,
+        completion_tokens = d.completion_tokens + excluded.completion_tokens,
+        batch_requests = d.batch_requests + excluded.batch_requests,
+        batch_prompt_tokens = d.batch_prompt_tokens + excluded.batch_prompt_tokens,
+        batch_completion_tokens = d.batch_completion_tokens + excluded.batch_completion_tokens;
+    RETURN NULL;
+END
+$$;
