@@ -79,6 +79,15 @@ async def _update_outbox_gauges(app: FastAPI, metrics: SessionsMetrics) -> None:
     metrics.outbox_lag.set(max(0.0, age_s))
 
 
+async def _update_gauges(app: FastAPI, metrics: SessionsMetrics) -> None:
+    """The gauges read at a scrape: the outbox's, and the batches' waiting lines."""
+    await _update_outbox_gauges(app, metrics)
+    try:
+        await asyncio.wait_for(app.state.services.batches.export_gauges(), timeout=2)
+    except Exception as exc:  # noqa: BLE001 - a scrape must not fail because PostgreSQL is down
+        log.warning("batch_gauges_failed", error=repr(exc))
+
+
 def _attach_services(
     app: FastAPI, opened: SessionsResources, *, settings: SessionsSettings, metrics: SessionsMetrics
 ) -> SessionServices:
@@ -247,6 +256,6 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         registry=metrics.registry,
         not_ready_reason=_ready_reason,
         ready_doc="Readiness: Redis and RabbitMQ are reachable.",
-        before_scrape=lambda app: _update_outbox_gauges(app, metrics),
+        before_scrape=lambda app: _update_gauges(app, metrics),
     )
     return app

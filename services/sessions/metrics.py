@@ -113,6 +113,18 @@ class SessionsMetrics:
             ["model", "outcome"],
             registry=self.registry,
         )
+        self.batch_lines_waiting = Gauge(
+            "axon_sessions_batch_lines_waiting",
+            "Lines of running batches not answered yet, per model (every session manager reports the same: take max).",
+            ["model"],
+            registry=self.registry,
+        )
+        self.batch_oldest_waiting = Gauge(
+            "axon_sessions_batch_oldest_waiting_seconds",
+            "Age of the oldest running batch with lines not answered yet, per model (since it went in_progress).",
+            ["model"],
+            registry=self.registry,
+        )
         self.batch_lines_running = Gauge(
             "axon_sessions_batch_lines_running",
             "Batch lines this process runs now (released as jobs, not answered yet).",

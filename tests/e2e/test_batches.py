@@ -4,6 +4,8 @@ once; a bad file fails at validation with its lines named; a line the key may no
 in the error file while the others complete; cancel; tenancy; list paging."""
 
 import asyncio
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -18,7 +20,7 @@ from shared.keys import KeyLimits, hash_key
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.stack import Stack
-from tests.e2e.test_workers import client_for, holder, sim_worker, wait_listed
+from tests.e2e.test_workers import client_for, holder, metric, sim_worker, wait_listed
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +71,7 @@ async def _allow(database_url: str, key: str, models: list[str]) -> None:
         await conn.close()
 
 
-def test_batch_runs_every_line_once(client: OpenAI, database_url: str) -> None:
+def test_batch_runs_every_line_once(client: OpenAI, sessions: Service, database_url: str) -> None:
     ids = [f"req-{i}" for i in range(12)]
     file_id = upload(client, _jsonl([_line(i) for i in ids]))
     batch = client.batches.create(
@@ -96,6 +98,7 @@ def test_batch_runs_every_line_once(client: OpenAI, database_url: str) -> None:
         assert body["model"] == SIM_MODEL
         assert body["choices"][0]["message"]["content"]
         assert body["usage"]["completion_tokens"] == 4
+    assert metric(sessions, "axon_sessions_batch_lines_total", model=SIM_MODEL, outcome="completed") >= 12
     # Its usage rows are marked batch (written behind: within a few seconds).
     assert asyncio.run(_batch_usage_rows(database_url, "tests", at_least=12)) >= 12
 
@@ -172,7 +175,7 @@ def test_a_refused_line_is_in_the_error_file_and_the_others_complete(limited: Op
 
 def test_cancel_stops_the_batch_with_partial_output(client: OpenAI) -> None:
     # Long answers (the sim worker's 5 ms per token): the batch is still running when cancelled.
-    lines = [_line(f"long-{i}", max_tokens=400) for i in range(40)]
+    lines = [_line(f"long-{i}", max_tokens=2000) for i in range(40)]
     file_id = upload(client, _jsonl(lines))
     batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
     wait_status(client, batch.id, {"in_progress"})
@@ -251,3 +254,20 @@ def test_owner_and_worker_killed_mid_batch_every_line_once(stack: Stack, gateway
 
 def _sessions_logs(stack: Stack, dead: Service) -> list[str]:
     return [s.log_text() for s in stack.services if s.name.split(":")[0] == "sessions" and s is not dead]
+
+
+def test_cli_lists_shows_and_cancels_batches(stack: Stack, client: OpenAI) -> None:
+    lines = [_line(f"cli-{i}", max_tokens=2000) for i in range(40)]
+    batch = client.batches.create(input_file_id=upload(client, _jsonl(lines)), endpoint=CHAT, completion_window="24h")
+    wait_status(client, batch.id, {"in_progress"})
+
+    def axon(*args: str) -> str:
+        command = [sys.executable, "-m", "services.cli.main", "batches", *args]
+        return subprocess.run(command, env=stack.env({}), capture_output=True, text=True, timeout=60, check=True).stdout
+
+    assert batch.id in axon("list", "--tenant", "tests")
+    shown = orjson.loads(axon("show", batch.id))
+    assert (shown["id"], shown["tenant"], shown["request_counts"]["total"]) == (batch.id, "tests", 40)
+    assert axon("cancel", batch.id).split() == [batch.id, "cancelling"]
+    cancelled = wait_status(client, batch.id, {"cancelled"})
+    assert cancelled.request_counts is not None and cancelled.request_counts.completed < 40

@@ -177,6 +177,16 @@ class BatchService:
             sweeping.cancel()
             await asyncio.gather(sweeping, return_exceptions=True)
 
+    async def export_gauges(self) -> None:
+        """Set the lines waiting and the oldest waiting batch's age per model (at a scrape)."""
+        now = dt.datetime.now(dt.UTC)
+        waiting, oldest = self._metrics.batch_lines_waiting, self._metrics.batch_oldest_waiting
+        waiting.clear()
+        oldest.clear()
+        for model, lines, since in await self.store.waiting():
+            waiting.labels(model).set(lines)
+            oldest.labels(model).set(max(0.0, (now - since).total_seconds()))
+
     async def run(self, batch_id: str) -> None:
         """Run batch `batch_id` (leased to this process) to its end, from wherever it is."""
         bind_contextvars(batch_id=batch_id)

@@ -139,6 +139,16 @@ class BatchStore:
             )
         return [_record(r) for r in rows[:limit]], len(rows) > limit
 
+    async def recent(self, *, tenant: str | None, limit: int) -> "list[BatchRecord]":
+        """The newest batches (of `tenant`, or of every tenant), newest first."""
+        rows = await self._pool.fetch(
+            f"SELECT {_COLUMNS} FROM batches WHERE $1::text IS NULL OR tenant = $1"
+            " ORDER BY created_at DESC, id DESC LIMIT $2",
+            tenant,
+            limit,
+        )
+        return [_record(r) for r in rows]
+
     async def transition(self, batch_id: str, to: str, *, from_: Iterable[str], **fields: Any) -> BatchRecord | None:
         """Set the batch's status to `to` (and `<to>_at` to now, and `fields`) if it is one of
         `from_`; the batch as it is then, or None if it was not."""
@@ -239,6 +249,16 @@ class BatchStore:
             output_file_id,
             error_file_id,
         )
+
+    async def waiting(self) -> list[tuple[str, int, dt.datetime]]:
+        """Per model: the unanswered lines of running batches, and when the oldest of those
+        batches went `in_progress`."""
+        rows = await self._pool.fetch(
+            "SELECT l.model, count(*) AS lines, min(b.in_progress_at) AS since FROM batch_lines l"
+            " JOIN batches b ON b.id = l.batch_id WHERE l.result IS NULL AND b.status = 'in_progress'"
+            " GROUP BY l.model"
+        )
+        return [(r["model"], r["lines"], r["since"]) for r in rows]
 
     async def unfinished(self) -> list[str]:
         """Every batch some session manager must still run to its end."""
