@@ -6,12 +6,11 @@ fails leaves no object and no multipart upload behind; deleting and sweeping rem
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 
-from services.cli import launcher
 from services.sessions.files.s3 import S3Content, open_s3_content
 from services.sessions.files.store import DatabaseFileStore, EmptyFile, FileTooLarge
 from services.sessions.settings import SessionsSettings
@@ -19,32 +18,8 @@ from services.sessions.settings import SessionsSettings
 MIB = 1024 * 1024
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    endpoint = os.environ.get("AXON_TEST_S3_ENDPOINT")
-    if endpoint:
-        yield endpoint
-        return
-    server_module = pytest.importorskip("moto.server", reason="no AXON_TEST_S3_ENDPOINT and no moto to serve S3")
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=launcher.free_port(), verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
 @pytest.fixture
-def s3_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
-    """moto takes any credentials; a real endpoint's come from the environment as they are."""
-    if not os.environ.get("AXON_TEST_S3_ENDPOINT"):
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-
-
-@pytest.fixture
-async def content(s3_endpoint: str, s3_credentials: None) -> AsyncIterator[S3Content]:
+async def content(s3_endpoint: str) -> AsyncIterator[S3Content]:
     bucket = os.environ.get("AXON_TEST_S3_BUCKET", "axon-test-files")
     settings = SessionsSettings(
         file_store="s3",
