@@ -6,6 +6,7 @@ streams in and out with the session manager's and the gateway's memory barely mo
 import asyncio
 import hashlib
 import os
+import socket
 import threading
 import time
 import uuid
@@ -343,6 +344,31 @@ def test_files_in_s3_through_the_stack(s3_stack: tuple[Service, SessionsSettings
     assert asyncio.run(_s3_objects(settings)) == []
     with pytest.raises(openai.NotFoundError):
         client.files.content(created.id)
+
+
+def test_a_client_gone_mid_upload_leaves_nothing(gateway: Service, api_key: str, database_url: str) -> None:
+    before = asyncio.run(_stored_files(database_url, "tests"))
+    head = (
+        b'--XyZ\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="gone.jsonl"\r\n\r\n'
+    )
+    sent = 3 * 1024 * 1024  # three pieces stored before the client goes
+    port = int(gateway.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(
+            b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Type: %s\r\nContent-Length: %d\r\n\r\n"
+            % (api_key.encode(), _FORM.encode(), len(head) + 10 * sent)
+        )
+        conn.sendall(head + b"z" * sent)
+        deadline = time.monotonic() + 30
+        while asyncio.run(_stored_files(database_url, "tests"))[1] <= before[1] + 1:  # its pieces arriving
+            assert time.monotonic() < deadline, "the upload's pieces never reached the store"
+            time.sleep(0.1)
+    deadline = time.monotonic() + 30
+    while asyncio.run(_stored_files(database_url, "tests")) != before:
+        assert time.monotonic() < deadline, "the abandoned upload was not removed"
+        time.sleep(0.1)
 
 
 def _rss_bytes(pid: int, field: str = "VmRSS") -> int:
