@@ -381,6 +381,10 @@ class Http1Client:
             except TimeoutError:
                 raise ReadTimeout(f"no response within {self.read_timeout_s} s") from None
         except BaseException:
+            if not answered.done():
+                answered.cancel()  # nobody waits for this answer any more
+            elif not answered.cancelled():
+                answered.exception()  # retrieved: the error raised here says what happened
             connection.close()
             raise
         return Response(connection, self)

@@ -366,19 +366,22 @@ class GatewayService:
         response.headers.update(admission.headers())
         return response
 
-    async def _upload_pieces(self, request: Request) -> AsyncIterator[bytes]:
-        """An upload's body as it arrives, refused past the file limit and its form's overhead
-        (by its Content-Length first, before anything is forwarded).
+    def _upload_pieces(self, request: Request) -> AsyncIterator[bytes]:
+        """An upload's body as it will arrive, refused past the file limit and its form's overhead:
+        by its Content-Length here, before anything is forwarded, else as it streams.
 
         Raises:
-            PayloadTooLarge: the body is too large.
-            RequestTimeout: nothing arrived for AXON_REQUEST_BODY_TIMEOUT_S.
-            ClientGone: the client left mid-upload.
+            FileTooLarge: the body is declared too large (later, as it streams: it is).
+            RequestTimeout (as it streams): nothing arrived for AXON_REQUEST_BODY_TIMEOUT_S.
+            ClientGone (as it streams): the client left mid-upload.
         """
         max_bytes = self._file_max_bytes + FILE_FORM_OVERHEAD_BYTES
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             raise FileTooLarge.over(self._file_max_bytes)
+        return self._stream_upload(request, max_bytes=max_bytes)
+
+    async def _stream_upload(self, request: Request, *, max_bytes: int) -> AsyncIterator[bytes]:
         try:
             async for piece in stream_body(request.receive, max_bytes=max_bytes, stall_timeout_s=self._body_timeout_s):
                 yield piece

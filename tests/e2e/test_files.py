@@ -5,8 +5,11 @@ streams in and out with the session manager's and the gateway's memory barely mo
 
 import asyncio
 import hashlib
+import os
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +20,8 @@ import pytest
 from openai import OpenAI
 
 from services.cli.launcher import Service
+from services.sessions.files.s3 import open_s3_content
+from services.sessions.settings import SessionsSettings
 from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.contract.transport import ContractTransport
@@ -64,6 +69,57 @@ def small_gateway(namespace: str, database_url: str, service_urls: ServiceUrls, 
     try:
         sessions = stack.start("sessions", env=small)
         yield stack.start("gateway", env={**small, "AXON_SESSIONS_URL": sessions.url})
+    finally:
+        stack.close()
+
+
+S3_BUCKET = os.environ.get("AXON_TEST_S3_BUCKET", "axon-test-files")
+
+
+def _s3_settings(endpoint: str, prefix: str) -> SessionsSettings:
+    return SessionsSettings(
+        file_store="s3", file_s3_bucket=S3_BUCKET, file_s3_prefix=prefix, file_s3_endpoint=endpoint,
+        file_s3_region="us-east-1",
+    )  # fmt: skip
+
+
+async def _s3_objects(settings: SessionsSettings, *, create_bucket: bool = False) -> list[str]:
+    """The keys under the settings' prefix (creating the bucket first if asked)."""
+    async with open_s3_content(settings) as content:
+        client = content._client
+        if create_bucket:
+            try:
+                await client.create_bucket(Bucket=S3_BUCKET)
+            except client.exceptions.BucketAlreadyOwnedByYou:
+                pass
+        listed = await client.list_objects_v2(Bucket=S3_BUCKET, Prefix=settings.file_s3_prefix)
+        return [entry["Key"] for entry in listed.get("Contents", [])]
+
+
+@pytest.fixture(scope="module")
+def s3_stack(
+    namespace: str, database_url: str, service_urls: ServiceUrls, log_dir: Path, s3_endpoint: str
+) -> Iterator[tuple[Service, SessionsSettings]]:
+    """A session manager keeping files in S3 (AXON_FILE_STORE=s3) and its gateway."""
+    settings = _s3_settings(s3_endpoint, f"e2e-{uuid.uuid4().hex[:8]}/")
+    asyncio.run(_s3_objects(settings, create_bucket=True))
+    stack = Stack(
+        namespace=namespace,
+        database_url=database_url,
+        redis_url=service_urls.redis,
+        amqp_url=service_urls.amqp,
+        log_dir=log_dir,
+    )
+    s3_env = {
+        "AXON_FILE_STORE": "s3",
+        "AXON_FILE_S3_BUCKET": S3_BUCKET,
+        "AXON_FILE_S3_PREFIX": settings.file_s3_prefix,
+        "AXON_FILE_S3_ENDPOINT": s3_endpoint,
+        "AXON_FILE_S3_REGION": "us-east-1",
+    }
+    try:
+        sessions = stack.start("sessions", env=s3_env)
+        yield stack.start("gateway", env={"AXON_SESSIONS_URL": sessions.url}), settings
     finally:
         stack.close()
 
@@ -271,6 +327,48 @@ def test_over_the_limit_is_413_and_keeps_nothing(small_gateway: Service, api_key
     )
     assert response.status_code == 413 and response.json()["error"]["code"] == "file_too_large"
     assert asyncio.run(_stored_files(database_url, "tests")) == before
+
+
+def test_files_in_s3_through_the_stack(s3_stack: tuple[Service, SessionsSettings], api_key: str) -> None:
+    gateway, settings = s3_stack
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+    content = os.urandom(9 * 1024 * 1024)  # two parts of the multipart upload
+    created = client.files.create(file=("s3.jsonl", content), purpose="batch")
+    assert created.bytes == len(content)
+    assert asyncio.run(_s3_objects(settings)) == [settings.file_s3_prefix + created.id]
+    assert client.files.content(created.id).content == content
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.files.create(file=("empty.jsonl", b""), purpose="batch")
+    assert refused.value.status_code == 400
+    client.files.delete(created.id)
+    assert asyncio.run(_s3_objects(settings)) == []
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(created.id)
+
+
+def test_a_client_gone_mid_upload_leaves_nothing(gateway: Service, api_key: str, database_url: str) -> None:
+    before = asyncio.run(_stored_files(database_url, "tests"))
+    head = (
+        b'--XyZ\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="gone.jsonl"\r\n\r\n'
+    )
+    sent = 3 * 1024 * 1024  # three pieces stored before the client goes
+    port = int(gateway.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(
+            b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Type: %s\r\nContent-Length: %d\r\n\r\n"
+            % (api_key.encode(), _FORM.encode(), len(head) + 10 * sent)
+        )
+        conn.sendall(head + b"z" * sent)
+        deadline = time.monotonic() + 30
+        while asyncio.run(_stored_files(database_url, "tests"))[1] <= before[1] + 1:  # its pieces arriving
+            assert time.monotonic() < deadline, "the upload's pieces never reached the store"
+            time.sleep(0.1)
+    deadline = time.monotonic() + 30
+    while asyncio.run(_stored_files(database_url, "tests")) != before:
+        assert time.monotonic() < deadline, "the abandoned upload was not removed"
+        time.sleep(0.1)
 
 
 def _rss_bytes(pid: int, field: str = "VmRSS") -> int:

@@ -131,6 +131,8 @@ def _call(case: schemathesis.Case, gateway: Service, headers: dict[str, str]) ->
         pytest.fail(f"no answer within {TIMEOUT_S} s: {case.as_curl_command()}")
 
 
+# Every operation of the document, in one test: past the default timeout on a loaded machine.
+@pytest.mark.timeout(600)
 def test_fuzz_with_key(gateway_schema: schemathesis.BaseSchema, gateway: Service, fuzz_key: str) -> None:
     headers = {"Authorization": f"Bearer {fuzz_key}"}
     statuses: Counter[int] = Counter()
@@ -158,6 +160,7 @@ def test_fuzz_with_key(gateway_schema: schemathesis.BaseSchema, gateway: Service
     _report("fuzz with a key", statuses)
 
 
+@pytest.mark.timeout(600)
 def test_fuzz_without_key_is_always_401(gateway_schema: schemathesis.BaseSchema, gateway: Service) -> None:
     statuses: Counter[int] = Counter()
 

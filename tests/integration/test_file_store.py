@@ -202,6 +202,11 @@ async def test_list_pages(store, tenant):
     page, more = await store.list(tenant, purpose="batch", after=made[0].id, limit=10, order="asc")
     assert [r.id for r in page] == [made[1].id, made[3].id, made[4].id] and not more
     assert await store.list(tenant, purpose=None, after="file-unknown", limit=10, order="asc") == ([], False)
+    # Text PostgreSQL cannot hold (U+0000) matches nothing, and is no error.
+    assert await store.list(tenant, purpose="ba\x00tch", after=None, limit=10, order="asc") == ([], False)
+    assert await store.list(tenant, purpose=None, after="file-\x00", limit=10, order="asc") == ([], False)
+    assert await store.get(tenant, "file-\x00") is None
+    assert await store.delete(tenant, "file-\x00") is False
 
 
 async def test_sweep_removes_expired_and_abandoned(store, pool, tenant):

@@ -1,4 +1,4 @@
-"""The file store, open while the session manager serves,
+"""The file store the settings ask for (AXON_FILE_STORE), open while the session manager serves,
 with its sweep of expired files and abandoned uploads running."""
 
 import asyncio
@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 import asyncpg
 
-from services.sessions.files.store import DatabaseFileStore, PostgresContent
+from services.sessions.files.store import DatabaseFileStore, FileContent, PostgresContent
 from services.sessions.settings import SessionsSettings
 from shared.outages import Outage
 
@@ -30,11 +30,24 @@ async def _sweep(store: DatabaseFileStore, *, every_s: float) -> None:
 
 @asynccontextmanager
 async def open_file_store(settings: SessionsSettings, db: asyncpg.Pool) -> AsyncIterator[DatabaseFileStore]:
-    """The file store on `db` (records) and its bytes in PostgreSQL's `file_parts`."""
-    store = DatabaseFileStore(db, PostgresContent(db))
-    sweeping = asyncio.create_task(_sweep(store, every_s=SWEEP_EVERY_S))
-    try:
-        yield store
-    finally:
-        sweeping.cancel()
-        await asyncio.gather(sweeping, return_exceptions=True)
+    """The file store on `db` (records) and its bytes where AXON_FILE_STORE says."""
+    async with _open_content(settings, db) as content:
+        store = DatabaseFileStore(db, content)
+        sweeping = asyncio.create_task(_sweep(store, every_s=SWEEP_EVERY_S))
+        try:
+            yield store
+        finally:
+            sweeping.cancel()
+            await asyncio.gather(sweeping, return_exceptions=True)
+
+
+@asynccontextmanager
+async def _open_content(settings: SessionsSettings, db: asyncpg.Pool) -> AsyncIterator[FileContent]:
+    if settings.file_store == "postgres":
+        yield PostgresContent(db)
+        return
+    # Imported here: the S3 client's libraries load only where files go to S3.
+    from services.sessions.files.s3 import open_s3_content
+
+    async with open_s3_content(settings) as content:
+        yield content

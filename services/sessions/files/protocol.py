@@ -1,6 +1,7 @@
 """OpenAI's Files API on the wire: an upload's fields checked (`shared/files_api.py` says which
 there are), the list and deletion objects and the errors."""
 
+import re
 from typing import Any
 
 from services.sessions.files.store import FileRecord
@@ -8,6 +9,8 @@ from shared.errors import InvalidRequest
 from shared.files_api import EXPIRES_AFTER_MAX_S, EXPIRES_AFTER_MIN_S, UPLOAD_PURPOSES
 
 FIELD_MAX_BYTES = 1024
+# ASCII digits only: str.isdigit() takes "³", which int() refuses.
+_SECONDS = re.compile(r"[0-9]{1,10}")
 FILENAME_MAX_CHARS = 1024
 
 
@@ -54,7 +57,7 @@ def expires_after_s(fields: dict[str, str]) -> int | None:
             code="invalid_value",
         )
     low, high = EXPIRES_AFTER_MIN_S, EXPIRES_AFTER_MAX_S
-    if seconds is None or not seconds.isdigit() or not low <= int(seconds) <= high:
+    if seconds is None or not _SECONDS.fullmatch(seconds) or not low <= int(seconds) <= high:
         raise InvalidRequest(
             f"Invalid value for 'expires_after.seconds': it must be an integer from {low} to {high}.",
             param="expires_after.seconds",

@@ -23,7 +23,7 @@ from services.sessions.files.protocol import (
     missing,
 )
 from services.sessions.files.store import FileRecord, FileStore
-from shared.errors import AxonError, FileGone, InvalidRequest
+from shared.errors import AxonError, FileGone, InvalidRequest, RequestTimeout
 from shared.files_api import FORM_FIELDS, LIST_MAX
 from shared.hot_routes import stream_body
 from shared.logging import bind_contextvars
@@ -44,7 +44,7 @@ async def create_file(request: Request, caller: CallerDep, services: ServicesDep
     try:
         record = await _upload(reader, services.files, tenant=caller.tenant, max_bytes=services.file_max_bytes)
     except AxonError as exc:
-        if exc.status_code < 500:
+        if exc.status_code < 500 and not isinstance(exc, RequestTimeout):
             # The client is answered once it has sent everything: an answer sent mid-upload is
             # lost to most clients, which are still writing. The gateway bounds what that reads.
             await reader.skip_rest()

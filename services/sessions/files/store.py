@@ -268,7 +268,7 @@ class DatabaseFileStore:
     async def get(self, tenant: str, file_id: str) -> FileRecord | None:
         if not file_id.startswith(FILE_PREFIX) or len(file_id) > 64:
             return None
-        row = await self._db.fetchrow(_GET, file_id, postgres_text(tenant))
+        row = await self._db.fetchrow(_GET, postgres_text(file_id), postgres_text(tenant))
         return None if row is None else _record(row)
 
     async def read(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
@@ -281,7 +281,7 @@ class DatabaseFileStore:
     async def delete(self, tenant: str, file_id: str) -> bool:
         if not file_id.startswith(FILE_PREFIX) or len(file_id) > 64:
             return False
-        deleted = await self._db.fetchval(_HIDE, file_id, postgres_text(tenant))
+        deleted = await self._db.fetchval(_HIDE, postgres_text(file_id), postgres_text(tenant))
         if deleted is None:
             return False
         await self._discard([file_id])
@@ -291,7 +291,10 @@ class DatabaseFileStore:
         self, tenant: str, *, purpose: str | None, after: str | None, limit: int, order: str
     ) -> tuple[builtins.list[FileRecord], bool]:
         query = _LIST_DESC if order == "desc" else _LIST_ASC
-        rows = await self._db.fetch(query, postgres_text(tenant), purpose, after, limit + 1)
+        # Any text may come from a query string: PostgreSQL's cannot hold U+0000 (`postgres_text`).
+        rows = await self._db.fetch(
+            query, postgres_text(tenant), postgres_text(purpose), postgres_text(after), limit + 1
+        )
         return [_record(row) for row in rows[:limit]], len(rows) > limit
 
     async def sweep(self) -> int:
