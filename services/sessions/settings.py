@@ -93,6 +93,12 @@ class SessionsSettings(CommonSettings):
         description="the lines of one batch its owner runs at a time (released as jobs at the lowest priority,"
         " only while their model's queue is empty)",
     )
+    batch_queue_tokens: int = Field(
+        0,
+        ge=0,
+        description="the most tokens one API key may have enqueued in its unfinished batches per model (each"
+        " unanswered line's prompt estimate and max_tokens x n); 0: no limit",
+    )
     batch_line_attempts: int = Field(
         3, ge=1, description="how many times a batch line that fails on the server's side (5xx) is tried"
     )

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import asyncpg
+import openai
 import orjson
 import pytest
 from openai import NotFoundError, OpenAI
@@ -17,6 +18,7 @@ from openai.types import Batch
 
 from services.cli.launcher import Service
 from shared.keys import KeyLimits, hash_key
+from shared.tokens import estimate_tokens
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.stack import Stack
@@ -42,6 +44,10 @@ def upload(client: OpenAI, content: bytes) -> str:
 
 def content_lines(client: OpenAI, file_id: str) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in client.files.content(file_id).content.splitlines() if line]
+
+
+def _create(client: OpenAI, lines: list[dict[str, Any]]) -> Batch:
+    return client.batches.create(input_file_id=upload(client, _jsonl(lines)), endpoint=CHAT, completion_window="24h")
 
 
 def wait_status(client: OpenAI, batch_id: str, statuses: set[str], *, timeout_s: float = 90) -> Batch:
@@ -139,8 +145,6 @@ def test_a_bad_file_fails_at_validation_naming_its_line(client: OpenAI, bad: byt
 
 
 def test_bad_batch_requests_are_clear_errors(client: OpenAI, limited: OpenAI) -> None:
-    import openai
-
     with pytest.raises(openai.BadRequestError) as window:
         client.batches.create(input_file_id="file-x", endpoint=CHAT, completion_window="48h")  # type: ignore[arg-type]
     assert window.value.body["param"] == "completion_window"  # type: ignore[index]
@@ -271,3 +275,33 @@ def test_cli_lists_shows_and_cancels_batches(stack: Stack, client: OpenAI) -> No
     assert axon("cancel", batch.id).split() == [batch.id, "cancelling"]
     cancelled = wait_status(client, batch.id, {"cancelled"})
     assert cancelled.request_counts is not None and cancelled.request_counts.completed < 40
+
+
+def test_a_keys_batch_queue_limit_fails_a_batch_past_it_and_refuses_new_ones_while_full(
+    stack: Stack, api_key: str
+) -> None:
+    long = [_line(f"q-{i}", max_tokens=2000) for i in range(2)]
+    # What each line counts (its body's characters / 4, and max_tokens): the limit is exactly two.
+    limit = sum(estimate_tokens(chars=len(orjson.dumps(line["body"]))) + 2000 for line in long)
+    sessions = stack.start("sessions:batch-queue", env={"AXON_BATCH_QUEUE_TOKENS": str(limit)})
+    client = client_for(stack.start("gateway:batch-queue", env={"AXON_SESSIONS_URL": sessions.url}), api_key)
+
+    three = [*long, _line("q-2", max_tokens=2000)]
+    over = _create(client, three)
+    failed = wait_status(client, over.id, {"failed", "in_progress"})
+    assert failed.status == "failed" and failed.errors is not None
+    assert [e.code for e in failed.errors.data] == ["token_limit_exceeded"]
+
+    full = _create(client, long)
+    wait_status(client, full.id, {"in_progress"})
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.batches.create(
+            input_file_id=upload(client, _jsonl([_line("q-3")])), endpoint=CHAT, completion_window="24h"
+        )
+    assert refused.value.code == "token_limit_exceeded"
+    client.batches.cancel(full.id)
+    wait_status(client, full.id, {"cancelled"})
+    after = client.batches.create(
+        input_file_id=upload(client, _jsonl([_line("q-4")])), endpoint=CHAT, completion_window="24h"
+    )
+    assert wait_status(client, after.id, {"completed", "failed"}).status == "completed"

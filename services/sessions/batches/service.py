@@ -24,8 +24,8 @@ from pydantic import ValidationError
 from services.sessions.batches.admission import LineAdmission
 from services.sessions.batches.protocol import WINDOWS_S, batch_not_found, new_batch_id, output_line
 from services.sessions.batches.slack import QueueSlack
-from services.sessions.batches.store import BatchRecord, BatchStore, PendingLine, line_request_id
-from services.sessions.batches.validation import BatchLine, TooManyErrors, Validator, numbered_lines
+from services.sessions.batches.store import BatchRecord, BatchStore, PendingLine, QueueFull, line_request_id
+from services.sessions.batches.validation import BatchLine, LineError, TooManyErrors, Validator, numbered_lines
 from services.sessions.chat.service import ChatService
 from services.sessions.completions import CompletionService
 from services.sessions.files.store import FileGone, FileStore
@@ -34,7 +34,7 @@ from services.sessions.metrics import SessionsMetrics
 from services.sessions.responses.service import ResponsesService
 from services.sessions.settings import SessionsSettings
 from shared.batch_requests import BatchCreate
-from shared.errors import AxonError, InvalidRequest, NotFound, Unavailable, invalid_request
+from shared.errors import AxonError, InvalidRequest, NotFound, RateLimited, Unavailable, invalid_request
 from shared.internal_headers import Caller
 from shared.logging import bind_contextvars, get_logger
 from shared.openai_requests import ChatCompletionRequest, Kind, parse_request
@@ -98,6 +98,7 @@ class BatchService:
         file = await self._files.get(caller.tenant, body.input_file_id)
         if file is None:
             raise NotFound(f"No such File object: {body.input_file_id}", param="input_file_id", code="file_not_found")
+        await self._refuse_if_queue_full(caller)
         if file.purpose != "batch":
             raise InvalidRequest(
                 f"The input file's purpose is '{file.purpose}'; a batch's must be 'batch'.",
@@ -128,6 +129,17 @@ class BatchService:
         await self.store.create(record)
         self.leases.hold(record.id, self.run(record.id))
         return record
+
+    async def _refuse_if_queue_full(self, caller: Caller) -> None:
+        """Raises: RateLimited, the caller's key has its batch queue limit's worth of tokens
+        enqueued for a model already (`AXON_BATCH_QUEUE_TOKENS`)."""
+        limit = self._settings.batch_queue_tokens
+        if caller.key_id is None or not limit:
+            return
+        full = await self.store.queue_full(caller.key_id, limit)
+        if full is not None:
+            retry_s = str(int(RECONCILE_S))
+            raise RateLimited(full.message, code="token_limit_exceeded", headers={"Retry-After": retry_s})
 
     async def get(self, tenant: str, batch_id: str) -> BatchRecord:
         """Raises: NotFound (unknown, or another tenant's)."""
@@ -203,7 +215,11 @@ class BatchService:
 
     async def _validate(self, record: BatchRecord) -> BatchRecord | None:
         """Check the batch's file and store its lines (`in_progress`), or fail it with its errors."""
-        validator = Validator(endpoint=record.endpoint, max_lines=self._settings.batch_max_requests)
+        validator = Validator(
+            endpoint=record.endpoint,
+            max_lines=self._settings.batch_max_requests,
+            default_max_tokens=self._settings.default_max_tokens,
+        )
 
         async def lines() -> AsyncIterator[BatchLine]:
             async for number, raw in numbered_lines(self._files.read(record.tenant, record.input_file_id)):
@@ -215,15 +231,17 @@ class BatchService:
                 raise _Invalid
 
         try:
-            total = await self.store.validated(record.id, lines())
-        except (_Invalid, TooManyErrors):
-            errors = {"object": "list", "data": [e.to_openai() for e in validator.errors]}
-            return await self._moved(record, "failed", from_=("validating",), errors=errors)
-        except FileGone:
-            error = {"code": "file_not_found", "message": "The input file was deleted.", "param": None, "line": None}
-            return await self._moved(
-                record, "failed", from_=("validating",), errors={"object": "list", "data": [error]}
+            total = await self.store.validated(
+                record.id, lines(), key_id=record.key_id, queue_tokens=self._settings.batch_queue_tokens
             )
+        except QueueFull as full:
+            error = LineError("token_limit_exceeded", full.message)
+            return await self._moved(record, "failed", from_=("validating",), errors=_errors([error]))
+        except (_Invalid, TooManyErrors):
+            return await self._moved(record, "failed", from_=("validating",), errors=_errors(validator.errors))
+        except FileGone:
+            gone = LineError("file_not_found", "The input file was deleted.")
+            return await self._moved(record, "failed", from_=("validating",), errors=_errors([gone]))
         log.info("batch_validated", lines=total)
         return await self._moved(record, "in_progress", from_=("validating",))
 
@@ -413,6 +431,11 @@ class BatchService:
         reserved of its key's budget (`LineAdmission`)."""
         most = estimate_tokens(chars=len(line.body)) + (tokens or self._settings.default_max_tokens)
         return await self._admission.admit(tenant=record.tenant, key_id=record.key_id, model=line.model, tokens=most)
+
+
+def _errors(errors: list[LineError]) -> dict[str, Any]:
+    """A failed batch's `errors`, as OpenAI lists them."""
+    return {"object": "list", "data": [e.to_openai() for e in errors]}
 
 
 async def _stop(running: dict[int, "asyncio.Task[None]"]) -> None:

@@ -58,6 +58,30 @@ class BatchRecord:
         return self.status in TERMINAL
 
 
+# A model for which a key's unanswered lines (of its batches in progress, and `mine`) count more
+# than (`op`) $2 tokens. $1: the key.
+_OVER_QUEUE = (
+    "SELECT l.model, sum(l.tokens) AS tokens FROM batch_lines l JOIN batches b ON b.id = l.batch_id"
+    " WHERE b.key_id = $1 AND l.result IS NULL AND (b.status IN ('in_progress', 'cancelling') {mine})"
+    " GROUP BY l.model HAVING sum(l.tokens) {op} $2 ORDER BY l.model LIMIT 1"
+)
+
+
+class QueueFull(Exception):
+    """A key's batch queue for `model` holds `tokens` tokens, past its limit `limit`."""
+
+    def __init__(self, model: str, tokens: int, limit: int) -> None:
+        super().__init__(model, tokens, limit)
+        self.model, self.tokens, self.limit = model, tokens, limit
+
+    @property
+    def message(self) -> str:
+        return (
+            f"Enqueued token limit reached for {self.model}: this key's batches would hold {self.tokens} tokens"
+            f" for it, more than its limit of {self.limit}; try again once its batches have run."
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class PendingLine:
     """A line not answered yet."""
@@ -167,21 +191,41 @@ class BatchStore:
         )
         return _record(row) if row is not None else None
 
-    async def validated(self, batch_id: str, lines: AsyncIterator[BatchLine]) -> int:
+    async def validated(
+        self, batch_id: str, lines: AsyncIterator[BatchLine], *, key_id: str | None, queue_tokens: int
+    ) -> int:
         """Store the batch's `lines` as it validates them, in one transaction: all of them or (the
-        iteration raised) none. Lines stored by an earlier attempt (its owner died) are replaced.
-        Returns how many were stored."""
+        iteration raised, or the key's batch queue is full) none. Lines stored by an earlier
+        attempt (its owner died) are replaced. Returns how many were stored.
+
+        Raises:
+            QueueFull: with these lines, key `key_id` would have more than `queue_tokens` (0: no
+                limit) tokens enqueued for a model.
+        """
         total = 0
         async with self._pool.acquire() as conn, conn.transaction():
             await conn.execute("DELETE FROM batch_lines WHERE batch_id = $1", batch_id)
-            rows: list[tuple[str, int, str, str, str]] = []
+            rows: list[tuple[str, int, str, str, str, int]] = []
             async for line in lines:
-                rows.append((batch_id, line.line, line.custom_id, line.model, line.body))
+                rows.append((batch_id, line.line, line.custom_id, line.model, line.body, line.tokens))
                 if len(rows) >= _COPY_ROWS:
                     total += await _copy(conn, rows)
             total += await _copy(conn, rows)
+            if key_id is not None and queue_tokens:
+                # One batch of a key checked at a time: each sees the lines of those committed before.
+                await conn.execute("SELECT pg_advisory_xact_lock(hashtext('axon-batch-queue:' || $1))", key_id)
+                over = await conn.fetchrow(
+                    _OVER_QUEUE.format(mine="OR b.id = $3", op=">"), key_id, queue_tokens, batch_id
+                )
+                if over is not None:
+                    raise QueueFull(over["model"], int(over["tokens"]), queue_tokens)
             await conn.execute("UPDATE batches SET total = $2 WHERE id = $1", batch_id, total)
         return total
+
+    async def queue_full(self, key_id: str, queue_tokens: int) -> "QueueFull | None":
+        """Whether key `key_id` has `queue_tokens` or more tokens enqueued for a model already."""
+        over = await self._pool.fetchrow(_OVER_QUEUE.format(mine="", op=">="), key_id, queue_tokens)
+        return QueueFull(over["model"], int(over["tokens"]), queue_tokens) if over is not None else None
 
     async def unanswered(self, batch_id: str, *, after_line: int, limit: int) -> list[PendingLine]:
         """Up to `limit` unanswered lines past `after_line`, in order."""
@@ -266,13 +310,13 @@ class BatchStore:
         return [r["id"] for r in rows]
 
 
-async def _copy(conn: Any, rows: list[tuple[str, int, str, str, str]]) -> int:
+async def _copy(conn: Any, rows: list[tuple[str, int, str, str, str, int]]) -> int:
     """COPY `rows` into `batch_lines` and empty the list; how many."""
     if not rows:
         return 0
     count = len(rows)
     await conn.copy_records_to_table(
-        "batch_lines", records=rows, columns=["batch_id", "line", "custom_id", "model", "body"]
+        "batch_lines", records=rows, columns=["batch_id", "line", "custom_id", "model", "body", "tokens"]
     )
     rows.clear()
     return count

@@ -11,12 +11,17 @@ from typing import Any
 
 import orjson
 
+from shared.openai_requests import MAX_CHOICES
+from shared.tokens import estimate_tokens
+
 # The longest line taken (a request body as large as the session manager takes one).
 MAX_LINE_BYTES = 64 * 1024 * 1024
 # The longest `custom_id`.
 MAX_CUSTOM_ID = 512
 # The errors a failed batch lists at most (validation stops at this many).
 MAX_ERRORS = 100
+# What one line may count at most (an integer column).
+_MAX_LINE_TOKENS = 2**31 - 1
 _LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
 
 
@@ -28,6 +33,9 @@ class BatchLine:
     custom_id: str
     model: str
     body: str
+    # The most tokens it may use: its prompt estimated from its body's characters, and its
+    # max_tokens (or the default) times n.
+    tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +82,10 @@ class Validator:
     """Checks the lines of one batch's file in order (`check`), remembering the `custom_id`s seen
     (as 16-byte digests, so 50,000 lines hold about 5 MB) and the errors found."""
 
-    def __init__(self, *, endpoint: str, max_lines: int) -> None:
+    def __init__(self, *, endpoint: str, max_lines: int, default_max_tokens: int) -> None:
         self._endpoint = endpoint
         self._max_lines = max_lines
+        self._default_max_tokens = default_max_tokens
         self._seen: dict[bytes, int] = {}
         self.errors: list[LineError] = []
         self.lines = 0
@@ -130,7 +139,17 @@ class Validator:
         if first != number:
             message = f"The custom_id '{custom_id}' is also the one of line {first}; each must be unique."
             return None, LineError("duplicate_custom_id", message, number, "custom_id")
-        return BatchLine(number, custom_id, model, orjson.dumps(body).decode()), None
+        text = orjson.dumps(body).decode()
+        return BatchLine(number, custom_id, model, text, self._most_tokens(body, len(text))), None
+
+    def _most_tokens(self, body: dict[str, Any], chars: int) -> int:
+        """A line's most tokens (see `BatchLine.tokens`); a bad value counts as the default (the
+        line's run refuses it)."""
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
+        max_tokens = asked if type(asked) is int and asked >= 1 else self._default_max_tokens
+        n = body.get("n")
+        choices = n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
+        return min(estimate_tokens(chars=chars) + max_tokens * choices, _MAX_LINE_TOKENS)
 
     def _fail(self, error: LineError) -> None:
         self.errors.append(error)

@@ -32,6 +32,8 @@ CREATE TABLE batches (
 CREATE INDEX batches_tenant_created ON batches (tenant, created_at DESC, id DESC);
 -- The batches some session manager must run to their end.
 CREATE INDEX batches_unfinished ON batches (id) WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling');
+-- A key's enqueued batches (its batch queue limit, `AXON_BATCH_QUEUE_TOKENS`).
+CREATE INDEX batches_key_enqueued ON batches (key_id) WHERE status IN ('validating', 'in_progress', 'cancelling');
 
 CREATE TABLE batch_lines (
     batch_id    text NOT NULL REFERENCES batches (id) ON DELETE CASCADE,
@@ -39,6 +41,9 @@ CREATE TABLE batch_lines (
     custom_id   text NOT NULL,
     model       text NOT NULL,
     body        text NOT NULL,
+    -- The most tokens the line may use (its prompt estimated from characters, and max_tokens x n):
+    -- what it counts against its key's batch queue limit while unanswered.
+    tokens      integer NOT NULL,
     -- The output line (`ok`) or error-file line, once answered.
     ok          boolean,
     result      jsonb,
