@@ -305,3 +305,24 @@ def test_a_keys_batch_queue_limit_fails_a_batch_past_it_and_refuses_new_ones_whi
         input_file_id=upload(client, _jsonl([_line("q-4")])), endpoint=CHAT, completion_window="24h"
     )
     assert wait_status(client, after.id, {"completed", "failed"}).status == "completed"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "obj"),
+    [
+        ("/v1/completions", {"model": SIM_MODEL, "prompt": "Once", "max_tokens": 3}, "text_completion"),
+        ("/v1/responses", {"model": SIM_MODEL, "input": "Once", "max_output_tokens": 3, "store": False}, "response"),
+    ],
+)
+def test_completions_and_responses_lines(client: OpenAI, endpoint: str, body: dict[str, Any], obj: str) -> None:
+    lines = [{"custom_id": f"e-{i}", "method": "POST", "url": endpoint, "body": body} for i in range(3)]
+    lines.append({"custom_id": "streamed", "method": "POST", "url": endpoint, "body": {**body, "stream": True}})
+    file_id = upload(client, _jsonl(lines))
+    batch = client.batches.create(input_file_id=file_id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+    done = wait_status(client, batch.id, {"completed", "failed"})
+    assert done.status == "completed" and done.output_file_id and done.error_file_id
+    output = content_lines(client, done.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == ["e-0", "e-1", "e-2"]
+    assert {line["response"]["body"]["object"] for line in output} == {obj}
+    [refused] = content_lines(client, done.error_file_id)
+    assert (refused["custom_id"], refused["response"]["status_code"]) == ("streamed", 400)
