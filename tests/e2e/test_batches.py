@@ -326,3 +326,31 @@ def test_completions_and_responses_lines(client: OpenAI, endpoint: str, body: di
     assert {line["response"]["body"]["object"] for line in output} == {obj}
     [refused] = content_lines(client, done.error_file_id)
     assert (refused["custom_id"], refused["response"]["status_code"]) == ("streamed", 400)
+
+
+def test_past_its_window_a_batch_expires_keeping_what_finished(client: OpenAI, database_url: str) -> None:
+    lines = [_line("short-0"), *(_line(f"slow-{i}", max_tokens=2000) for i in range(40))]
+    batch = _create(client, lines)
+    deadline = time.monotonic() + 60
+    while (counts := client.batches.retrieve(batch.id).request_counts) is None or counts.completed < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    asyncio.run(_expire_now(database_url, batch.id))  # its 24 h window, passed
+    expired = wait_status(client, batch.id, {"expired"})
+    assert expired.expired_at is not None and expired.request_counts is not None
+    assert expired.request_counts.completed >= 1
+    assert expired.request_counts.completed + expired.request_counts.failed == 41
+    assert expired.output_file_id and expired.error_file_id
+    finished = content_lines(client, expired.output_file_id)
+    assert "short-0" in {line["custom_id"] for line in finished}
+    errors = content_lines(client, expired.error_file_id)
+    assert {line["error"]["code"] for line in errors} == {"batch_expired"}
+    assert len({line["custom_id"] for line in finished + errors}) == 41
+
+
+async def _expire_now(database_url: str, batch_id: str) -> None:
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute("UPDATE batches SET expires_at = now() WHERE id = $1", batch_id)
+    finally:
+        await conn.close()
