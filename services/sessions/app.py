@@ -193,6 +193,7 @@ def _batches(
             kind="batch",
         ),
         slack=QueueSlack(opened.amqp, opened.names),
+        catalog=opened.catalog,
         metrics=metrics,
     )
 

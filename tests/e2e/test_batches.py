@@ -177,12 +177,14 @@ def test_a_refused_line_is_in_the_error_file_and_the_others_complete(limited: Op
     assert errors["bad"]["body"]["error"]["param"] == "max_tokens"
 
 
-def test_cancel_stops_the_batch_with_partial_output(client: OpenAI) -> None:
+def test_cancel_stops_the_batch_with_partial_output(client: OpenAI, sessions: Service) -> None:
     # Long answers (the sim worker's 5 ms per token): the batch is still running when cancelled.
     lines = [_line(f"long-{i}", max_tokens=2000) for i in range(40)]
     file_id = upload(client, _jsonl(lines))
     batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
     wait_status(client, batch.id, {"in_progress"})
+    assert metric(sessions, "axon_sessions_batch_lines_waiting", model=SIM_MODEL) > 0
+    assert metric(sessions, "axon_sessions_batch_oldest_waiting_seconds", model=SIM_MODEL) >= 0
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in {"cancelling", "cancelled"}
     cancelled = wait_status(client, batch.id, {"cancelled"})

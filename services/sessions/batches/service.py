@@ -26,6 +26,7 @@ from services.sessions.batches.protocol import WINDOWS_S, batch_not_found, new_b
 from services.sessions.batches.slack import QueueSlack
 from services.sessions.batches.store import BatchRecord, BatchStore, PendingLine, QueueFull, line_request_id
 from services.sessions.batches.validation import BatchLine, LineError, TooManyErrors, Validator, numbered_lines
+from services.sessions.catalog import ModelCatalog
 from services.sessions.chat.service import ChatService
 from services.sessions.completions import CompletionService
 from services.sessions.files.store import FileGone, FileStore
@@ -73,6 +74,7 @@ class BatchService:
         admission: LineAdmission,
         leases: ResponseLeases,
         slack: QueueSlack,
+        catalog: ModelCatalog,
         metrics: SessionsMetrics,
     ) -> None:
         self._settings = settings
@@ -84,6 +86,7 @@ class BatchService:
         self._admission = admission
         self.leases = leases
         self._slack = slack
+        self._catalog = catalog
         self._metrics = metrics
 
     # The API.
@@ -190,14 +193,21 @@ class BatchService:
             await asyncio.gather(sweeping, return_exceptions=True)
 
     async def export_gauges(self) -> None:
-        """Set the lines waiting and the oldest waiting batch's age per model (at a scrape)."""
+        """Set the lines waiting and the oldest waiting batch's age per model (at a scrape): 0 for
+        each live model without any; a model no worker serves now is `unknown` (label values
+        come from clients' files)."""
         now = dt.datetime.now(dt.UTC)
+        counts = dict.fromkeys(await self._catalog.live(), (0, 0.0))
+        for model, lines, since in await self.store.waiting():
+            label = model if model in counts else "unknown"
+            before_lines, before_age = counts.get(label, (0, 0.0))
+            counts[label] = (before_lines + lines, max(before_age, (now - since).total_seconds()))
         waiting, oldest = self._metrics.batch_lines_waiting, self._metrics.batch_oldest_waiting
         waiting.clear()
         oldest.clear()
-        for model, lines, since in await self.store.waiting():
-            waiting.labels(model).set(lines)
-            oldest.labels(model).set(max(0.0, (now - since).total_seconds()))
+        for label, (lines, age_s) in counts.items():
+            waiting.labels(label).set(lines)
+            oldest.labels(label).set(age_s)
 
     async def run(self, batch_id: str) -> None:
         """Run batch `batch_id` (leased to this process) to its end, from wherever it is."""
