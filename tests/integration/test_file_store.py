@@ -226,3 +226,28 @@ async def test_sweep_removes_expired_and_abandoned(store, pool, tenant):
     assert await store.sweep() >= 2
     assert await pool.fetchval("SELECT array_agg(id) FROM files WHERE tenant = $1", tenant) == [kept.id]
     assert await _rows(pool, tenant) == (1, 1)
+
+
+async def test_a_live_upload_keeps_itself_from_the_sweep(store, pool, tenant):
+    """Each piece moves the upload's `touched_at`, so a slow upload still receiving pieces is not
+    taken for one whose process died."""
+    taken = [asyncio.Event(), asyncio.Event()]
+    go_on = [asyncio.Event(), asyncio.Event()]
+
+    async def slow() -> AsyncIterator[bytes]:
+        for step, piece in enumerate((b"a" * 10, b"b" * 10)):
+            yield piece
+            taken[step].set()  # the piece before is stored
+            await go_on[step].wait()
+        yield b"c" * 10
+
+    task = asyncio.create_task(store.create(tenant=tenant, purpose="batch", filename="s", chunks=slow(), max_bytes=100))
+    await asyncio.wait_for(taken[0].wait(), timeout=10)
+    await pool.execute("UPDATE files SET touched_at = now() - interval '2 hours' WHERE tenant = $1", tenant)
+    go_on[0].set()
+    await asyncio.wait_for(taken[1].wait(), timeout=10)
+    await store.sweep()  # the second piece moved touched_at: still live
+    assert await pool.fetchval("SELECT status FROM files WHERE tenant = $1", tenant) == "uploading"
+    go_on[1].set()
+    record = await asyncio.wait_for(task, timeout=10)
+    assert b"".join([p async for p in store.read(tenant, record.id)]) == b"a" * 10 + b"b" * 10 + b"c" * 10

@@ -245,7 +245,7 @@ class DatabaseFileStore:
         total = [0]
         try:
             pieces = _pieces(chunks, piece_bytes=self._content.piece_bytes, max_bytes=max_bytes, total=total)
-            await self._content.write(file_id, pieces)
+            await self._content.write(file_id, self._touching(file_id, pieces))
             if total[0] == 0:
                 raise EmptyFile("File is empty.", param="file")
             row = await self._db.fetchrow(_FINISH_UPLOAD, file_id, total[0])
@@ -257,6 +257,12 @@ class DatabaseFileStore:
             raise
         log.info("file_stored", file_id=file_id, purpose=purpose, bytes=total[0])
         return _record(row)
+
+    async def _touching(self, file_id: str, pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """`pieces`, each moving the upload's `touched_at` (the sweep leaves live uploads alone)."""
+        async for piece in pieces:
+            await self._db.execute(_TOUCH, file_id)
+            yield piece
 
     async def _discard(self, file_ids: builtins.list[str]) -> None:
         try:
@@ -312,10 +318,8 @@ _BEGIN_UPLOAD = """
 INSERT INTO files (id, tenant, purpose, filename, status, created_at, expires_at)
 VALUES ($1, $2, $3, $4, 'uploading', $5, $6)
 """
-_WRITE_PART = """
-WITH part AS (INSERT INTO file_parts (file_id, seq, data) VALUES ($1, $2, $3))
-UPDATE files SET touched_at = now() WHERE id = $1
-"""
+_WRITE_PART = "INSERT INTO file_parts (file_id, seq, data) VALUES ($1, $2, $3)"
+_TOUCH = "UPDATE files SET touched_at = now() WHERE id = $1"
 _READ_PART = "SELECT data FROM file_parts WHERE file_id = $1 AND seq = $2"
 _FINISH_UPLOAD = f"UPDATE files SET status = 'processed', bytes = $2 WHERE id = $1 RETURNING {_COLUMNS}"
 _VISIBLE = "status = 'processed' AND (expires_at IS NULL OR expires_at > now())"
