@@ -92,6 +92,10 @@ async def test_a_validation_that_fails_stores_no_line_and_a_retry_replaces_them(
     with pytest.raises(ValueError, match="broke a rule"):
         await store.validated(batch_id, _lines(2500, fail_at=2400), key_id=None, queue_tokens=0)
     assert await store.unanswered(batch_id, after_line=0, limit=1) == []
+    # Stored in COPYs of 1,000 lines, each while the next lines are read: every line once.
+    assert await store.validated(batch_id, _lines(2500), key_id=None, queue_tokens=0) == 2500
+    stored = await store.unanswered(batch_id, after_line=0, limit=3000)
+    assert [line.line for line in stored] == list(range(1, 2501))
     assert await store.validated(batch_id, _lines(4), key_id=None, queue_tokens=0) == 4
     assert await store.validated(batch_id, _lines(2), key_id=None, queue_tokens=0) == 2  # a new owner's
     assert len(await store.unanswered(batch_id, after_line=0, limit=10)) == 2

