@@ -1,7 +1,20 @@
 """The Batch API's speed (issue 28), two modes:
 
+    .venv/bin/python benchmarks/batch.py load                     # a 20,000-line batch, about 3 minutes
+    .venv/bin/python benchmarks/batch.py load --lines 5000
     .venv/bin/python benchmarks/batch.py validate                 # a 200 MB, 50,000-line file
     .venv/bin/python benchmarks/batch.py validate --lines 10000
+
+`load`: the platform (3 `sim` workers of `--max-seqs` sequences each, a session manager and a
+gateway, with a database and Redis namespace of their own) measures its capacity first (`axon
+bench` at as many streams as the workers have sequences), then sends interactive streamed chat
+requests at `--load` (0.5) of that capacity's requests/s (Poisson arrivals), once with no batch
+and once while a batch of `--lines` lines waits (uploaded and created through the official
+`openai` client, its lines asking as many tokens as the interactive requests). It prints the
+interactive TTFT p50 and p99 with the batch over without (the issue: 1.1 at most), the total
+output tokens/s while the batch runs (interactive, and the batch's answered lines times their
+tokens: the simulator answers each line with exactly its `max_tokens`) over the measured capacity
+(the issue: 0.9 at least), and the batch's progress; then cancels the batch.
 
 `validate`: in this process, against a database of its own, uploads a file of `--lines` chat lines
 (`--prompt-chars` characters of prompt each: 3,900 make 50,000 lines about 200 MB) through the
@@ -21,7 +34,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import asyncpg
+import openai
 import orjson
+from capacity import run_level
 from harness import BenchEnvironment
 
 from services.sessions.batches.store import BatchRecord, BatchStore
@@ -162,6 +177,122 @@ async def validate(env: BenchEnvironment, args: argparse.Namespace) -> None:
         await pool.close()
 
 
+def start_platform(env: BenchEnvironment, args: argparse.Namespace) -> str:
+    """3 sim workers, a session manager and a gateway; the gateway's URL."""
+    env.models.add("sim")
+    worker_env = {
+        "AXON_ENGINE": "sim",
+        "AXON_MODEL": "sim",
+        "AXON_SIM_TTFT_MS": str(args.ttft_ms),
+        "AXON_SIM_ITL_MS": str(args.itl_ms),
+        "AXON_SIM_MAX_SEQS": str(args.max_seqs),
+    }
+    for index in range(args.workers):
+        env.start_service("worker", env=worker_env, name=f"worker-{index}")
+    sessions = env.start_service("sessions", env={"AXON_BATCH_LINES_IN_FLIGHT": str(args.lines_in_flight)})
+    return env.start_service("gateway", env={"AXON_SESSIONS_URL": sessions.url}).url
+
+
+def batch_file(lines: int, tokens: int) -> bytes:
+    return b"".join(
+        orjson.dumps(
+            {
+                "custom_id": f"line-{number}",
+                "method": "POST",
+                "url": ENDPOINT,
+                "body": {
+                    "model": "sim",
+                    "messages": [{"role": "user", "content": f"Summarise document {number} in a few words."}],
+                    "max_tokens": tokens,
+                },
+            }
+        )
+        + b"\n"
+        for number in range(1, lines + 1)
+    )
+
+
+def interactive(env: BenchEnvironment, url: str, key: str, args: argparse.Namespace, rate: float) -> dict:
+    """Interactive streamed requests at `rate` requests/s for about `--phase-s` seconds."""
+    requests = max(50, int(rate * args.phase_s))
+    level = run_level(
+        env,
+        url,
+        key,
+        {},
+        concurrency=10_000,
+        requests=requests,
+        output_tokens=args.tokens,
+        warmup=0,
+        bench_args=["--request-rate", f"{rate:.2f}", "--seed", "7"],
+    )
+    return dict(level["summary"])
+
+
+def load(env: BenchEnvironment, args: argparse.Namespace) -> int:
+    url = start_platform(env, args)
+    key = env.create_key()
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=0)
+    seqs = args.workers * args.max_seqs
+    print(f"platform ready: {args.workers} sim workers x {args.max_seqs} sequences (logs in {env.log_dir})", flush=True)
+
+    capacity = run_level(
+        env, url, key, {}, concurrency=seqs, requests=args.capacity_requests, output_tokens=args.tokens, warmup=seqs
+    )["summary"]
+    capacity_rps, capacity_tps = capacity["request_throughput_rps"], capacity["output_token_throughput_tps"]
+    print(
+        f"capacity ({seqs} streams, {args.tokens}-token answers): {capacity_rps:.1f} req/s, "
+        f"{capacity_tps:.0f} output tok/s, {capacity['requests']['failed']} errors",
+        flush=True,
+    )
+    rate = capacity_rps * args.load
+
+    without = interactive(env, url, key, args, rate)
+    print(f"without a batch: {rate:.1f} req/s offered, {without['output_token_throughput_tps']:.0f} tok/s", flush=True)
+
+    started = time.perf_counter()
+    uploaded = client.files.create(file=("batch.jsonl", batch_file(args.lines, args.tokens)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h")
+    while batch.status == "validating":
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    print(f"batch of {args.lines} lines {batch.status} {time.perf_counter() - started:.1f} s after the upload began")
+    if batch.status != "in_progress":
+        print(f"the batch did not start: {batch.errors}")
+        return 1
+    time.sleep(args.settle_s)
+
+    done_before = client.batches.retrieve(batch.id).request_counts
+    phase_started = time.perf_counter()
+    with_batch = interactive(env, url, key, args, rate)
+    phase_s = time.perf_counter() - phase_started
+    done_after = client.batches.retrieve(batch.id).request_counts
+    assert done_before is not None and done_after is not None
+    answered = (done_after.completed + done_after.failed) - (done_before.completed + done_before.failed)
+    batch_tps = (done_after.completed - done_before.completed) * args.tokens / phase_s
+    total_tps = batch_tps + with_batch["total_output_tokens"] / phase_s
+    client.batches.cancel(batch.id)
+
+    print(f"\n{'interactive':<24} {'req/s':>7} {'tok/s':>7} {'errors':>7} {'TTFT p50':>9} {'TTFT p99':>9}")
+    for name, run in (("without a batch", without), ("with the batch", with_batch)):
+        print(
+            f"{name:<24} {run['request_throughput_rps']:>7.1f} {run['output_token_throughput_tps']:>7.0f} "
+            f"{run['requests']['failed']:>7} {run['ttft_ms']['p50']:>9.1f} {run['ttft_ms']['p99']:>9.1f}"
+        )
+    p50 = with_batch["ttft_ms"]["p50"] / without["ttft_ms"]["p50"]
+    p99 = with_batch["ttft_ms"]["p99"] / without["ttft_ms"]["p99"]
+    print(f"TTFT with / without the batch: p50 {p50:.2f}, p99 {p99:.2f} (target <= 1.1)")
+    print(
+        f"while the batch ran ({phase_s:.0f} s): batch {batch_tps:.0f} tok/s ({answered / phase_s:.1f} lines/s), "
+        f"total {total_tps:.0f} tok/s = {total_tps / capacity_tps:.2f} x capacity (target >= 0.9)"
+    )
+    print(
+        f"batch progress: {done_after.completed} completed, {done_after.failed} failed of {done_after.total} "
+        f"when the interactive load ended; cancelled then"
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = parser.add_subparsers(dest="mode", required=True)
@@ -169,8 +300,22 @@ def main() -> int:
     check.add_argument("--lines", type=int, default=50_000)
     check.add_argument("--prompt-chars", type=int, default=3_900, help="characters of each line's prompt")
     check.add_argument("--rounds", type=int, default=1, help="times each stage is run")
+    run = modes.add_parser("load", help="interactive TTFT and total throughput with and without a batch")
+    run.add_argument("--lines", type=int, default=20_000, help="the batch's lines")
+    run.add_argument("--workers", type=int, default=3)
+    run.add_argument("--max-seqs", type=int, default=16, help="each sim worker's AXON_SIM_MAX_SEQS")
+    run.add_argument("--ttft-ms", type=float, default=50.0, help="AXON_SIM_TTFT_MS")
+    run.add_argument("--itl-ms", type=float, default=20.0, help="AXON_SIM_ITL_MS")
+    run.add_argument("--tokens", type=int, default=32, help="tokens each request and line asks (max_tokens)")
+    run.add_argument("--lines-in-flight", type=int, default=32, help="the session manager's AXON_BATCH_LINES_IN_FLIGHT")
+    run.add_argument("--load", type=float, default=0.5, help="interactive requests/s as a share of capacity's")
+    run.add_argument("--capacity-requests", type=int, default=1500)
+    run.add_argument("--phase-s", type=float, default=40.0, help="seconds of interactive load in each phase")
+    run.add_argument("--settle-s", type=float, default=3.0, help="wait after the batch starts before measuring")
     args = parser.parse_args()
     with BenchEnvironment() as env:
+        if args.mode == "load":
+            return load(env, args)
         print(f"RSS at start {rss_mb():.0f} MB", flush=True)
         asyncio.run(validate(env, args))
     return 0
