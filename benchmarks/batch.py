@@ -30,6 +30,7 @@ import asyncio
 import datetime as dt
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -38,7 +39,9 @@ import openai
 import orjson
 from capacity import run_level
 from harness import BenchEnvironment
+from openai.types import Batch
 
+from services.cli.launcher import Service
 from services.sessions.batches.store import BatchRecord, BatchStore
 from services.sessions.batches.validation import BatchLine, Validator, numbered_lines
 from services.sessions.files.store import DatabaseFileStore, PostgresContent
@@ -177,8 +180,9 @@ async def validate(env: BenchEnvironment, args: argparse.Namespace) -> None:
         await pool.close()
 
 
-def start_platform(env: BenchEnvironment, args: argparse.Namespace) -> str:
-    """3 sim workers, a session manager and a gateway; the gateway's URL."""
+def start_platform(env: BenchEnvironment, args: argparse.Namespace, *, sessions: int = 1) -> dict[str, Service]:
+    """`--workers` sim workers, `sessions` session managers each with a gateway (`gateway-0` in
+    front of `sessions-0`, ...)."""
     env.models.add("sim")
     worker_env = {
         "AXON_ENGINE": "sim",
@@ -187,10 +191,30 @@ def start_platform(env: BenchEnvironment, args: argparse.Namespace) -> str:
         "AXON_SIM_ITL_MS": str(args.itl_ms),
         "AXON_SIM_MAX_SEQS": str(args.max_seqs),
     }
+    services = {}
     for index in range(args.workers):
-        env.start_service("worker", env=worker_env, name=f"worker-{index}")
-    sessions = env.start_service("sessions", env={"AXON_BATCH_LINES_IN_FLIGHT": str(args.lines_in_flight)})
-    return env.start_service("gateway", env={"AXON_SESSIONS_URL": sessions.url}).url
+        services[f"worker-{index}"] = env.start_service("worker", env=worker_env, name=f"worker-{index}")
+    for index in range(sessions):
+        manager = env.start_service(
+            "sessions", name=f"sessions-{index}", env={"AXON_BATCH_LINES_IN_FLIGHT": str(args.lines_in_flight)}
+        )
+        services[f"sessions-{index}"] = manager
+        services[f"gateway-{index}"] = env.start_service(
+            "gateway", name=f"gateway-{index}", env={"AXON_SESSIONS_URL": manager.url}
+        )
+    return services
+
+
+def start_batch(client: openai.OpenAI, args: argparse.Namespace) -> Batch:
+    """Upload the batch's file and create the batch; once it is no longer validating."""
+    started = time.perf_counter()
+    uploaded = client.files.create(file=("batch.jsonl", batch_file(args.lines, args.tokens)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h")
+    while batch.status == "validating":
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    print(f"batch of {args.lines} lines {batch.status} {time.perf_counter() - started:.1f} s after the upload began")
+    return batch
 
 
 def batch_file(lines: int, tokens: int) -> bytes:
@@ -230,7 +254,7 @@ def interactive(env: BenchEnvironment, url: str, key: str, args: argparse.Namesp
 
 
 def load(env: BenchEnvironment, args: argparse.Namespace) -> int:
-    url = start_platform(env, args)
+    url = start_platform(env, args)["gateway-0"].url
     key = env.create_key()
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=0)
     seqs = args.workers * args.max_seqs
@@ -250,13 +274,7 @@ def load(env: BenchEnvironment, args: argparse.Namespace) -> int:
     without = interactive(env, url, key, args, rate)
     print(f"without a batch: {rate:.1f} req/s offered, {without['output_token_throughput_tps']:.0f} tok/s", flush=True)
 
-    started = time.perf_counter()
-    uploaded = client.files.create(file=("batch.jsonl", batch_file(args.lines, args.tokens)), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h")
-    while batch.status == "validating":
-        time.sleep(0.2)
-        batch = client.batches.retrieve(batch.id)
-    print(f"batch of {args.lines} lines {batch.status} {time.perf_counter() - started:.1f} s after the upload began")
+    batch = start_batch(client, args)
     if batch.status != "in_progress":
         print(f"the batch did not start: {batch.errors}")
         return 1
@@ -293,6 +311,48 @@ def load(env: BenchEnvironment, args: argparse.Namespace) -> int:
     return 0
 
 
+def kill(env: BenchEnvironment, args: argparse.Namespace) -> int:
+    """A worker and the batch's owner killed once `--kill-at` of its lines are answered; then every
+    line's output counted."""
+    services = start_platform(env, args, sessions=2)
+    key = env.create_key()
+    owner, survivor = (
+        openai.OpenAI(base_url=f"{services[f'gateway-{i}'].url}/v1", api_key=key, timeout=120, max_retries=0)
+        for i in (0, 1)
+    )
+    batch = start_batch(owner, args)
+    deadline = time.monotonic() + args.timeout_s
+    while batch.request_counts is None or batch.request_counts.completed < args.kill_at * args.lines:
+        if time.monotonic() > deadline or batch.status != "in_progress":
+            print(f"the batch is {batch.status} with {batch.request_counts}: not killed")
+            return 1
+        time.sleep(0.2)
+        batch = owner.batches.retrieve(batch.id)
+    services["worker-0"].kill()
+    services["sessions-0"].kill()
+    killed_at = time.monotonic()
+    print(f"killed worker-0 and the batch's owner (sessions-0) at {batch.request_counts.completed} lines answered")
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        if time.monotonic() > deadline:
+            print(f"the batch is still {batch.status} after {args.timeout_s:.0f} s: {batch.request_counts}")
+            return 1
+        time.sleep(0.5)
+        batch = survivor.batches.retrieve(batch.id)
+    print(f"batch {batch.status} {time.monotonic() - killed_at:.1f} s after the kill: {batch.request_counts}")
+    seen: Counter[str] = Counter()
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id is not None:
+            seen.update(
+                orjson.loads(line)["custom_id"] for line in survivor.files.content(file_id).content.splitlines()
+            )
+    expected = {f"line-{number}" for number in range(1, args.lines + 1)}
+    lost = len(expected - seen.keys())
+    duplicated = sum(1 for count in seen.values() if count > 1)
+    foreign = len(seen.keys() - expected)
+    print(f"lines lost: {lost}, lines duplicated: {duplicated}, lines not in the file: {foreign} (target 0)")
+    return 0 if lost == duplicated == foreign == 0 else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = parser.add_subparsers(dest="mode", required=True)
@@ -312,10 +372,13 @@ def main() -> int:
     run.add_argument("--capacity-requests", type=int, default=1500)
     run.add_argument("--phase-s", type=float, default=40.0, help="seconds of interactive load in each phase")
     run.add_argument("--settle-s", type=float, default=3.0, help="wait after the batch starts before measuring")
+    run.add_argument("--kill", action="store_true", help="instead: kill a worker and the batch's owner mid-run")
+    run.add_argument("--kill-at", type=float, default=0.3, help="with --kill: the share of lines answered first")
+    run.add_argument("--timeout-s", type=float, default=600.0, help="with --kill: the most to wait for the batch")
     args = parser.parse_args()
     with BenchEnvironment() as env:
         if args.mode == "load":
-            return load(env, args)
+            return kill(env, args) if args.kill else load(env, args)
         print(f"RSS at start {rss_mb():.0f} MB", flush=True)
         asyncio.run(validate(env, args))
     return 0
