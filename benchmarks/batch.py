@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/batch.py load                     # a 20,000-line batch, about 3 minutes
     .venv/bin/python benchmarks/batch.py load --lines 5000
+    .venv/bin/python benchmarks/batch.py load --kill --lines 2000   # about 2 minutes
     .venv/bin/python benchmarks/batch.py validate                 # a 200 MB, 50,000-line file
     .venv/bin/python benchmarks/batch.py validate --lines 10000
 
@@ -15,6 +16,12 @@ interactive TTFT p50 and p99 with the batch over without (the issue: 1.1 at most
 output tokens/s while the batch runs (interactive, and the batch's answered lines times their
 tokens: the simulator answers each line with exactly its `max_tokens`) over the measured capacity
 (the issue: 0.9 at least), and the batch's progress; then cancels the batch.
+
+`load --kill` (e.g. `--lines 2000`): two session managers, each with a gateway; once `--kill-at`
+(0.3) of the batch's lines are answered, one worker and the batch's owner (the session manager it
+was created through) are SIGKILLed; the batch is followed through the other one to its end, and
+every `custom_id` of its output and error files counted: lines lost, duplicated, or not in the file
+(the issue: 0).
 
 `validate`: in this process, against a database of its own, uploads a file of `--lines` chat lines
 (`--prompt-chars` characters of prompt each: 3,900 make 50,000 lines about 200 MB) through the
