@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/batch.py load --kill --lines 2000   # about 2 minutes
     .venv/bin/python benchmarks/batch.py validate                 # a 200 MB, 50,000-line file
     .venv/bin/python benchmarks/batch.py validate --lines 10000
+    .venv/bin/python benchmarks/batch.py validate --stack         # the same through the services
 
 `load`: the platform (3 `sim` workers of `--max-seqs` sequences each, a session manager and a
 gateway, with a database and Redis namespace of their own) measures its capacity first (`axon
@@ -30,12 +31,17 @@ file: reading it back in pieces; reading and checking every line (`validation.py
 of it as a batch's owner runs it, the valid lines stored in `batch_lines` (one transaction, COPY).
 For each stage it prints lines/s and how much this process's peak resident memory grew over what
 it held before the stage (the issue: validation at 20,000 lines/s or more, growing less than 64 MB).
+`validate --stack` does it as a client does instead, through a gateway and a session manager (and
+one sim worker): the file uploaded with the `openai` client, the batch created and polled every
+0.1 s until `in_progress`, then cancelled (its unanswered lines written to its error file), with
+the session manager's resident memory before, after and at its peak.
 """
 
 import argparse
 import asyncio
 import datetime as dt
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -360,6 +366,64 @@ def kill(env: BenchEnvironment, args: argparse.Namespace) -> int:
     return 0 if lost == duplicated == foreign == 0 else 1
 
 
+def rss_of(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory now (`VmRSS`) or at its peak (`VmHWM`), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def through_stack(env: BenchEnvironment, args: argparse.Namespace) -> int:
+    """The file uploaded, validated and its batch ended through a session manager and a gateway,
+    with the session manager's resident memory."""
+    args.workers, args.lines_in_flight, args.ttft_ms, args.itl_ms, args.max_seqs = 1, 32, 50.0, 10.0, 16
+    services = start_platform(env, args)
+    sessions = services["sessions-0"].pid
+    client = openai.OpenAI(
+        base_url=f"{services['gateway-0'].url}/v1", api_key=env.create_key(), timeout=300, max_retries=0
+    )
+    with tempfile.TemporaryFile() as upload:
+
+        async def write() -> None:
+            async for chunk in file_chunks(args.lines, args.prompt_chars):
+                upload.write(chunk)
+
+        asyncio.run(write())
+        size = upload.tell()
+        upload.seek(0)
+        before = rss_of(sessions)
+        Path(f"/proc/{sessions}/clear_refs").write_text("5")
+        started = time.perf_counter()
+        uploaded = client.files.create(file=("batch.jsonl", upload), purpose="batch")
+    print(f"uploaded {size / 1e6:.1f} MB, {args.lines} lines, in {time.perf_counter() - started:.1f} s", flush=True)
+    started = time.perf_counter()
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h")
+    while batch.status == "validating":
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch.id)
+    validated = time.perf_counter() - started
+    print(
+        f"POST /v1/batches to {batch.status} in {validated:.1f} s ({args.lines / validated:.0f} lines/s, polled every"
+        f" 0.1 s); session manager RSS {before:.0f} MB before the upload, {rss_of(sessions):.0f} MB now, peak"
+        f" {rss_of(sessions, 'VmHWM'):.0f} MB",
+        flush=True,
+    )
+    started = time.perf_counter()
+    batch = client.batches.cancel(batch.id)
+    while batch.status == "cancelling":
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    peak = rss_of(sessions, "VmHWM")
+    print(
+        f"cancelled: {batch.status} in {time.perf_counter() - started:.1f} s, {batch.request_counts}; session manager "
+        f"RSS {rss_of(sessions):.0f} MB, peak {peak:.0f} MB (+{peak - before:.0f} MB over before the upload;"
+        " the issue: less than 64)",
+        flush=True,
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = parser.add_subparsers(dest="mode", required=True)
@@ -367,6 +431,9 @@ def main() -> int:
     check.add_argument("--lines", type=int, default=50_000)
     check.add_argument("--prompt-chars", type=int, default=3_900, help="characters of each line's prompt")
     check.add_argument("--rounds", type=int, default=1, help="times each stage is run")
+    check.add_argument(
+        "--stack", action="store_true", help="instead: through a gateway and a session manager, with the latter's RSS"
+    )
     run = modes.add_parser("load", help="interactive TTFT and total throughput with and without a batch")
     run.add_argument("--lines", type=int, default=20_000, help="the batch's lines")
     run.add_argument("--workers", type=int, default=3)
@@ -386,6 +453,8 @@ def main() -> int:
     with BenchEnvironment() as env:
         if args.mode == "load":
             return kill(env, args) if args.kill else load(env, args)
+        if args.stack:
+            return through_stack(env, args)
         print(f"RSS at start {rss_mb():.0f} MB", flush=True)
         asyncio.run(validate(env, args))
     return 0
