@@ -84,6 +84,33 @@ class PayloadTooLarge(AxonError):
     default_code = "request_too_large"
 
 
+class FileTooLarge(PayloadTooLarge):
+    """An uploaded file is larger than AXON_FILE_MAX_BYTES; nothing of it is kept."""
+
+    default_code = "file_too_large"
+
+    @classmethod
+    def over(cls, max_bytes: int) -> "FileTooLarge":
+        return cls(f"File is too large: the maximum is {max_bytes} bytes.", param="file")
+
+
+class EmptyFile(InvalidRequest):
+    """An uploaded file has no bytes; nothing is kept."""
+
+    default_code = "empty_file"
+
+
+class FileGone(NotFound):
+    """No such file for the caller's tenant (unknown, expired, deleted, another tenant's), or it
+    was deleted while being read."""
+
+    default_code = "file_not_found"
+
+    @classmethod
+    def of(cls, file_id: str) -> "FileGone":
+        return cls(f"No such File object: {file_id}", param="file_id")
+
+
 class RateLimited(AxonError):
     """A per-key limit is exhausted; the headers say exactly when to come back."""
 

@@ -2,7 +2,7 @@
 the helpers they read requests and write answers with."""
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +131,35 @@ async def _read_body(receive: Receive, *, max_bytes: int) -> bytes:
         pieces.append(piece)
         if not message.get("more_body", False):
             return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+async def stream_body(
+    receive: Receive, *, max_bytes: int | None = None, stall_timeout_s: float
+) -> AsyncIterator[bytes]:
+    """The request body as it arrives (no empty pieces), for bodies too large to hold.
+
+    Raises:
+        PayloadTooLarge: more than `max_bytes` arrived (None: no limit).
+        RequestTimeout: nothing arrived for `stall_timeout_s`.
+        ClientGone: the client disconnected before sending it all.
+    """
+    size = 0
+    while True:
+        try:
+            async with asyncio.timeout(stall_timeout_s):
+                message = await receive()
+        except TimeoutError:
+            raise RequestTimeout(f"The request body stalled: nothing arrived for {stall_timeout_s:g} s.") from None
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        piece = message.get("body", b"")
+        size += len(piece)
+        if max_bytes is not None and size > max_bytes:
+            raise PayloadTooLarge(f"The request body is larger than {max_bytes} bytes.")
+        if piece:
+            yield piece
+        if not message.get("more_body", False):
+            return
 
 
 async def send_json(send: Send, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:

@@ -128,8 +128,17 @@ class _Connection(asyncio.Protocol):
         self.status_code = 0
         self.keep_alive = False
         self.closed = False
+        # Cleared while the transport's write buffer is full (`pause_writing`): a streamed body waits.
+        self._writable = asyncio.Event()
+        self._writable.set()
 
     # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # typeshed: BaseTransport; a TCP stream's is a Transport
@@ -147,6 +156,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._writable.set()  # a writer waiting for room learns the connection is gone
         if self._parser is None or self.complete:
             return
         if self._head is not None and self._head.done() and not self._framed:
@@ -199,6 +209,24 @@ class _Connection(asyncio.Protocol):
         self._head = self._loop.create_future()
         self._transport.write(request)
         return self._head
+
+    async def write(self, data: bytes, timeout_s: float | None) -> None:
+        """Write part of a streamed request body, waiting while the server is not reading.
+
+        Raises:
+            RemoteProtocolError: the connection is closed.
+            ReadTimeout: the server took nothing for `timeout_s`.
+        """
+        if self.closed or self._transport is None:
+            raise RemoteProtocolError("the server closed the connection while the request was sent")
+        self._transport.write(data)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._writable.wait()
+        except TimeoutError:
+            raise ReadTimeout(f"the server took nothing of the request for {timeout_s} s") from None
+        if self.closed:
+            raise RemoteProtocolError("the server closed the connection while the request was sent")
 
     def take_body(self) -> bytes:
         """Everything buffered so far (raising the exchange's error, if any, once drained)."""
@@ -328,6 +356,57 @@ class Http1Client:
                 if connection.received_any:
                     raise
         return await self._exchange(await self._connect(), request, sink)
+
+    async def stream(
+        self, method: str, target: str, *, headers: Iterable[tuple[str, str]], body: AsyncIterator[bytes]
+    ) -> Response:
+        """Send a request whose body is `body`'s pieces as they come (chunked), on a connection of
+        its own (a body read once cannot be retried); return once the response head has arrived.
+        A server that answers before the whole body is sent gets no more of it (the connection is
+        then closed after the response).
+
+        Raises:
+            ConnectError, ReadTimeout, RemoteProtocolError: as `send`'s (ReadTimeout also when
+                the server takes nothing of the body for the read timeout).
+            Whatever `body` raises (the connection is closed).
+        """
+        head = self.head(method, target, headers) + b"Transfer-Encoding: chunked\r\n\r\n"
+        connection = await self._connect()
+        answered = connection.begin(head, None)
+        try:
+            await self._send_pieces(connection, answered, body)
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    await answered
+            except TimeoutError:
+                raise ReadTimeout(f"no response within {self.read_timeout_s} s") from None
+        except BaseException:
+            if not answered.done():
+                answered.cancel()  # nobody waits for this answer any more
+            elif not answered.cancelled():
+                answered.exception()  # retrieved: the error raised here says what happened
+            connection.close()
+            raise
+        return Response(connection, self)
+
+    async def _send_pieces(
+        self, connection: _Connection, answered: asyncio.Future[None], body: AsyncIterator[bytes]
+    ) -> None:
+        """`body` in chunks, until its end or the server's answer (then the connection is not reused)."""
+        try:
+            async for piece in body:
+                if answered.done():
+                    break
+                if piece:  # an empty chunk would end the body
+                    await connection.write(b"%x\r\n%s\r\n" % (len(piece), piece), self.read_timeout_s)
+            else:
+                await connection.write(b"0\r\n\r\n", self.read_timeout_s)
+                return
+        except RemoteProtocolError:
+            # Closed after an answer that came early (a refusal): that answer is the response.
+            if not answered.done() or answered.exception() is not None:
+                raise
+        connection.keep_alive = False
 
     async def aclose(self) -> None:
         for connection, _ in self._idle:

@@ -59,6 +59,8 @@ class Caller:
     lease_id: str | None = None
     # What the gateway reserved of the key's token budget, settled to the usage when the answer ends.
     budget: BudgetReservation | None = None
+    # A line of a batch (never sent in a header: the session manager's batches make these callers).
+    batch: bool = False
 
 
 def encode(caller: Caller) -> dict[str, str]:

@@ -199,6 +199,11 @@ class KeyRepository:
         )
         return _record(row) if row else None
 
+    async def get(self, key_id: str) -> KeyRecord | None:
+        """The key with this id, revoked or not, or None."""
+        row = await self._pool.fetchrow(f"SELECT {_COLUMNS} FROM api_keys WHERE id = $1", key_id)
+        return _record(row) if row else None
+
     async def list(self) -> list[KeyRecord]:
         rows = await self._pool.fetch(f"SELECT {_COLUMNS} FROM api_keys ORDER BY created_at, id")
         return [_record(r) for r in rows]

@@ -95,6 +95,18 @@ class Names:
         the session managers, with `responses_running`."""
         return f"{self.namespace}:responses:owners"
 
+    @property
+    def batches_running(self) -> str:
+        """Sorted set of unfinished batches, scored by their owner's lease expiry (epoch ms), as
+        `responses_running`. No expiry; owner: the session managers, which remove a batch when it
+        ends and lease again any unfinished batch PostgreSQL holds that the set lost."""
+        return f"{self.namespace}:batches:running"
+
+    @property
+    def batches_owners(self) -> str:
+        """Hash: unfinished batch -> the instance id holding its lease, with `batches_running`."""
+        return f"{self.namespace}:batches:owners"
+
     def job_deliveries(self, job_id: str) -> str:
         """How many times a job was redelivered (poison-job detection). Expires at the job's
         deadline + 60 s."""
@@ -212,6 +224,8 @@ class Names:
                 self.aliases_key,
                 self.responses_running,
                 self.responses_owners,
+                self.batches_running,
+                self.batches_owners,
                 self.outbox,
             }
         )

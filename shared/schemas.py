@@ -128,6 +128,8 @@ class Job(BaseModel):
     # The API key the request came with: a worker whose final chunk nobody receives records the
     # job's usage row under it itself (the session manager that would have is gone).
     key_id: str | None = None
+    # A batch line's job: its usage row is marked as batch usage.
+    batch: bool = False
     # Tools the model may call; None: no tools (tool_choice `none` included).
     tools: list[FunctionSpec] | None = None
     tool_choice: ToolChoice = "auto"

@@ -14,6 +14,15 @@ from shared.names import Names
 
 # RabbitMQ priorities 0-9 (a key's tier); higher is served first.
 MAX_JOB_PRIORITY = 9
+# Batch lines' jobs go at the lowest priority, alone: interactive jobs go at 1 or more (a key of
+# priority 0 shares 1 with the keys of priority 1), so no batch line is served before one.
+BATCH_JOB_PRIORITY = 0
+
+
+def job_priority(key_priority: int, *, batch: bool) -> int:
+    """The broker priority of a job of a key of priority `key_priority` (`batch`: a batch line's)."""
+    return BATCH_JOB_PRIORITY if batch else max(BATCH_JOB_PRIORITY + 1, min(key_priority, MAX_JOB_PRIORITY))
+
 
 # The longest a session's job may wait in its home worker's queue (AXON_AFFINITY_WAIT_MS's bound).
 MAX_AFFINITY_WAIT_MS = 60_000

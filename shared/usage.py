@@ -56,6 +56,8 @@ class UsageRow(BaseModel):
     # None in a row its worker recorded: the latency is the request's, which the worker never sees.
     latency_ms: int | None
     created_at: dt.datetime
+    # A batch line's usage (`/admin/usage` reports it apart as well).
+    batch: bool = False
 
     @field_validator("tenant", "key_id", "model")
     @classmethod

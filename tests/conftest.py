@@ -109,6 +109,30 @@ def api_key(database_url: str) -> str:
 
 
 @pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """An S3 endpoint for the file store's S3 tests: AXON_TEST_S3_ENDPOINT (credentials from the
+    environment), else moto's S3 server started here (any credentials: the environment gets test
+    ones, which the services started by the tests inherit). Skips without either."""
+    endpoint = os.environ.get("AXON_TEST_S3_ENDPOINT")
+    if endpoint:
+        yield endpoint
+        return
+    server_module = pytest.importorskip("moto.server", reason="no AXON_TEST_S3_ENDPOINT and no moto to serve S3")
+    from services.cli.launcher import free_port
+
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ACCESS_KEY_ID", "testing")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        try:
+            host, port = server.get_host_and_port()
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
 def vllm_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The model cache (`AXON_MODEL_CACHE_DIR`) of the run's vLLM engines, with the bundled SmolLM2
     converted into it once (about 20 s), as a worker converts it at its first start."""

@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import sys
 
+from services.cli.batches import add_batches_command
 from services.cli.bench import add_bench_command
 from services.cli.checks import check_dependencies, how_to_start
 from services.cli.keys import add_keys_command
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_keys_command(commands)
     add_models_command(commands)
+    add_batches_command(commands)
     add_bench_command(commands)
     return parser
 

@@ -74,6 +74,7 @@ def _attach_services(
         model_access=ModelAccess(WorkerRegistry(clients.redis, names), cache_ttl_s=settings.models_cache_ttl_s),
         in_flight=InFlightLimit(settings.max_requests_in_flight, metrics.overloaded),
         max_body_bytes=settings.max_body_bytes,
+        file_max_bytes=settings.file_max_bytes,
         body_timeout_s=settings.request_body_timeout_s,
         default_max_tokens=settings.default_max_tokens,
         max_tokens_limit=settings.max_tokens_limit,

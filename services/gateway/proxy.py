@@ -22,8 +22,8 @@ from services.gateway.admission import Admission, Admitter, ModelAccess
 from services.gateway.auth import Authenticator
 from shared import internal_headers
 from shared.disconnects import DisconnectWatch, unless_disconnected
-from shared.errors import DeadlineExceeded, InvalidRequest, Unavailable, error_body
-from shared.hot_routes import header, read_body
+from shared.errors import DeadlineExceeded, FileTooLarge, InvalidRequest, PayloadTooLarge, Unavailable, error_body
+from shared.hot_routes import header, read_body, stream_body
 from shared.http1 import ConnectError, Http1Client, ReadTimeout, RemoteProtocolError
 from shared.http1 import Response as UpstreamResponse
 from shared.http_responses import SSE_END
@@ -62,6 +62,9 @@ _STREAM_BROKEN_EVENT = (
     + SSE_END
 )
 _UPSTREAM_ERRORS = (ConnectError, ReadTimeout, RemoteProtocolError, OSError)
+# What an upload's body may carry beyond its file (`AXON_FILE_MAX_BYTES`): boundaries, part
+# heads, the other form fields.
+FILE_FORM_OVERHEAD_BYTES = 64 * 1024
 OVERLOADED_MESSAGE = "The gateway is serving as many requests as it can; try again shortly."
 
 
@@ -189,8 +192,11 @@ class Forwarder:
         self._client = client
         self._authorization = f"Bearer {internal_token}"
 
-    async def open(self, method: str, target: str, *, body: bytes | None, headers: dict[str, str]) -> UpstreamResponse:
-        """Send the request; return once the session manager's response head has arrived.
+    async def open(
+        self, method: str, target: str, *, body: bytes | AsyncIterator[bytes] | None, headers: dict[str, str]
+    ) -> UpstreamResponse:
+        """Send the request (a body as pieces: streamed as they come); return once the session
+        manager's response head has arrived.
 
         Raises:
             Unavailable: the session manager cannot be reached.
@@ -198,7 +204,9 @@ class Forwarder:
         """
         headers["authorization"] = self._authorization
         try:
-            return await self._client.request(method, target, headers=headers, body=body)
+            if body is None or isinstance(body, bytes):
+                return await self._client.request(method, target, headers=headers, body=body)
+            return await self._client.stream(method, target, headers=headers.items(), body=body)
         except ReadTimeout as exc:
             raise DeadlineExceeded("The session manager did not answer in time.") from exc
         except _UPSTREAM_ERRORS as exc:
@@ -245,6 +253,7 @@ class GatewayService:
         model_access: ModelAccess,
         in_flight: InFlightLimit,
         max_body_bytes: int,
+        file_max_bytes: int,
         body_timeout_s: float,
         default_max_tokens: int,
         max_tokens_limit: int,
@@ -259,6 +268,7 @@ class GatewayService:
         self._max_tokens_limit = max_tokens_limit
         self._in_flight = in_flight
         self._max_body_bytes = max_body_bytes
+        self._file_max_bytes = file_max_bytes
         self._body_timeout_s = body_timeout_s
 
     def _upstream_headers(self, request_id: str, caller: Caller) -> dict[str, str]:
@@ -311,14 +321,15 @@ class GatewayService:
             if not handed_over:
                 await self._admitter.release(admission)
 
-    async def call(self, request: Request, record: KeyRecord) -> Response:
+    async def call(self, request: Request, record: KeyRecord, *, upload: bool = False) -> Response:
         """Forward any other API call (it counts against the key's request limits). A replayed
-        event stream holds its in-flight slot and its admission (the key's concurrency lease)
-        until it ends, as a completion stream does."""
+        event stream, or a file's content, holds its in-flight slot and its admission (the key's
+        concurrency lease) until it ends, as a completion stream does. An `upload`'s body (a
+        file's, `POST /v1/files`) streams through as it arrives, never held whole."""
         held = AsyncExitStack()
         held.enter_context(self._in_flight.slot())
         try:
-            response = await self._call(request, record, held)
+            response = await self._call(request, record, held, upload=upload)
         except BaseException:
             await held.aclose()
             raise
@@ -328,9 +339,11 @@ class GatewayService:
             await held.aclose()
         return response
 
-    async def _call(self, request: Request, record: KeyRecord, held: AsyncExitStack) -> Response:
-        body = None
-        if request.method in {"POST", "PUT", "PATCH"}:
+    async def _call(self, request: Request, record: KeyRecord, held: AsyncExitStack, *, upload: bool) -> Response:
+        body: bytes | AsyncIterator[bytes] | None = None
+        if upload:
+            body = self._upload_pieces(request)
+        elif request.method in {"POST", "PUT", "PATCH"}:
             body = await read_body(
                 request.scope, request.receive, max_bytes=self._max_body_bytes, timeout_s=self._body_timeout_s
             )
@@ -339,14 +352,24 @@ class GatewayService:
         admission: Admission = await self._admitter.admit(record, tokens=0)
         held.push_async_callback(self._admitter.release, admission)
         headers = self._upstream_headers(request.scope["state"]["request_id"], caller_of(record))
+        if upload:
+            headers["content-type"] = request.headers.get("content-type", "")
         last_event_id = request.headers.get("last-event-id")
         if last_event_id is not None:  # where a resumed stream (`GET .../stream`) goes on from
             headers["last-event-id"] = last_event_id
         if self._tracing is not None:  # the session manager's span joins the request's trace
             self._tracing.inject(headers)
-        upstream = await unless_disconnected(
-            request, self._forwarder.open(request.method, upstream_target(request), body=body, headers=headers)
-        )
+        opening = self._forwarder.open(request.method, upstream_target(request), body=body, headers=headers)
+        # An upload's body is read as it is forwarded: its end (or its client gone) is seen there.
+        upstream = await (opening if upload else unless_disconnected(request, opening))
+        if upstream.header(b"content-type") == b"application/octet-stream":
+            # A file's content: relayed as it comes, with its length (a cut-off download shows).
+            held.callback(upstream.close)
+            download = _HeldStream(_file_pieces(upstream), status_code=upstream.status)
+            download.raw_headers.extend(_relayed_headers(upstream))
+            download.raw_headers.append((b"content-length", upstream.header(b"content-length") or b"0"))
+            download.headers.update(admission.headers())
+            return download
         if (upstream.header(b"content-type") or b"").startswith(b"text/event-stream"):
             # A replayed stream (`GET /v1/responses/{id}?stream=true`): relayed as it comes.
             held.callback(upstream.close)  # also if the stream never starts (its client left)
@@ -362,6 +385,28 @@ class GatewayService:
         response.raw_headers.extend(_relayed_headers(upstream))
         response.headers.update(admission.headers())
         return response
+
+    def _upload_pieces(self, request: Request) -> AsyncIterator[bytes]:
+        """An upload's body as it will arrive, refused past the file limit and its form's overhead:
+        by its Content-Length here, before anything is forwarded, else as it streams.
+
+        Raises:
+            FileTooLarge: the body is declared too large (later, as it streams: it is).
+            RequestTimeout (as it streams): nothing arrived for AXON_REQUEST_BODY_TIMEOUT_S.
+            ClientGone (as it streams): the client left mid-upload.
+        """
+        max_bytes = self._file_max_bytes + FILE_FORM_OVERHEAD_BYTES
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            raise FileTooLarge.over(self._file_max_bytes)
+        return self._stream_upload(request, max_bytes=max_bytes)
+
+    async def _stream_upload(self, request: Request, *, max_bytes: int) -> AsyncIterator[bytes]:
+        try:
+            async for piece in stream_body(request.receive, max_bytes=max_bytes, stall_timeout_s=self._body_timeout_s):
+                yield piece
+        except PayloadTooLarge:
+            raise FileTooLarge.over(self._file_max_bytes) from None
 
 
 class _HeldStream(StreamingResponse):
@@ -386,6 +431,19 @@ async def _event_pieces(upstream: UpstreamResponse) -> AsyncIterator[bytes]:
             yield piece
     except _UPSTREAM_ERRORS as exc:
         log.warning("upstream_stream_broken", error=repr(exc))
+    finally:
+        upstream.close()
+
+
+async def _file_pieces(upstream: UpstreamResponse) -> AsyncIterator[bytes]:
+    """A file's content as it arrives; one the session manager breaks off breaks the download
+    too (its client sees fewer bytes than its Content-Length)."""
+    try:
+        async for piece in upstream.pieces():
+            yield piece
+    except _UPSTREAM_ERRORS as exc:
+        log.warning("upstream_download_broken", error=repr(exc))
+        raise
     finally:
         upstream.close()
 

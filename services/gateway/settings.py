@@ -22,6 +22,9 @@ class GatewaySettings(CommonSettings):
     sessions_url: str = ""
     # Request bodies larger than this are refused with 413 before being read whole.
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    # The largest file `POST /v1/files` takes (the session manager's setting of the same name): an
+    # upload streams through, its body at most this and FILE_FORM_OVERHEAD_BYTES more (else 413).
+    file_max_bytes: int = Field(200 * 1024 * 1024, ge=1)
     # Limits of every client connection (shared/guarded_http.py): the whole request head must
     # arrive within this (else the connection is closed, with 408 if part came) ...
     request_head_timeout_s: float = Field(10.0, gt=0)

@@ -8,11 +8,17 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from services.sessions.batches import router as batches_router
+from services.sessions.batches.admission import LineAdmission
+from services.sessions.batches.service import BatchService
+from services.sessions.batches.slack import QueueSlack
+from services.sessions.batches.store import BatchStore
 from services.sessions.chat import router as chat_router
 from services.sessions.chat.service import ChatService
 from services.sessions.completions import CompletionService
 from services.sessions.conversations import router as conversations_router
 from services.sessions.deps import SessionServices
+from services.sessions.files import router as files_router
 from services.sessions.leases import ResponseLeases
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.models import router as models_router
@@ -27,6 +33,7 @@ from services.sessions.turns import Turns
 from shared.hot_routes import HotRoutes
 from shared.http_errors import install_error_handlers
 from shared.internal_auth import InternalAuth
+from shared.keys import KeyRepository
 from shared.logging import get_logger
 from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
@@ -71,6 +78,15 @@ async def _update_outbox_gauges(app: FastAPI, metrics: SessionsMetrics) -> None:
     metrics.outbox_length.set(length)
     age_s = time.time() - int(oldest[0][0].split(b"-")[0]) / 1000 if oldest else 0.0
     metrics.outbox_lag.set(max(0.0, age_s))
+
+
+async def _update_gauges(app: FastAPI, metrics: SessionsMetrics) -> None:
+    """The gauges read at a scrape: the outbox's, and the batches' waiting lines."""
+    await _update_outbox_gauges(app, metrics)
+    try:
+        await asyncio.wait_for(app.state.services.batches.export_gauges(), timeout=2)
+    except Exception as exc:  # noqa: BLE001 - a scrape must not fail because PostgreSQL is down
+        log.warning("batch_gauges_failed", error=repr(exc))
 
 
 def _attach_services(
@@ -133,9 +149,10 @@ def _attach_services(
         run_on=run_on,
         tracing=tracing,
     )
+    chat = ChatService(completions=completions, run_on=run_on, chunk_log=opened.chunk_log, metrics=metrics)
     services = SessionServices(
         completions=completions,
-        chat=ChatService(completions=completions, run_on=run_on, chunk_log=opened.chunk_log, metrics=metrics),
+        chat=chat,
         responses=responses,
         run_on=run_on,
         catalog=opened.catalog,
@@ -143,10 +160,51 @@ def _attach_services(
         chunk_log=opened.chunk_log,
         metrics=metrics,
         request_limits=settings.request_limits,
+        files=opened.files,
+        batches=_batches(opened, settings=settings, metrics=metrics, chat=chat, responses=responses),
+        file_max_bytes=settings.file_max_bytes,
         tracing=tracing,
     )
     app.state.services = services
     return services
+
+
+def _batches(
+    opened: SessionsResources,
+    *,
+    settings: SessionsSettings,
+    metrics: SessionsMetrics,
+    chat: ChatService,
+    responses: ResponsesService,
+) -> BatchService:
+    """The Batch API's service: its own leases (`<ns>:batches:*`) and its lines' admission."""
+    return BatchService(
+        settings=settings,
+        store=BatchStore(opened.db),
+        files=opened.files,
+        completions=responses.completions,
+        chat=chat,
+        responses=responses,
+        admission=LineAdmission(
+            keys=KeyRepository(opened.db),
+            catalog=opened.catalog,
+            limiter=RateLimiter(opened.pipe, opened.names),
+            lease_s=settings.background_timeout_s,
+        ),
+        leases=ResponseLeases(
+            opened.redis,
+            namespace=settings.namespace,
+            instance_id=opened.instance_id,
+            lease_s=settings.response_lease_s,
+            leased=metrics.batches_leased,
+            taken_over=metrics.batches_taken_over,
+            keys=(opened.names.batches_running, opened.names.batches_owners),
+            kind="batch",
+        ),
+        slack=QueueSlack(opened.amqp, opened.names),
+        catalog=opened.catalog,
+        metrics=metrics,
+    )
 
 
 def create_app(settings: SessionsSettings | None = None) -> FastAPI:
@@ -167,12 +225,17 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                 services = _attach_services(app, opened, settings=settings, metrics=metrics, tracing=tracing)
                 # Renews this process's leases on unfinished stored responses, takes over expired ones.
                 sweeping = asyncio.create_task(services.run_on.sweep(services.responses.take_over))
+                # Runs the batches this process owns, takes over those whose owner died.
+                batching = asyncio.create_task(services.batches.sweep())
                 log.info("sessions_ready", port=settings.sessions_port, namespace=settings.namespace)
                 try:
                     yield
                 finally:
                     sweeping.cancel()
-                    await asyncio.gather(sweeping, return_exceptions=True)
+                    batching.cancel()
+                    await asyncio.gather(sweeping, batching, return_exceptions=True)
+                    # Batches are handed over at once (their running lines' jobs are called off).
+                    await services.batches.leases.stop()
                     # Stored responses are handed over at once; turns whose clients left may still be
                     # running: stored complete if they end within the stop's grace (`RunOn`).
                     await services.run_on.stop()
@@ -201,12 +264,14 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     app.include_router(session_router.router)
     app.include_router(conversations_router.router)
     app.include_router(responses_router.router)
+    app.include_router(files_router.router)
+    app.include_router(batches_router.router)
 
     install_probes(
         app,
         registry=metrics.registry,
         not_ready_reason=_ready_reason,
         ready_doc="Readiness: Redis and RabbitMQ are reachable.",
-        before_scrape=lambda app: _update_outbox_gauges(app, metrics),
+        before_scrape=lambda app: _update_gauges(app, metrics),
     )
     return app

@@ -121,6 +121,7 @@ class Billing:
                 completion_tokens=usage.completion_tokens,
                 latency_ms=int((time.perf_counter() - active.started) * 1000),
                 created_at=dt.datetime.now(dt.UTC),
+                batch=caller.batch,
             )
             writes.append(("usage_record", self._pipe.submit(*self._outbox.append_command("usage", row))))
         writes += self._settlement(caller, usage)

@@ -95,6 +95,11 @@ class ModelCatalog:
         await self._refresh()
         return self._live
 
+    async def aliases(self) -> dict[str, str]:
+        """Public name -> served model, at most `cache_ttl_s` old."""
+        await self._refresh()
+        return self._aliases
+
     async def resolve(self, name: str) -> str:
         await self._refresh()
         return self._aliases.get(name, name)

@@ -39,6 +39,7 @@ from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Job, TokenChunk, Usage
 from shared.tasks import BackgroundTasks
+from shared.topology import job_priority
 from shared.tracing import SpanKind, Tracing, current_traceparent, exemplar, span
 
 log = get_logger(__name__)
@@ -162,7 +163,7 @@ class CompletionService:
                 await publish_all(
                     self._publisher,
                     jobs,
-                    priority=caller.priority,
+                    priority=job_priority(caller.priority, batch=caller.batch),
                     request_id=request_id,
                     home=home,
                     cancel=self._cancel,

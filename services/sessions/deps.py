@@ -12,10 +12,12 @@ from typing import Annotated, cast
 from fastapi import Depends, Request
 from starlette.types import Scope
 
+from services.sessions.batches.service import BatchService
 from services.sessions.catalog import ModelCatalog
 from services.sessions.chat.service import ChatService
 from services.sessions.chunk_log import ChunkLog
 from services.sessions.completions import CompletionService
+from services.sessions.files.store import FileStore
 from services.sessions.history import SessionStore
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.responses.service import ResponsesService
@@ -63,6 +65,10 @@ class SessionServices:
     chunk_log: ChunkLog
     metrics: SessionsMetrics
     request_limits: RequestLimits
+    files: FileStore
+    batches: BatchService
+    # The largest file an upload may store (AXON_FILE_MAX_BYTES).
+    file_max_bytes: int
     tracing: Tracing | None = None
 
 

@@ -109,6 +109,7 @@ class JobBuilder:
             session_id=turn.info.id if turn else None,
             tenant=caller.tenant,
             key_id=caller.key_id,
+            batch=caller.batch,
             logprobs=body.logprob_count,
             **features,
         )

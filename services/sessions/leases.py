@@ -1,6 +1,6 @@
 """Leases on answers that run on without their clients and that any session manager can finish
-(today stored responses; `run_on.py` holds them), so that each is finished by exactly one live
-session manager, whichever dies.
+(stored responses, held by `run_on.py`, and batches, held by `batches/service.py`, each kind with
+a set of its own), so that each is finished by exactly one live session manager, whichever dies.
 
 An unfinished stored response is a member of the sorted set `<ns>:responses:running`, scored by
 the time (ms) its lease expires, and `<ns>:responses:owners` maps it to the instance holding the
@@ -81,14 +81,18 @@ class ResponseLeases:
         lease_s: float,
         leased: Gauge | None = None,
         taken_over: Counter | None = None,
+        keys: tuple[str, str] | None = None,
+        kind: str = "response",
     ) -> None:
         self._client = client
         # `axon_sessions_responses_leased` and `axon_sessions_responses_taken_over_total`.
         self._leased = leased
         self.taken_over = taken_over
         names = Names(namespace)
-        self.running_key = names.responses_running
-        self.owners_key = names.responses_owners
+        # The running set and the owners hash (default: the stored responses').
+        self.running_key, self.owners_key = keys or (names.responses_running, names.responses_owners)
+        # What is leased, in log events (`response_taken_over`, `batch_taken_over`).
+        self._kind = kind
         self.owner = instance_id
         self.lease_s = lease_s
         # Leased response -> the task relaying it (None: a client's request relays it).
@@ -99,6 +103,26 @@ class ResponseLeases:
 
     def expiry_ms(self) -> int:
         return int((time.time() + self.lease_s) * 1000)
+
+    async def open(self, answer_id: str) -> None:
+        """Lease `answer_id` to this process (it then `hold`s it)."""
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.zadd(self.running_key, {answer_id: self.expiry_ms()})
+            pipe.hset(self.owners_key, answer_id, self.owner)
+            await pipe.execute()
+
+    async def drop(self, answer_id: str) -> None:
+        """`answer_id` is finished: nobody holds it any more."""
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.zrem(self.running_key, answer_id)
+            pipe.hdel(self.owners_key, answer_id)
+            await pipe.execute()
+
+    async def offer(self, answer_ids: list[str]) -> None:
+        """Lease those of `answer_ids` that nobody holds as expired, so that the next sweep of some
+        session manager claims them (their leases were lost with Redis' data)."""
+        if answer_ids:
+            await self._client.zadd(self.running_key, dict.fromkeys(answer_ids, 0), nx=True)
 
     def hold(self, response_id: str, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":
         """Run `coro`, the relay of leased `response_id`, as a task of its own (its lease is renewed
@@ -124,7 +148,7 @@ class ResponseLeases:
             del self._tasks[response_id]
         self._abandoned.discard(response_id)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("response_relay_failed", response_id=response_id, error=repr(task.exception()))
+            log.warning(f"{self._kind}_relay_failed", **{f"{self._kind}_id": response_id}, error=repr(task.exception()))
 
     def holding(self, response_id: str) -> bool:
         return response_id in self._tasks
@@ -142,7 +166,7 @@ class ResponseLeases:
             try:
                 await self._renew_held()
                 for response_id in await self._claim_expired():
-                    log.info("response_taken_over", response_id=response_id)
+                    log.info(f"{self._kind}_taken_over", **{f"{self._kind}_id": response_id})
                     if self.taken_over is not None:
                         self.taken_over.labels("lease_expired").inc()
                     self.hold(response_id, take_over(response_id))
@@ -164,7 +188,7 @@ class ResponseLeases:
                 continue
             if result == 0:
                 self._abandoned.add(response_id)
-            log.info("response_lease_lost", response_id=response_id, finished=result == 0)
+            log.info(f"{self._kind}_lease_lost", **{f"{self._kind}_id": response_id}, finished=result == 0)
             task = self._tasks[response_id]
             if task is not None:
                 task.cancel()
@@ -189,4 +213,4 @@ class ResponseLeases:
             try:
                 await self._renew(keys=[self.running_key, self.owners_key], args=[self.owner, 0, *ids])
             except Exception as exc:  # noqa: BLE001 - they then expire a lease later
-                log.warning("response_leases_not_handed_over", error=repr(exc))
+                log.warning(f"{self._kind}_leases_not_handed_over", error=repr(exc))

@@ -96,6 +96,40 @@ class SessionsMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.batches_leased = Gauge(
+            "axon_sessions_batches_leased",
+            "Unfinished batches this process owns (holds the lease of), i.e. runs.",
+            registry=self.registry,
+        )
+        self.batches_taken_over = Counter(
+            "axon_sessions_batches_taken_over_total",
+            "Unfinished batches this process took over after their owner's lease expired.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.batch_lines = Counter(
+            "axon_sessions_batch_lines_total",
+            "Batch lines answered by this process, by outcome: `completed` (200) or `failed` (an error line).",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.batch_lines_waiting = Gauge(
+            "axon_sessions_batch_lines_waiting",
+            "Lines of running batches not answered yet, per model (every session manager reports the same: take max).",
+            ["model"],
+            registry=self.registry,
+        )
+        self.batch_oldest_waiting = Gauge(
+            "axon_sessions_batch_oldest_waiting_seconds",
+            "Age of the oldest running batch with lines not answered yet, per model (since it went in_progress).",
+            ["model"],
+            registry=self.registry,
+        )
+        self.batch_lines_running = Gauge(
+            "axon_sessions_batch_lines_running",
+            "Batch lines this process runs now (released as jobs, not answered yet).",
+            registry=self.registry,
+        )
         self.active_sessions = Gauge(
             "axon_sessions_active_sessions",
             "Sessions with a turn this process is answering now.",

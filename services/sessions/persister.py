@@ -44,8 +44,10 @@ ON CONFLICT DO NOTHING
 # A redelivered entry repeats its row's key, (job_id, created_at): skipped, so the trigger that rolls
 # inserted rows up into `usage_daily` counts it once.
 _INSERT_USAGE = """
-INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, latency_ms, created_at)
-SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::int[], $8::timestamptz[])
+INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, latency_ms, created_at, batch)
+SELECT * FROM unnest(
+    $1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::int[], $8::timestamptz[], $9::bool[]
+)
 ON CONFLICT DO NOTHING
 """
 # A response committed again (a redelivered batch) or deleted meanwhile (its row a tombstone) is kept as it is.
@@ -311,6 +313,8 @@ def _usage_columns(rows: list[dict[str, Any]]) -> list[list[object]]:
         [r["completion_tokens"] for r in rows],
         [r["latency_ms"] for r in rows],
         [dt.datetime.fromisoformat(r["created_at"]) for r in rows],
+        # An entry written before batches existed has no `batch`.
+        [r.get("batch", False) for r in rows],
     ]
 
 

@@ -15,6 +15,8 @@ from aio_pika.abc import AbstractRobustConnection
 
 from services.sessions.catalog import ModelCatalog
 from services.sessions.chunk_log import ChunkLog
+from services.sessions.files.opening import open_file_store
+from services.sessions.files.store import FileStore
 from services.sessions.history import SessionStore
 from services.sessions.job_publishing import JobPublisher
 from services.sessions.metrics import SessionsMetrics
@@ -69,12 +71,13 @@ class SessionsResources:
     catalog: ModelCatalog
     instance_id: str
     chunk_log: ChunkLog
+    files: FileStore
 
 
 @asynccontextmanager
 async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -> AsyncIterator[SessionsResources]:
     """Open the session manager's connections and start its background work (persister, liveness
-    beat, queue-depth poller, usage retention); on the way out, let the persister finish and close
+    beat, queue-depth poller, usage retention, the files' sweep); on the way out, let the persister finish and close
     everything."""
     names = Names(settings.namespace)
     client = create_redis(settings.redis_url, timeout_s=settings.connect_timeout_s)
@@ -143,20 +146,22 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
         )
         poller = QueueDepthPoller(connection=connection, catalog=catalog, client=client, names=names, metrics=metrics)
         polling = asyncio.create_task(poller.run())
-        yield SessionsResources(
-            names=names,
-            redis=client,
-            pipe=pipe,
-            amqp=connection,
-            relay=relay,
-            publisher=publisher,
-            db=db,
-            outbox=outbox,
-            store=store,
-            catalog=catalog,
-            instance_id=instance_id,
-            chunk_log=ChunkLog(log_client, names, block_s=settings.connect_timeout_s / 2),
-        )
+        async with open_file_store(settings, db) as files:
+            yield SessionsResources(
+                names=names,
+                redis=client,
+                pipe=pipe,
+                amqp=connection,
+                relay=relay,
+                publisher=publisher,
+                db=db,
+                outbox=outbox,
+                store=store,
+                catalog=catalog,
+                instance_id=instance_id,
+                chunk_log=ChunkLog(log_client, names, block_s=settings.connect_timeout_s / 2),
+                files=files,
+            )
     finally:
         persister.stop()  # batches being committed finish; what is left stays pending, for a live persister
         with contextlib.suppress(TimeoutError):

@@ -1,8 +1,8 @@
 """Session manager settings (`AXON_*` environment variables)."""
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.openai_requests import MAX_CHOICES, RequestLimits
 from shared.settings import CommonSettings
@@ -84,12 +84,45 @@ class SessionsSettings(CommonSettings):
         ge=60,
         description="how long a resumable stream's chunk log (`<ns>:chunks:<job>`) is kept after its last chunk",
     )
+    batch_max_requests: int = Field(
+        50_000, ge=1, description="the requests (lines) a batch's input file may hold, as OpenAI's limit"
+    )
+    batch_lines_in_flight: int = Field(
+        32,
+        ge=1,
+        description="the lines of one batch its owner runs at a time (released as jobs at the lowest priority,"
+        " only while their model's queue is empty)",
+    )
+    batch_queue_tokens: int = Field(
+        0,
+        ge=0,
+        description="the most tokens one API key may have enqueued in its unfinished batches per model (each"
+        " unanswered line's prompt estimate and max_tokens x n); 0: no limit",
+    )
+    batch_line_attempts: int = Field(
+        3, ge=1, description="how many times a batch line that fails on the server's side (5xx) is tried"
+    )
     usage_retention_days: int = Field(
         90,
         ge=1,
         description="how long the raw usage rows (one per request) are kept; the per-day rollups /admin/usage"
         " reports are kept beyond",
     )
+    # Files API (`services/sessions/files/`)
+    file_max_bytes: int = Field(
+        200 * 1024 * 1024, ge=1, description="the largest file `POST /v1/files` takes (OpenAI's 200 MB); larger: 413"
+    )
+    file_store: Literal["postgres", "s3"] = Field(
+        "postgres",
+        description="where files' bytes go: PostgreSQL's `file_parts` (1 MiB pieces), or an S3 bucket"
+        " (AXON_FILE_S3_*); their records are in PostgreSQL's `files` either way",
+    )
+    file_s3_bucket: str = Field("", description="the bucket of AXON_FILE_STORE=s3 (required then)")
+    file_s3_prefix: str = Field("axon/files/", description="the key prefix of the files' objects in the bucket")
+    file_s3_endpoint: str | None = Field(
+        None, description="an S3-compatible endpoint URL (MinIO, a test server); unset: AWS's, of the region"
+    )
+    file_s3_region: str | None = Field(None, description="the bucket's region; unset: the environment's (AWS_REGION)")
     # Outbox persister (write-behind to PostgreSQL)
     persist_batch_size: int = Field(2000, ge=1)
     persist_flush_interval_ms: int = Field(100, ge=1)
@@ -97,6 +130,12 @@ class SessionsSettings(CommonSettings):
     persist_concurrency: int = Field(2, ge=1, le=8)
     # Entries another persister read but did not acknowledge for this long are taken over.
     persist_reclaim_after_ms: int = Field(5_000, ge=100)
+
+    @model_validator(mode="after")
+    def _s3_needs_a_bucket(self) -> "SessionsSettings":
+        if self.file_store == "s3" and not self.file_s3_bucket:
+            raise ValueError("AXON_FILE_STORE=s3 needs AXON_FILE_S3_BUCKET")
+        return self
 
     @property
     def request_limits(self) -> RequestLimits:

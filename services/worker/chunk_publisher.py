@@ -149,10 +149,11 @@ class UsageOwner:
     tenant: str
     key_id: str | None
     model: str
+    batch: bool = False
 
     @classmethod
     def of(cls, job: Job) -> "UsageOwner":
-        return cls(tenant=job.tenant, key_id=job.key_id, model=job.adapter or job.model)
+        return cls(tenant=job.tenant, key_id=job.key_id, model=job.adapter or job.model, batch=job.batch)
 
 
 class ChunkPublisher:
@@ -331,6 +332,7 @@ class ChunkPublisher:
             completion_tokens=self.completion_tokens,
             latency_ms=None,
             created_at=dt.datetime.now(dt.UTC),
+            batch=owner.batch,
         )
         try:
             await self._pipe.execute("XADD", self._outbox, "*", *chain(*row.outbox_fields().items()))

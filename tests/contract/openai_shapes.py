@@ -10,7 +10,8 @@ converted once at import: `nullable` becomes a `null` type or an `anyOf` with `n
 Clients generated from that document (Go, Java, TypeScript) are stricter than the Python SDK,
 which accepts a missing field as `None`: `assert_openai_shape` catches what only they would.
 
-The Conversations and Responses APIs came after that version, so their shapes (`SDK_SHAPES`) are the JSON Schemas
+The Files, Conversations and Responses APIs are taken from the SDK too (those came after that
+version; the Files objects gained fields since), so their shapes (`SDK_SHAPES`) are the JSON Schemas
 of the installed `openai` SDK's models, which Stainless generates from OpenAI's current document:
 every field the SDK declares without a default is required, `Optional` ones may be null.
 """
@@ -19,12 +20,13 @@ import json
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from jsonschema import Draft202012Validator
+from openai.types import FileDeleted, FileObject
 from openai.types.conversations import Conversation, ConversationDeletedResource, ConversationItem, ConversationItemList
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 SUBSET_PATH = Path(__file__).with_name("openai_subset.json")
 
@@ -37,8 +39,23 @@ SHAPES = (
     "Model",
     "ErrorResponse",
 )
-# The shapes taken from the SDK's models (the Conversations and Responses APIs), by name.
+
+
+class FileList(BaseModel):
+    """A page of `GET /v1/files` (the SDK pages it as a cursor page of `FileObject`s)."""
+
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+# The shapes taken from the SDK's models (the Files, Conversations and Responses APIs), by name.
 SDK_SHAPES: dict[str, Any] = {
+    "FileObject": FileObject,
+    "FileDeleted": FileDeleted,
+    "FileList": FileList,
     "Conversation": Conversation,
     "ConversationDeletedResource": ConversationDeletedResource,
     "ConversationItem": ConversationItem,

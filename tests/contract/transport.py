@@ -19,6 +19,7 @@ from tests.contract.openai_shapes import openai_shape_errors
 _RESPONSES_ENDS = ("response.completed", "response.incomplete", "response.failed")
 _MODEL_PATH = re.compile(r"/v1/models/[^/]+$")
 _RESPONSE_PATH = re.compile(r"/v1/responses(?:/(?P<id>[^/]+)(?P<items>/input_items)?)?$")
+_FILE_PATH = re.compile(r"/v1/files(?:/(?P<id>[^/]+)(?P<content>/content)?)?$")
 _CONVERSATION_PATH = re.compile(r"/v1/conversations(?:/(?P<id>[^/]+)(?P<items>/items)?(?P<item>/[^/]+)?)?$")
 
 
@@ -29,6 +30,8 @@ def shape_for(path: str, status: int, *, streamed: bool, method: str = "GET") ->
         return None
     if status >= 400:
         return "ErrorResponse"
+    if file := _FILE_PATH.search(path):
+        return _file_shape(file, method)
     if conversation := _CONVERSATION_PATH.search(path):
         if conversation["item"]:  # one item; deleting it answers the conversation
             return "Conversation" if method == "DELETE" else "ConversationItem"
@@ -50,6 +53,14 @@ def shape_for(path: str, status: int, *, streamed: bool, method: str = "GET") ->
     if _MODEL_PATH.search(path):
         return "Model"
     return None
+
+
+def _file_shape(file: re.Match[str], method: str) -> str | None:
+    if file["content"]:
+        return None  # the file's own bytes
+    if file["id"]:
+        return "FileDeleted" if method == "DELETE" else "FileObject"
+    return "FileObject" if method == "POST" else "FileList"
 
 
 class ContractTransport(httpx.BaseTransport):

@@ -112,6 +112,8 @@ def test_chart_refuses_to_render_without_any_required_secret(helm_home: Path) ->
         ({"sessions.env.AXON_REQUEST_TIMEOUT_S": "300"}, "AXON_REQUEST_TIMEOUT_S"),
         ({"config.namespace": "bad namespace!"}, "config.namespace"),
         ({"gatway.port": "8000"}, "gatway"),
+        ({"files.store": "s3"}, "files.s3.bucket"),
+        ({"files.store": "disk"}, "files.store"),
     ],
 )
 def test_bad_values_fail_at_install_time(helm_home: Path, values: dict, message: str) -> None:
@@ -350,6 +352,31 @@ def test_cpu_pool_uses_the_cpu_image_without_gpus(helm_home: Path) -> None:
     assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
     assert "/dev/shm" not in {m["mountPath"] for m in container["volumeMounts"]}
     assert "AXON_TENSOR_PARALLEL_SIZE" not in env_of(container)
+
+
+def _api_env(manifests: list[dict], name: str) -> dict[str, object]:
+    (deployment,) = component(manifests, "Deployment", name)
+    return env_of(deployment["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_files_settings_reach_the_gateway_and_the_session_manager(
+    helm_home: Path, default_manifests: list[dict]
+) -> None:
+    gateway, sessions = (_api_env(default_manifests, name) for name in ("gateway", "sessions"))
+    limit = str(setting_default("SessionsSettings", "file_max_bytes"))
+    assert limit == str(setting_default("GatewaySettings", "file_max_bytes"))
+    assert gateway["AXON_FILE_MAX_BYTES"] == sessions["AXON_FILE_MAX_BYTES"] == limit
+    assert sessions["AXON_FILE_STORE"] == "postgres" and "AXON_FILE_S3_BUCKET" not in sessions
+    s3 = {"files.store": "s3", "files.s3.bucket": "axon-files", "files.s3.region": "eu-west-1"}
+    result = helm("template", RELEASE, str(CHART), *set_args({**REQUIRED_SECRETS, **s3}), tmp_home=helm_home)
+    assert result.returncode == 0, result.stderr
+    sessions = _api_env(load_manifests(result.stdout), "sessions")
+    assert {k: v for k, v in sessions.items() if k.startswith("AXON_FILE_S3_") or k == "AXON_FILE_STORE"} == {
+        "AXON_FILE_STORE": "s3",
+        "AXON_FILE_S3_BUCKET": "axon-files",
+        "AXON_FILE_S3_PREFIX": "axon/files/",
+        "AXON_FILE_S3_REGION": "eu-west-1",
+    }
 
 
 # --- scaling and disruption --------------------------------------------------------------------------

@@ -75,7 +75,8 @@ def test_the_page_shows_and_calls_the_api_in_a_browser_that_reaches_only_the_gat
         page.goto(f"{gateway.url}/docs")
         expect(page.locator(".opblock-summary-path[data-path='/v1/chat/completions']")).to_be_visible()
         # Sections by API, the admin routes among them; none left under "default".
-        for tag in ("Chat", "Completions", "Responses", "Conversations", "Sessions", "Models", "Admin", "Operations"):
+        sections = ("Chat", "Completions", "Responses", "Conversations", "Sessions", "Models", "Files", "Batches")
+        for tag in (*sections, "Admin", "Operations"):
             expect(page.locator(f"#operations-tag-{tag}")).to_be_visible()
         expect(page.locator("#operations-tag-default")).to_have_count(0)
         expect(page.locator(".opblock-summary-path[data-path='/admin/keys']").first).to_be_visible()

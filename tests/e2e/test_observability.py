@@ -11,6 +11,7 @@ from collections.abc import Callable
 import aio_pika
 import httpx
 import pytest
+from openai import OpenAI
 
 from services.cli.launcher import Service
 from shared.keys import KeyLimits
@@ -62,7 +63,7 @@ def _eventually(check: Callable[[], bool], *, timeout_s: float, message: str) ->
 @pytest.fixture(scope="module")
 def traffic(stack: Stack, gateway: Service, sessions: Service, database_url: str, api_key: str) -> dict:
     """Every kind of request the dashboards and alerts count: chat and text completions, streamed
-    and not, two turns of a session, a 401, a 429, a 404 model. Returns what the checks need."""
+    and not, two turns of a session, a 401, a 429, a 404 model, a batch. Returns what the checks need."""
     auth = {"Authorization": f"Bearer {api_key}"}
     assert _chat(gateway, api_key).status_code == 200
     with httpx.stream(
@@ -101,6 +102,7 @@ def traffic(stack: Stack, gateway: Service, sessions: Service, database_url: str
     statuses = [_chat(gateway, limited).status_code for _ in range(3)]
     assert statuses[0] == 200 and 429 in statuses[1:], statuses
     assert _chat(gateway, api_key, model="no-such-model").status_code == 404
+    _run_batch(gateway, api_key)
 
     request_id = f"obs-{uuid.uuid4().hex[:8]}"
     traced = _chat(gateway, api_key, request_id=request_id)
@@ -112,6 +114,19 @@ def traffic(stack: Stack, gateway: Service, sessions: Service, database_url: str
         "session_request_id": session_request_id,
         "limited_key": limited,
     }
+
+
+def _run_batch(gateway: Service, api_key: str) -> None:
+    """One small batch of the sim model, run to its end."""
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=30)
+    body = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "batched"}], "max_tokens": 2}
+    line = {"custom_id": "observed", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    file = client.files.create(file=("observed.jsonl", json.dumps(line).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).status != "completed":
+        assert time.monotonic() < deadline, "the batch did not complete"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

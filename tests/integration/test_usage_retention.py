@@ -181,6 +181,9 @@ async def test_retention_drops_old_raw_rows_and_keeps_rollups_for_admin_usage(db
                 "requests": requests,
                 "prompt_tokens": prompt,
                 "completion_tokens": completion,
+                "batch_requests": 0,
+                "batch_prompt_tokens": 0,
+                "batch_completion_tokens": 0,
             }
             for (day, _tenant, key, _model), (requests, prompt, completion) in _expected(rows).items()
         ),
@@ -232,7 +235,7 @@ async def test_the_migration_partitions_a_table_written_before_and_rolls_it_up(
                     for r in rows
                 ],
             )
-            assert await migrate(url, migrations_dir=DEFAULT_MIGRATIONS_DIR) == ["0008_usage_partitions"]
+            assert (await migrate(url, migrations_dir=DEFAULT_MIGRATIONS_DIR))[0] == "0008_usage_partitions"
             placed = {
                 str(r["job_id"]): r["partition"]
                 for r in await conn.fetch("SELECT job_id, tableoid::regclass::text AS partition FROM usage")

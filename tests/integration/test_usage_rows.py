@@ -77,6 +77,7 @@ async def test_final_chunk_nobody_receives_records_the_jobs_usage_row(pipe, name
         "prompt_tokens": 5,
         "completion_tokens": 3,
         "latency_ms": None,
+        "batch": False,
     }
 
 

@@ -69,6 +69,9 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+
 {{- if and .Values.ingress.enabled (not .Values.ingress.certificateArn) -}}
 {{- fail "ingress.certificateArn is required when ingress.enabled: the ALB serves HTTPS with an ACM certificate" -}}
 {{- end -}}
+{{- if and (eq .Values.files.store "s3") (not .Values.files.s3.bucket) -}}
+{{- fail "files.s3.bucket is required when files.store is s3: the bucket the files' bytes go to" -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Env ------------------------------------------------------------------------------------------ */}}

@@ -153,7 +153,9 @@ async def usage(
     since = since or (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=30))
     rows = await request.app.state.db.fetch(
         "SELECT key_id, day, sum(requests)::bigint AS requests, sum(prompt_tokens)::bigint AS prompt_tokens,"
-        " sum(completion_tokens)::bigint AS completion_tokens"
+        " sum(completion_tokens)::bigint AS completion_tokens, sum(batch_requests)::bigint AS batch_requests,"
+        " sum(batch_prompt_tokens)::bigint AS batch_prompt_tokens,"
+        " sum(batch_completion_tokens)::bigint AS batch_completion_tokens"
         " FROM usage_daily WHERE day >= $1 AND ($2::text IS NULL OR key_id = $2)"
         " GROUP BY key_id, day ORDER BY day, key_id",
         since,
@@ -168,6 +170,10 @@ async def usage(
                 "requests": r["requests"],
                 "prompt_tokens": r["prompt_tokens"],
                 "completion_tokens": r["completion_tokens"],
+                # Of those, the batch lines' (`/v1/batches`).
+                "batch_requests": r["batch_requests"],
+                "batch_prompt_tokens": r["batch_prompt_tokens"],
+                "batch_completion_tokens": r["batch_completion_tokens"],
             }
             for r in rows
         ],

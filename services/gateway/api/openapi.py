@@ -5,7 +5,7 @@ among them.
 The public routes take the raw body and forward it unchanged; the session manager validates it.
 The bodies are documented from the very models it validates them with (`shared/openai_requests.py`,
 `shared/session_requests.py`, `shared/conversation_requests.py`,
-`shared/responses_requests.py`): their JSON Schemas, each model a
+`shared/responses_requests.py`, `shared/batch_requests.py`): their JSON Schemas, each model a
 named schema under `components.schemas` (`install_request_schemas`). Nothing in the gateway
 validates against them.
 """
@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
+from shared.batch_requests import BatchCreate
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.responses_requests import ResponseCreate
@@ -45,6 +46,8 @@ TAGS: list[dict[str, Any]] = [
     {"name": "Conversations", "description": "OpenAI's Conversations API (a conversation is a session)."},
     {"name": "Sessions", "description": "Axon's sessions: history kept by the server, per tenant."},
     {"name": "Models", "description": "The models live workers serve, and aliases."},
+    {"name": "Files", "description": "OpenAI's Files API: the input and output files of batches."},
+    {"name": "Batches", "description": "OpenAI's Batch API: requests run in the workers' slack, within a window."},
     {"name": "Admin", "description": "API keys, usage and model aliases (the admin token, not an API key)."},
     {"name": "Operations", "description": "Liveness, readiness and Prometheus metrics."},
 ]
@@ -56,6 +59,8 @@ _TAG_OF_PATH = (
     ("/v1/conversations", "Conversations"),
     ("/v1/sessions", "Sessions"),
     ("/v1/models", "Models"),
+    ("/v1/files", "Files"),
+    ("/v1/batches", "Batches"),
     ("/admin/", "Admin"),
     ("/health", "Operations"),
     ("/ready", "Operations"),
@@ -95,6 +100,7 @@ _BODY_MODELS: tuple[type[BaseModel], ...] = (
     ConversationUpdate,
     ConversationItemsCreate,
     ResponseCreate,
+    BatchCreate,
 )
 
 
@@ -155,9 +161,9 @@ def query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]
 _ERROR_STATUSES: dict[int | str, str] = {
     400: "Invalid request: the body or a parameter is wrong (`param` names it).",
     401: "Missing, unknown or revoked API key.",
-    404: "Unknown model, or no such session, conversation, item or response for this key's tenant.",
+    404: "Unknown model, or no such session, conversation, item, response, file or batch for this key's tenant.",
     409: "The session is answering another request.",
-    413: "The request body is too large.",
+    413: "The request body is too large (a file: larger than AXON_FILE_MAX_BYTES).",
     429: "A rate limit of the key is exhausted; see `Retry-After` and `x-ratelimit-*`.",
     503: "Overloaded, or no worker serves the model; see `Retry-After`.",
     504: "The answer did not start before the request's deadline.",

@@ -6,6 +6,8 @@ The completion routes are answered by `GatewayService.completion` ahead of FastA
 (`HOT_ROUTES`), and documented from the same declarations.
 """
 
+from typing import Any
+
 from fastapi import APIRouter, Request, Security
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -19,7 +21,9 @@ from services.gateway.api.openapi import (
     json_body,
     query,
 )
+from shared.batch_requests import BatchCreate
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
+from shared.files_api import LIST_MAX, FileDeleted, FileList, FileObject, upload_form_schema
 from shared.hot_routes import HotRoute, document
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.responses_requests import ResponseCreate
@@ -263,4 +267,82 @@ async def list_response_input_items(
     response_id: str, request: Request, caller: CallerDep, service: ServiceDep
 ) -> Response:
     """List a stored response's input items, newest first unless `order=asc` (`limit`, `after`)."""
+    return await service.call(request, caller)
+
+
+_PAGE_FILES = [
+    query("purpose", {"type": "string", "maxLength": 64}, "Only files of this purpose."),
+    query("limit", {"type": "integer", "minimum": 1, "maximum": LIST_MAX, "default": LIST_MAX}, "Files per page."),
+    query("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}, "Oldest (`asc`) or newest first."),
+    query("after", {"type": "string", "maxLength": 64}, "Id of the last file of the previous page."),
+]
+_UPLOAD = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": upload_form_schema()}}}}
+_FILE_CONTENT: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The file's bytes, as uploaded.",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+@router.post("/v1/files", response_model=FileObject, responses=error_responses(400, 413), openapi_extra=_UPLOAD)
+async def create_file(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Upload a file (multipart: `purpose`, optional `expires_after`, then `file`), streamed through;
+    at most AXON_FILE_MAX_BYTES (200 MB by default)."""
+    return await service.call(request, caller, upload=True)
+
+
+@router.get(
+    "/v1/files", response_model=FileList, responses=error_responses(400), openapi_extra={"parameters": _PAGE_FILES}
+)
+async def list_files(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """List your files, newest first unless `order=asc` (`purpose`, `limit`, `after`)."""
+    return await service.call(request, caller)
+
+
+@router.get("/v1/files/{file_id}", response_model=FileObject, responses=error_responses(404))
+async def get_file(file_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Get one of your files."""
+    return await service.call(request, caller)
+
+
+@router.get("/v1/files/{file_id}/content", response_class=Response, responses={**_FILE_CONTENT, **error_responses(404)})
+async def get_file_content(file_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Download one of your files' content, streamed."""
+    return await service.call(request, caller)
+
+
+@router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=error_responses(404))
+async def delete_file(file_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Delete one of your files."""
+    return await service.call(request, caller)
+
+
+_PAGE_BATCHES = [
+    query("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}, "Batches per page."),
+    query("after", {"type": "string", "maxLength": 64}, "Id of the last batch of the previous page."),
+]
+
+
+@router.post("/v1/batches", responses=error_responses(400, 404, 413), openapi_extra=json_body(BatchCreate))
+async def create_batch(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Create a batch: run every request of an uploaded JSONL file (`purpose=batch`) within `completion_window`."""
+    return await service.call(request, caller)
+
+
+@router.get("/v1/batches", responses=error_responses(400), openapi_extra={"parameters": _PAGE_BATCHES})
+async def list_batches(request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """List your batches, newest first (`limit`, `after`)."""
+    return await service.call(request, caller)
+
+
+@router.get("/v1/batches/{batch_id}", responses=error_responses(404))
+async def get_batch(batch_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Get one of your batches: its status, request counts and output and error files."""
+    return await service.call(request, caller)
+
+
+@router.post("/v1/batches/{batch_id}/cancel", responses=error_responses(400, 404))
+async def cancel_batch(batch_id: str, request: Request, caller: CallerDep, service: ServiceDep) -> Response:
+    """Cancel one of your batches: lines not started never run, running ones stop; the rest is in its error file."""
     return await service.call(request, caller)

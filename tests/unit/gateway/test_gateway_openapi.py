@@ -118,6 +118,7 @@ def test_every_operation_is_in_one_section_and_the_admin_api_is_documented(schem
     assert set(sections) == set(names)  # no section is empty, none is "default"
     assert "/v1/chat/completions" in sections["Chat"] and "/v1/completions" in sections["Completions"]
     assert "/v1/models" in sections["Models"] and "/health" in sections["Operations"]
+    assert "/v1/files" in sections["Files"] and "/v1/batches" in sections["Batches"]
     admin = sections["Admin"]
     assert {"/admin/keys", "/admin/keys/{key_id}", "/admin/usage", "/admin/models/aliases"} <= admin
     # The fuzzing of tests/e2e/test_fuzz.py takes only ^/v1/: never the admin API.

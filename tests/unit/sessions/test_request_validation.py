@@ -52,6 +52,9 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         chunk_log=None,  # type: ignore[arg-type]
         metrics=SessionsMetrics(),
         request_limits=settings.request_limits,
+        files=None,  # type: ignore[arg-type]
+        batches=None,  # type: ignore[arg-type]
+        file_max_bytes=settings.file_max_bytes,
     )
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://sessions", headers=HEADERS) as c:

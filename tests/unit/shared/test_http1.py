@@ -255,3 +255,104 @@ async def test_an_idle_connection_past_its_timeout_is_not_reused(serve) -> None:
     finally:
         await client.aclose()
     assert server.connections == 2
+
+
+async def _pieces(*pieces: bytes) -> AsyncIterator[bytes]:
+    for piece in pieces:
+        yield piece
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    body = b""
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        chunk = await reader.readexactly(size + 2)
+        if size == 0:
+            return body
+        body += chunk[:-2]
+
+
+async def test_a_streamed_request_body_goes_chunked_and_the_connection_is_reused() -> None:
+    received: list[tuple[bytes, bytes]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = await _read_chunked(reader) if b"chunked" in head.lower() else b""
+                received.append((head, body))
+                answer = b"%d" % len(body)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = Http1Client(f"http://127.0.0.1:{port}", max_idle_connections=4, connect_timeout_s=5, read_timeout_s=5)
+    try:
+        big = b"x" * (3 * 1024 * 1024)  # more than the socket takes at once: written as it drains
+        response = await client.stream("POST", "/up", headers=[("x-a", "1")], body=_pieces(b"ab", b"", big, b"c"))
+        assert response.status == 200 and await response.read() == b"%d" % (len(big) + 3)
+        head, body = received[0]
+        assert head.startswith(b"POST /up HTTP/1.1\r\n") and b"transfer-encoding: chunked" in head.lower()
+        assert body == b"ab" + big + b"c"
+        # Read to its end, the connection is kept for the next request.
+        follow = await client.request("GET", "/next")
+        assert follow.status == 200 and await follow.read() == b"0"
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_an_answer_before_the_whole_body_stops_the_sending_and_is_the_response() -> None:
+    sent_after_answer = asyncio.Event()
+
+    async def refuse_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 2\r\nConnection: close\r\n\r\nno")
+        await writer.drain()
+        writer.close()
+
+    async def endless() -> AsyncIterator[bytes]:
+        for _ in range(10_000):
+            yield b"y" * 65536
+            await asyncio.sleep(0.001)
+        sent_after_answer.set()  # never reached: the client stops once the answer is in
+
+    server = await asyncio.start_server(refuse_at_once, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = Http1Client(f"http://127.0.0.1:{port}", max_idle_connections=4, connect_timeout_s=5, read_timeout_s=5)
+    try:
+        response = await asyncio.wait_for(client.stream("POST", "/up", headers=[], body=endless()), 30)
+        assert response.status == 413 and await response.read() == b"no"
+        assert not sent_after_answer.is_set()
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_body_that_fails_closes_the_connection() -> None:
+    closed = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client closes
+        closed.set()
+        writer.close()
+
+    async def broken() -> AsyncIterator[bytes]:
+        yield b"part"
+        raise ValueError("the client's body broke")
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = Http1Client(f"http://127.0.0.1:{port}", max_idle_connections=4, connect_timeout_s=5, read_timeout_s=5)
+    try:
+        with pytest.raises(ValueError, match="broke"):
+            await client.stream("POST", "/up", headers=[], body=broken())
+        await asyncio.wait_for(closed.wait(), 10)
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -44,6 +44,8 @@ def all_names(names: Names) -> dict[str, str]:
         "response": names.response("resp_1"),
         "responses_running": names.responses_running,
         "responses_owners": names.responses_owners,
+        "batches_running": names.batches_running,
+        "batches_owners": names.batches_owners,
         "aliases_key": names.aliases_key,
         "outbox_group": names.outbox_group,
     }

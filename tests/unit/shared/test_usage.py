@@ -46,6 +46,7 @@ def test_the_worker_writes_a_usage_row_as_the_session_managers_outbox_does() -> 
         "completion_tokens": 2,
         "latency_ms": None,
         "created_at": "2026-01-02T03:04:05Z",
+        "batch": False,
     }
 
 

@@ -1,0 +1,331 @@
+"""Batches and their lines in PostgreSQL (`batches`, `batch_lines`: migration 0010).
+
+A batch's row moves through OpenAI's statuses by compare-and-set (`transition`: only from the
+statuses named), so a cancel and its owner's progress never overwrite each other. A line's answer
+is set only while it has none, in the statement that counts it (`answer`), so each line is answered
+and counted exactly once whichever session manager answers it.
+"""
+
+import asyncio
+import datetime as dt
+import hashlib
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import orjson
+
+from services.sessions.batches.validation import BatchLine
+
+# Statuses a batch ends in.
+TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
+# Statuses an owner still has work in.
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+# Lines written per COPY while a file is validated.
+_COPY_ROWS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRecord:
+    """A batch's row."""
+
+    id: str
+    tenant: str
+    key_id: str | None
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    metadata: dict[str, str] | None
+    errors: list[dict[str, Any]] | None
+    output_file_id: str | None
+    error_file_id: str | None
+    total: int
+    completed: int
+    failed: int
+    created_at: dt.datetime
+    expires_at: dt.datetime
+    in_progress_at: dt.datetime | None = None
+    finalizing_at: dt.datetime | None = None
+    completed_at: dt.datetime | None = None
+    failed_at: dt.datetime | None = None
+    expired_at: dt.datetime | None = None
+    cancelling_at: dt.datetime | None = None
+    cancelled_at: dt.datetime | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+# A model for which a key's unanswered lines (of its batches in progress, and `mine`) count more
+# than (`op`) $2 tokens. $1: the key.
+_OVER_QUEUE = (
+    "SELECT l.model, sum(l.tokens) AS tokens FROM batch_lines l JOIN batches b ON b.id = l.batch_id"
+    " WHERE b.key_id = $1 AND l.result IS NULL AND (b.status IN ('in_progress', 'cancelling') {mine})"
+    " GROUP BY l.model HAVING sum(l.tokens) {op} $2 ORDER BY l.model LIMIT 1"
+)
+
+
+class QueueFull(Exception):
+    """A key's batch queue for `model` holds `tokens` tokens, past its limit `limit`."""
+
+    def __init__(self, model: str, tokens: int, limit: int) -> None:
+        super().__init__(model, tokens, limit)
+        self.model, self.tokens, self.limit = model, tokens, limit
+
+    @property
+    def message(self) -> str:
+        return (
+            f"Enqueued token limit reached for {self.model}: this key's batches would hold {self.tokens} tokens"
+            f" for it, more than its limit of {self.limit}; try again once its batches have run."
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PendingLine:
+    """A line not answered yet."""
+
+    line: int
+    custom_id: str
+    model: str
+    body: str
+
+
+def line_request_id(batch_id: str, line: int) -> str:
+    """The id of a line's output (`batch_req_<hex>`): the same whichever process answers it."""
+    digest = hashlib.md5(f"{batch_id}:{line}".encode(), usedforsecurity=False).hexdigest()
+    return "batch_req_" + digest  # as `answer_rest` names them in SQL
+
+
+def _record(row: asyncpg.Record) -> BatchRecord:
+    values = dict(row)
+    for name in ("metadata", "errors"):
+        if values[name] is not None:
+            values[name] = orjson.loads(values[name])
+    return BatchRecord(**values)
+
+
+_COLUMNS = ", ".join(BatchRecord.__dataclass_fields__)
+
+
+class BatchStore:
+    """Batches and their lines (see the module's docstring)."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def create(self, record: BatchRecord) -> None:
+        await self._pool.execute(
+            "INSERT INTO batches (id, tenant, key_id, endpoint, input_file_id, completion_window, status, metadata,"
+            " created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10)",
+            record.id,
+            record.tenant,
+            record.key_id,
+            record.endpoint,
+            record.input_file_id,
+            record.completion_window,
+            record.status,
+            orjson.dumps(record.metadata).decode() if record.metadata is not None else None,
+            record.created_at,
+            record.expires_at,
+        )
+
+    async def load(self, batch_id: str) -> BatchRecord | None:
+        """Any tenant's batch (its owner's view)."""
+        row = await self._pool.fetchrow(f"SELECT {_COLUMNS} FROM batches WHERE id = $1", batch_id)
+        return _record(row) if row is not None else None
+
+    async def get(self, tenant: str, batch_id: str) -> BatchRecord | None:
+        """The tenant's batch, or None (unknown, or another tenant's)."""
+        row = await self._pool.fetchrow(
+            f"SELECT {_COLUMNS} FROM batches WHERE id = $1 AND tenant = $2", batch_id, tenant
+        )
+        return _record(row) if row is not None else None
+
+    async def page(self, tenant: str, *, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
+        """The tenant's batches, newest first, after batch `after` (None: from the newest); and
+        whether more follow."""
+        if after is None:
+            rows = await self._pool.fetch(
+                f"SELECT {_COLUMNS} FROM batches WHERE tenant = $1 ORDER BY created_at DESC, id DESC LIMIT $2",
+                tenant,
+                limit + 1,
+            )
+        else:
+            rows = await self._pool.fetch(
+                f"SELECT {_COLUMNS} FROM batches b WHERE tenant = $1 AND (created_at, id) < ("
+                " SELECT created_at, id FROM batches WHERE id = $2 AND tenant = $1)"
+                " ORDER BY created_at DESC, id DESC LIMIT $3",
+                tenant,
+                after,
+                limit + 1,
+            )
+        return [_record(r) for r in rows[:limit]], len(rows) > limit
+
+    async def recent(self, *, tenant: str | None, limit: int) -> "list[BatchRecord]":
+        """The newest batches (of `tenant`, or of every tenant), newest first."""
+        rows = await self._pool.fetch(
+            f"SELECT {_COLUMNS} FROM batches WHERE $1::text IS NULL OR tenant = $1"
+            " ORDER BY created_at DESC, id DESC LIMIT $2",
+            tenant,
+            limit,
+        )
+        return [_record(r) for r in rows]
+
+    async def transition(self, batch_id: str, to: str, *, from_: Iterable[str], **fields: Any) -> BatchRecord | None:
+        """Set the batch's status to `to` (and `<to>_at` to now, and `fields`) if it is one of
+        `from_`; the batch as it is then, or None if it was not."""
+        values: dict[str, Any] = {f"{to}_at": dt.datetime.now(dt.UTC), **fields}
+        if "errors" in values:
+            values["errors"] = orjson.dumps(values["errors"]).decode()
+        sets = ", ".join(
+            f"{name} = ${i}" + ("::jsonb" if name == "errors" else "") for i, name in enumerate(values, start=4)
+        )
+        row = await self._pool.fetchrow(
+            f"UPDATE batches SET status = $2, {sets} WHERE id = $1 AND status = ANY($3::text[]) RETURNING {_COLUMNS}",
+            batch_id,
+            to,
+            list(from_),
+            *values.values(),
+        )
+        return _record(row) if row is not None else None
+
+    async def validated(
+        self, batch_id: str, lines: AsyncIterator[BatchLine], *, key_id: str | None, queue_tokens: int
+    ) -> int:
+        """Store the batch's `lines` as it validates them, in one transaction: all of them or (the
+        iteration raised, or the key's batch queue is full) none. Lines stored by an earlier
+        attempt (its owner died) are replaced. Returns how many were stored.
+
+        Raises:
+            QueueFull: with these lines, key `key_id` would have more than `queue_tokens` (0: no
+                limit) tokens enqueued for a model.
+        """
+        total = 0
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute("DELETE FROM batch_lines WHERE batch_id = $1", batch_id)
+            # One COPY of `_COPY_ROWS` lines runs while the next ones are read and checked.
+            copying: asyncio.Task[int] | None = None
+            rows: list[tuple[str, int, str, str, str, int]] = []
+            try:
+                async for line in lines:
+                    rows.append((batch_id, line.line, line.custom_id, line.model, line.body, line.tokens))
+                    if len(rows) >= _COPY_ROWS:
+                        total += await copying if copying is not None else 0
+                        copying, rows = asyncio.create_task(_copy(conn, rows)), []
+            except BaseException:
+                # The transaction ends only once its connection is idle again.
+                if copying is not None:
+                    await asyncio.gather(copying, return_exceptions=True)
+                raise
+            total += await copying if copying is not None else 0
+            total += await _copy(conn, rows)
+            if key_id is not None and queue_tokens:
+                # One batch of a key checked at a time: each sees the lines of those committed before.
+                await conn.execute("SELECT pg_advisory_xact_lock(hashtext('axon-batch-queue:' || $1))", key_id)
+                over = await conn.fetchrow(
+                    _OVER_QUEUE.format(mine="OR b.id = $3", op=">"), key_id, queue_tokens, batch_id
+                )
+                if over is not None:
+                    raise QueueFull(over["model"], int(over["tokens"]), queue_tokens)
+            await conn.execute("UPDATE batches SET total = $2 WHERE id = $1", batch_id, total)
+        return total
+
+    async def queue_full(self, key_id: str, queue_tokens: int) -> "QueueFull | None":
+        """Whether key `key_id` has `queue_tokens` or more tokens enqueued for a model already."""
+        over = await self._pool.fetchrow(_OVER_QUEUE.format(mine="", op=">="), key_id, queue_tokens)
+        return QueueFull(over["model"], int(over["tokens"]), queue_tokens) if over is not None else None
+
+    async def unanswered(self, batch_id: str, *, after_line: int, limit: int) -> list[PendingLine]:
+        """Up to `limit` unanswered lines past `after_line`, in order."""
+        rows = await self._pool.fetch(
+            "SELECT line, custom_id, model, body FROM batch_lines WHERE batch_id = $1 AND result IS NULL"
+            " AND line > $2 ORDER BY line LIMIT $3",
+            batch_id,
+            after_line,
+            limit,
+        )
+        return [PendingLine(r["line"], r["custom_id"], r["model"], r["body"]) for r in rows]
+
+    async def answer(self, batch_id: str, line: int, *, ok: bool, result: dict[str, Any]) -> bool:
+        """Record line `line`'s output (`ok`) or error line, and count it, unless it was answered
+        already; whether this answered it."""
+        counted = "completed" if ok else "failed"
+        answered = await self._pool.fetchval(
+            "WITH done AS (UPDATE batch_lines SET ok = $3, result = $4::jsonb"
+            " WHERE batch_id = $1 AND line = $2 AND result IS NULL RETURNING 1)"
+            f" UPDATE batches SET {counted} = {counted} + (SELECT count(*) FROM done) WHERE id = $1"
+            " RETURNING (SELECT count(*) FROM done)",
+            batch_id,
+            line,
+            ok,
+            orjson.dumps(result).decode(),
+        )
+        return bool(answered)
+
+    async def answer_rest(self, batch_id: str, *, code: str, message: str) -> int:
+        """Answer every unanswered line with the error `code` (the batch expired or was
+        cancelled), counted failed; how many."""
+        return int(
+            await self._pool.fetchval(
+                "WITH done AS (UPDATE batch_lines SET ok = false, result = jsonb_build_object("
+                " 'id', 'batch_req_' || md5(batch_id || ':' || line), 'custom_id', custom_id, 'response', null,"
+                " 'error', jsonb_build_object('code', $2::text, 'message', $3::text))"
+                " WHERE batch_id = $1 AND result IS NULL RETURNING 1)"
+                " UPDATE batches SET failed = failed + (SELECT count(*) FROM done) WHERE id = $1"
+                " RETURNING (SELECT count(*) FROM done)",
+                batch_id,
+                code,
+                message,
+            )
+            or 0
+        )
+
+    async def results(self, batch_id: str, *, ok: bool) -> AsyncIterator[bytes]:
+        """The batch's output lines (`ok`) or error lines, in line order, as JSONL pieces, read
+        through a cursor so a 50,000-line batch is never in memory whole."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            piece: list[bytes] = []
+            query = "SELECT result::text FROM batch_lines WHERE batch_id = $1 AND ok = $2 ORDER BY line"
+            async for row in conn.cursor(query, batch_id, ok, prefetch=500):
+                piece.append(row[0].encode() + b"\n")
+                if len(piece) >= 500:
+                    yield b"".join(piece)
+                    piece.clear()
+            if piece:
+                yield b"".join(piece)
+
+    async def set_files(self, batch_id: str, *, output_file_id: str | None, error_file_id: str | None) -> None:
+        await self._pool.execute(
+            "UPDATE batches SET output_file_id = $2, error_file_id = $3 WHERE id = $1",
+            batch_id,
+            output_file_id,
+            error_file_id,
+        )
+
+    async def waiting(self) -> list[tuple[str, int, dt.datetime]]:
+        """Per model: the unanswered lines of running batches, and when the oldest of those
+        batches went `in_progress`."""
+        rows = await self._pool.fetch(
+            "SELECT l.model, count(*) AS lines, min(b.in_progress_at) AS since FROM batch_lines l"
+            " JOIN batches b ON b.id = l.batch_id WHERE l.result IS NULL AND b.status = 'in_progress'"
+            " GROUP BY l.model"
+        )
+        return [(r["model"], r["lines"], r["since"]) for r in rows]
+
+    async def unfinished(self) -> list[str]:
+        """Every batch some session manager must still run to its end."""
+        rows = await self._pool.fetch("SELECT id FROM batches WHERE status = ANY($1::text[])", list(UNFINISHED))
+        return [r["id"] for r in rows]
+
+
+async def _copy(conn: Any, rows: list[tuple[str, int, str, str, str, int]]) -> int:
+    """COPY `rows` into `batch_lines`; how many."""
+    if not rows:
+        return 0
+    await conn.copy_records_to_table(
+        "batch_lines", records=rows, columns=["batch_id", "line", "custom_id", "model", "body", "tokens"]
+    )
+    return len(rows)

@@ -1,0 +1,358 @@
+"""OpenAI's Batch API through the official `openai` client, on the shared stack: a batch's file
+uploaded, validated, its lines run on the sim worker and their answers in its output file exactly
+once; a bad file fails at validation with its lines named; a line the key may not run is a 4xx
+in the error file while the others complete; cancel; tenancy; list paging."""
+
+import asyncio
+import subprocess
+import sys
+import time
+from typing import Any
+
+import asyncpg
+import openai
+import orjson
+import pytest
+from openai import NotFoundError, OpenAI
+from openai.types import Batch
+
+from services.cli.launcher import Service
+from shared.keys import KeyLimits, hash_key
+from shared.tokens import estimate_tokens
+from tests.conftest import create_key
+from tests.e2e.conftest import SIM_MODEL
+from tests.e2e.stack import Stack
+from tests.e2e.test_workers import client_for, holder, metric, sim_worker, wait_listed
+
+pytestmark = pytest.mark.e2e
+
+CHAT = "/v1/chat/completions"
+
+
+def _line(custom_id: str, *, model: str = SIM_MODEL, max_tokens: int = 4, url: str = CHAT) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": f"say {custom_id}"}], "max_tokens": max_tokens}
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def _jsonl(lines: list[dict[str, Any] | bytes]) -> bytes:
+    return b"".join((raw if isinstance(raw, bytes) else orjson.dumps(raw)) + b"\n" for raw in lines)
+
+
+def upload(client: OpenAI, content: bytes) -> str:
+    return client.files.create(file=("batch.jsonl", content), purpose="batch").id
+
+
+def content_lines(client: OpenAI, file_id: str) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in client.files.content(file_id).content.splitlines() if line]
+
+
+def _create(client: OpenAI, lines: list[dict[str, Any]]) -> Batch:
+    return client.batches.create(input_file_id=upload(client, _jsonl(lines)), endpoint=CHAT, completion_window="24h")
+
+
+def wait_status(client: OpenAI, batch_id: str, statuses: set[str], *, timeout_s: float = 90) -> Batch:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch {batch_id} still {batch.status} after {timeout_s} s"
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def limited(gateway: Service, database_url: str) -> OpenAI:
+    """A key of its own tenant that may use only the sim model."""
+    limits = KeyLimits()
+    key = asyncio.run(create_key(database_url, name="batches-limited", limits=limits, tenant="batches-limited"))
+    asyncio.run(_allow(database_url, key, [SIM_MODEL]))
+    return OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+async def _allow(database_url: str, key: str, models: list[str]) -> None:
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute("UPDATE api_keys SET allowed_models = $2 WHERE key_hash = $1", hash_key(key), models)
+    finally:
+        await conn.close()
+
+
+def test_batch_runs_every_line_once(client: OpenAI, sessions: Service, database_url: str) -> None:
+    ids = [f"req-{i}" for i in range(12)]
+    file_id = upload(client, _jsonl([_line(i) for i in ids]))
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint=CHAT, completion_window="24h", metadata={"job": "nightly"}
+    )
+    assert batch.status == "validating"
+    assert batch.metadata == {"job": "nightly"}
+    done = wait_status(client, batch.id, {"completed", "failed"})
+    assert done.status == "completed", done.errors
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (12, 12, 0)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    assert done.error_file_id is None
+    assert done.output_file_id is not None
+    output = content_lines(client, done.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(ids)
+    for line in output:
+        assert line["error"] is None
+        assert line["id"].startswith("batch_req_")
+        response = line["response"]
+        assert response["status_code"] == 200
+        body = response["body"]
+        assert body["object"] == "chat.completion"
+        assert body["model"] == SIM_MODEL
+        assert body["choices"][0]["message"]["content"]
+        assert body["usage"]["completion_tokens"] == 4
+    assert metric(sessions, "axon_sessions_batch_lines_total", model=SIM_MODEL, outcome="completed") >= 12
+    # Its usage rows are marked batch (written behind: within a few seconds).
+    assert asyncio.run(_batch_usage_rows(database_url, "tests", at_least=12)) >= 12
+
+
+async def _batch_usage_rows(database_url: str, tenant: str, *, at_least: int) -> int:
+    conn = await asyncpg.connect(database_url)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            rows = await conn.fetchval(
+                "SELECT count(*) FROM usage WHERE batch AND tenant = $1 AND completion_tokens = 4", tenant
+            )
+            if rows >= at_least or time.monotonic() > deadline:
+                return int(rows)
+            await asyncio.sleep(0.2)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize(
+    ("bad", "code"),
+    [
+        (b"{not json", "invalid_json_line"),
+        (orjson.dumps(_line("req-0")), "duplicate_custom_id"),
+        (orjson.dumps(_line("req-x", url="/v1/completions")), "invalid_url"),
+        (orjson.dumps({**_line("req-y"), "method": "GET"}), "invalid_method"),
+    ],
+)
+def test_a_bad_file_fails_at_validation_naming_its_line(client: OpenAI, bad: bytes, code: str) -> None:
+    file_id = upload(client, _jsonl([_line("req-0"), _line("req-1"), bad, _line("req-3")]))
+    batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    failed = wait_status(client, batch.id, {"failed", "in_progress", "completed"})
+    assert failed.status == "failed"
+    assert failed.failed_at is not None
+    assert failed.errors is not None and failed.errors.data
+    assert [(e.code, e.line) for e in failed.errors.data] == [(code, 3)]
+    assert failed.output_file_id is None
+
+
+def test_bad_batch_requests_are_clear_errors(client: OpenAI, limited: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as window:
+        client.batches.create(input_file_id="file-x", endpoint=CHAT, completion_window="48h")  # type: ignore[arg-type]
+    assert window.value.body["param"] == "completion_window"  # type: ignore[index]
+    with pytest.raises(NotFoundError):
+        client.batches.create(input_file_id="file-unknown", endpoint=CHAT, completion_window="24h")
+    file_id = upload(client, _jsonl([_line("a")]))
+    with pytest.raises(NotFoundError):  # another tenant's file
+        limited.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    empty = upload(client, b"\n\n")
+    batch = client.batches.create(input_file_id=empty, endpoint=CHAT, completion_window="24h")
+    failed = wait_status(client, batch.id, {"failed", "completed"})
+    assert failed.errors is not None
+    assert [e.code for e in failed.errors.data] == ["empty_file"]
+
+
+def test_a_refused_line_is_in_the_error_file_and_the_others_complete(limited: OpenAI) -> None:
+    lines = [_line("ok-1"), _line("denied", model="another-model"), _line("ok-2"), _line("bad", max_tokens=0)]
+    file_id = upload(limited, _jsonl(lines))
+    batch = limited.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    done = wait_status(limited, batch.id, {"completed", "failed"})
+    assert done.status == "completed"
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 2)
+    assert done.output_file_id and done.error_file_id
+    assert sorted(line["custom_id"] for line in content_lines(limited, done.output_file_id)) == ["ok-1", "ok-2"]
+    errors = {line["custom_id"]: line["response"] for line in content_lines(limited, done.error_file_id)}
+    assert errors["denied"]["status_code"] == 403
+    assert errors["denied"]["body"]["error"]["code"] == "model_not_allowed"
+    assert errors["bad"]["status_code"] == 400
+    assert errors["bad"]["body"]["error"]["param"] == "max_tokens"
+
+
+def test_cancel_stops_the_batch_with_partial_output(client: OpenAI, sessions: Service) -> None:
+    # Long answers (the sim worker's 5 ms per token): the batch is still running when cancelled.
+    lines = [_line(f"long-{i}", max_tokens=2000) for i in range(40)]
+    file_id = upload(client, _jsonl(lines))
+    batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    wait_status(client, batch.id, {"in_progress"})
+    assert metric(sessions, "axon_sessions_batch_lines_waiting", model=SIM_MODEL) > 0
+    assert metric(sessions, "axon_sessions_batch_oldest_waiting_seconds", model=SIM_MODEL) >= 0
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in {"cancelling", "cancelled"}
+    cancelled = wait_status(client, batch.id, {"cancelled"})
+    assert cancelled.cancelled_at is not None
+    counts = cancelled.request_counts
+    assert counts is not None and counts.total == 40
+    assert counts.completed < 40
+    assert counts.completed + counts.failed == 40
+    assert cancelled.error_file_id is not None
+    errors = content_lines(client, cancelled.error_file_id)
+    assert len(errors) == counts.failed
+    assert {line["error"]["code"] for line in errors} == {"batch_cancelled"}
+    done = content_lines(client, cancelled.output_file_id) if cancelled.output_file_id else []
+    assert len({line["custom_id"] for line in done + errors}) == 40
+    with pytest.raises(Exception) as finished:
+        client.batches.cancel(wait_status(client, _finished_batch(client), {"completed"}).id)
+    assert getattr(finished.value, "status_code", None) == 400
+
+
+def _finished_batch(client: OpenAI) -> str:
+    file_id = upload(client, _jsonl([_line("one")]))
+    return client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h").id
+
+
+def test_another_tenant_gets_404_and_lists_page(client: OpenAI, limited: OpenAI) -> None:
+    created = [_finished_batch(client) for _ in range(3)]
+    with pytest.raises(NotFoundError):
+        limited.batches.retrieve(created[0])
+    with pytest.raises(NotFoundError):
+        limited.batches.cancel(created[0])
+    assert created[0] not in [b.id for b in limited.batches.list(limit=100)]
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == created[::-1][:2]
+    assert first.has_more
+    second = client.batches.list(limit=2, after=first.data[-1].id)
+    assert second.data[0].id == created[0]
+    with pytest.raises(NotFoundError):
+        client.batches.retrieve("batch_unknown")
+
+
+def test_owner_and_worker_killed_mid_batch_every_line_once(stack: Stack, gateway: Service, api_key: str) -> None:
+    """kill -9 of a worker mid-line (its jobs fail over to the other) and then of the batch's owner
+    (another session manager takes the batch over once its lease expires): the batch completes
+    with every line answered exactly once, each with the answer the same request gets online."""
+    model = "takeover-batch-sim"
+    workers = [sim_worker(stack, f"batch-takeover-{i}", model, AXON_SIM_ITL_MS="25") for i in range(2)]
+    owner = stack.start("sessions:batch-owner", env={"AXON_RESPONSE_LEASE_S": "2", "AXON_BATCH_LINES_IN_FLIGHT": "4"})
+    owner_gateway = stack.start("gateway:batch-owner", env={"AXON_SESSIONS_URL": owner.url})
+    client, survivor = client_for(owner_gateway, api_key), client_for(gateway, api_key)
+    wait_listed(client, model)
+    lines = [_line(f"t-{i}", model=model, max_tokens=24) for i in range(16)]
+    batch = client.batches.create(input_file_id=upload(client, _jsonl(lines)), endpoint=CHAT, completion_window="24h")
+    wait_status(client, batch.id, {"in_progress"})
+    holder(workers, model).kill()
+    deadline = time.monotonic() + 60
+    while (counts := client.batches.retrieve(batch.id).request_counts) is None or counts.completed < 6:
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.1)
+    owner.kill()
+    done = wait_status(survivor, batch.id, {"completed", "failed", "expired"}, timeout_s=120)
+    assert done.status == "completed"
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (16, 16, 0)
+    assert done.output_file_id is not None and done.error_file_id is None
+    output = content_lines(survivor, done.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(f"t-{i}" for i in range(16))
+    for line in output:
+        request = next(raw for raw in lines if raw["custom_id"] == line["custom_id"])["body"]
+        online = survivor.chat.completions.create(**request)
+        assert line["response"]["body"]["choices"][0]["message"]["content"] == online.choices[0].message.content
+    assert any('"event":"batch_taken_over"' in text and batch.id in text for text in _sessions_logs(stack, owner))
+
+
+def _sessions_logs(stack: Stack, dead: Service) -> list[str]:
+    return [s.log_text() for s in stack.services if s.name.split(":")[0] == "sessions" and s is not dead]
+
+
+def test_cli_lists_shows_and_cancels_batches(stack: Stack, client: OpenAI) -> None:
+    lines = [_line(f"cli-{i}", max_tokens=2000) for i in range(40)]
+    batch = client.batches.create(input_file_id=upload(client, _jsonl(lines)), endpoint=CHAT, completion_window="24h")
+    wait_status(client, batch.id, {"in_progress"})
+
+    def axon(*args: str) -> str:
+        command = [sys.executable, "-m", "services.cli.main", "batches", *args]
+        return subprocess.run(command, env=stack.env({}), capture_output=True, text=True, timeout=60, check=True).stdout
+
+    assert batch.id in axon("list", "--tenant", "tests")
+    shown = orjson.loads(axon("show", batch.id))
+    assert (shown["id"], shown["tenant"], shown["request_counts"]["total"]) == (batch.id, "tests", 40)
+    assert axon("cancel", batch.id).split() == [batch.id, "cancelling"]
+    cancelled = wait_status(client, batch.id, {"cancelled"})
+    assert cancelled.request_counts is not None and cancelled.request_counts.completed < 40
+
+
+def test_a_keys_batch_queue_limit_fails_a_batch_past_it_and_refuses_new_ones_while_full(
+    stack: Stack, api_key: str
+) -> None:
+    long = [_line(f"q-{i}", max_tokens=2000) for i in range(2)]
+    # What each line counts (its body's characters / 4, and max_tokens): the limit is exactly two.
+    limit = sum(estimate_tokens(chars=len(orjson.dumps(line["body"]))) + 2000 for line in long)
+    sessions = stack.start("sessions:batch-queue", env={"AXON_BATCH_QUEUE_TOKENS": str(limit)})
+    client = client_for(stack.start("gateway:batch-queue", env={"AXON_SESSIONS_URL": sessions.url}), api_key)
+
+    three = [*long, _line("q-2", max_tokens=2000)]
+    over = _create(client, three)
+    failed = wait_status(client, over.id, {"failed", "in_progress"})
+    assert failed.status == "failed" and failed.errors is not None
+    assert [e.code for e in failed.errors.data] == ["token_limit_exceeded"]
+
+    full = _create(client, long)
+    wait_status(client, full.id, {"in_progress"})
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.batches.create(
+            input_file_id=upload(client, _jsonl([_line("q-3")])), endpoint=CHAT, completion_window="24h"
+        )
+    assert refused.value.code == "token_limit_exceeded"
+    client.batches.cancel(full.id)
+    wait_status(client, full.id, {"cancelled"})
+    after = client.batches.create(
+        input_file_id=upload(client, _jsonl([_line("q-4")])), endpoint=CHAT, completion_window="24h"
+    )
+    assert wait_status(client, after.id, {"completed", "failed"}).status == "completed"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "obj"),
+    [
+        ("/v1/completions", {"model": SIM_MODEL, "prompt": "Once", "max_tokens": 3}, "text_completion"),
+        ("/v1/responses", {"model": SIM_MODEL, "input": "Once", "max_output_tokens": 3, "store": False}, "response"),
+    ],
+)
+def test_completions_and_responses_lines(client: OpenAI, endpoint: str, body: dict[str, Any], obj: str) -> None:
+    lines = [{"custom_id": f"e-{i}", "method": "POST", "url": endpoint, "body": body} for i in range(3)]
+    lines.append({"custom_id": "streamed", "method": "POST", "url": endpoint, "body": {**body, "stream": True}})
+    file_id = upload(client, _jsonl(lines))
+    batch = client.batches.create(input_file_id=file_id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+    done = wait_status(client, batch.id, {"completed", "failed"})
+    assert done.status == "completed" and done.output_file_id and done.error_file_id
+    output = content_lines(client, done.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == ["e-0", "e-1", "e-2"]
+    assert {line["response"]["body"]["object"] for line in output} == {obj}
+    [refused] = content_lines(client, done.error_file_id)
+    assert (refused["custom_id"], refused["response"]["status_code"]) == ("streamed", 400)
+
+
+def test_past_its_window_a_batch_expires_keeping_what_finished(client: OpenAI, database_url: str) -> None:
+    lines = [_line("short-0"), *(_line(f"slow-{i}", max_tokens=2000) for i in range(40))]
+    batch = _create(client, lines)
+    deadline = time.monotonic() + 60
+    while (counts := client.batches.retrieve(batch.id).request_counts) is None or counts.completed < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    asyncio.run(_expire_now(database_url, batch.id))  # its 24 h window, passed
+    expired = wait_status(client, batch.id, {"expired"})
+    assert expired.expired_at is not None and expired.request_counts is not None
+    assert expired.request_counts.completed >= 1
+    assert expired.request_counts.completed + expired.request_counts.failed == 41
+    assert expired.output_file_id and expired.error_file_id
+    finished = content_lines(client, expired.output_file_id)
+    assert "short-0" in {line["custom_id"] for line in finished}
+    errors = content_lines(client, expired.error_file_id)
+    assert {line["error"]["code"] for line in errors} == {"batch_expired"}
+    assert len({line["custom_id"] for line in finished + errors}) == 41
+
+
+async def _expire_now(database_url: str, batch_id: str) -> None:
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute("UPDATE batches SET expires_at = now() WHERE id = $1", batch_id)
+    finally:
+        await conn.close()

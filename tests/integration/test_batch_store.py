@@ -1,0 +1,116 @@
+"""Batches and their lines on a real PostgreSQL: each line answered and counted once whoever
+answers it, statuses moved only from the statuses named, a failed validation storing nothing,
+and a key's batch queue limit."""
+
+import asyncio
+import datetime as dt
+from collections.abc import AsyncIterator
+
+import asyncpg
+import orjson
+import pytest
+
+from services.sessions.batches.protocol import new_batch_id
+from services.sessions.batches.store import BatchRecord, BatchStore, QueueFull, line_request_id
+from services.sessions.batches.validation import BatchLine
+
+
+@pytest.fixture
+async def store(database_url) -> AsyncIterator[BatchStore]:
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=6)
+    yield BatchStore(pool)
+    await pool.close()
+
+
+async def _batch(store: BatchStore, *, key_id: str = "key_store", status: str = "validating") -> str:
+    now = dt.datetime.now(dt.UTC)
+    batch_id = new_batch_id()
+    await store.create(
+        BatchRecord(
+            id=batch_id,
+            tenant="store-tests",
+            key_id=key_id,
+            endpoint="/v1/chat/completions",
+            input_file_id="file-x",
+            completion_window="24h",
+            status=status,
+            metadata=None,
+            errors=None,
+            output_file_id=None,
+            error_file_id=None,
+            total=0,
+            completed=0,
+            failed=0,
+            created_at=now,
+            expires_at=now + dt.timedelta(days=1),
+        )
+    )
+    return batch_id
+
+
+async def _lines(count: int, *, tokens: int = 10, fail_at: int | None = None) -> AsyncIterator[BatchLine]:
+    for number in range(1, count + 1):
+        if number == fail_at:
+            raise ValueError("the file broke a rule")
+        yield BatchLine(number, f"c-{number}", "m", '{"model": "m"}', tokens)
+
+
+async def test_each_line_is_answered_and_counted_once_whoever_answers(store: BatchStore) -> None:
+    batch_id = await _batch(store)
+    assert await store.validated(batch_id, _lines(3), key_id=None, queue_tokens=0) == 3
+    answers = [{"id": line_request_id(batch_id, 2), "custom_id": "c-2", "n": n} for n in range(5)]
+    # Five answers of line 2 at once (an owner that lost its lease and the one that took over).
+    done = await asyncio.gather(*(store.answer(batch_id, 2, ok=True, result=a) for a in answers))
+    assert sorted(done) == [False, False, False, False, True]
+    assert not await store.answer(batch_id, 2, ok=False, result={"late": True})
+    await store.answer(batch_id, 3, ok=False, result={"custom_id": "c-3"})
+    record = await store.load(batch_id)
+    assert record is not None and (record.total, record.completed, record.failed) == (3, 1, 1)
+    assert [line.line for line in await store.unanswered(batch_id, after_line=0, limit=10)] == [1]
+    assert await store.answer_rest(batch_id, code="batch_expired", message="late") == 1
+    assert await store.answer_rest(batch_id, code="batch_expired", message="late") == 0
+    output = b"".join([piece async for piece in store.results(batch_id, ok=True)])
+    [line] = [orjson.loads(raw) for raw in output.splitlines()]
+    assert line["custom_id"] == "c-2" and line["n"] in range(5)
+    errors = [orjson.loads(raw) for raw in b"".join([p async for p in store.results(batch_id, ok=False)]).splitlines()]
+    assert [e["custom_id"] for e in errors] == ["c-1", "c-3"]
+    assert errors[0]["id"] == line_request_id(batch_id, 1)  # the same id from SQL as from Python
+    record = await store.load(batch_id)
+    assert record is not None and (record.completed, record.failed) == (1, 2)
+
+
+async def test_a_status_moves_only_from_the_statuses_named(store: BatchStore) -> None:
+    batch_id = await _batch(store, status="in_progress")
+    assert await store.transition(batch_id, "finalizing", from_=("validating",)) is None
+    moved = await store.transition(batch_id, "cancelling", from_=("validating", "in_progress"))
+    assert moved is not None and moved.status == "cancelling" and moved.cancelling_at is not None
+    assert await store.transition(batch_id, "finalizing", from_=("in_progress",)) is None
+
+
+async def test_a_validation_that_fails_stores_no_line_and_a_retry_replaces_them(store: BatchStore) -> None:
+    batch_id = await _batch(store)
+    with pytest.raises(ValueError, match="broke a rule"):
+        await store.validated(batch_id, _lines(2500, fail_at=2400), key_id=None, queue_tokens=0)
+    assert await store.unanswered(batch_id, after_line=0, limit=1) == []
+    # Stored in COPYs of 1,000 lines, each while the next lines are read: every line once.
+    assert await store.validated(batch_id, _lines(2500), key_id=None, queue_tokens=0) == 2500
+    stored = await store.unanswered(batch_id, after_line=0, limit=3000)
+    assert [line.line for line in stored] == list(range(1, 2501))
+    assert await store.validated(batch_id, _lines(4), key_id=None, queue_tokens=0) == 4
+    assert await store.validated(batch_id, _lines(2), key_id=None, queue_tokens=0) == 2  # a new owner's
+    assert len(await store.unanswered(batch_id, after_line=0, limit=10)) == 2
+
+
+async def test_the_batch_queue_limit_counts_a_keys_unanswered_lines_per_model(store: BatchStore) -> None:
+    key = "key_queue_store"
+    first = await _batch(store, key_id=key)
+    await store.validated(first, _lines(3, tokens=100), key_id=key, queue_tokens=300)
+    await store.transition(first, "in_progress", from_=("validating",))
+    assert await store.queue_full(key, 300) is not None
+    second = await _batch(store, key_id=key)
+    with pytest.raises(QueueFull) as full:
+        await store.validated(second, _lines(1, tokens=1), key_id=key, queue_tokens=300)
+    assert (full.value.model, full.value.tokens) == ("m", 301)
+    await store.answer(first, 1, ok=True, result={})
+    assert await store.queue_full(key, 300) is None
+    assert await store.validated(second, _lines(1, tokens=100), key_id=key, queue_tokens=300) == 1
