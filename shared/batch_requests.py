@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.conversation_requests import _metadata
+from shared.conversation_requests import Metadata, _metadata
 
 # The endpoints a batch's lines may call, as OpenAI's Batch API takes them.
 BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
@@ -23,7 +23,8 @@ class BatchCreate(BaseModel):
     endpoint: BatchEndpoint
     # OpenAI's only window.
     completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = None
+    # OpenAI's limits, documented as the schema (`Metadata`) and checked by `_metadata`.
+    metadata: Metadata | None = None
 
     @field_validator("metadata")
     @classmethod
