@@ -234,11 +234,11 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
                     sweeping.cancel()
                     batching.cancel()
                     await asyncio.gather(sweeping, batching, return_exceptions=True)
-                    # Batches are handed over at once (their running lines' jobs are called off).
-                    await services.batches.leases.stop()
-                    # Stored responses are handed over at once; turns whose clients left may still be
-                    # running: stored complete if they end within the stop's grace (`RunOn`).
-                    await services.run_on.stop()
+                    # Stored responses and batches are handed over at once, side by side: stopping a
+                    # batch's running lines (their jobs called off) never delays the responses'
+                    # handover. Turns whose clients left may still be running: stored complete if
+                    # they end within the stop's grace (`RunOn`).
+                    await asyncio.gather(services.run_on.stop(), services.batches.leases.stop())
         finally:
             if tracing is not None:
                 await asyncio.to_thread(tracing.shutdown)

@@ -150,19 +150,29 @@ def test_a_stopping_session_manager_hands_its_responses_over_at_once(
 ) -> None:
     model = "handover-sim"
     sim_worker(stack, "handover", model, AXON_SIM_ITL_MS="40")
-    stopping = stack.start("sessions:handover")  # the default lease: 10 s
+    # A lease longer than the test: only a handover lets another session manager take it over in time.
+    stopping = stack.start("sessions:handover", env={"AXON_RESPONSE_LEASE_S": "120"})
     client = client_for(stack.start("gateway:handover", env={"AXON_SESSIONS_URL": stopping.url}), api_key)
     survivor = client_for(gateway, api_key)
     wait_listed(client, model)
     expected = _ask(survivor, model, "Hand it over.", store=False)
     queued = _ask(client, model, "Hand it over.", background=True)
     wait_status(client, queued.id, {"in_progress"}, timeout_s=30)
-    assert stopping.stop(timeout_s=30) == 0
+    names = Names(stack.namespace)
     leases = redis.Redis.from_url(stack.redis_url)
     try:
-        expiry = leases.zscore(Names(stack.namespace).responses_running, queued.id)
+        holder = leases.hget(names.responses_owners, queued.id)
+        assert holder is not None
+        assert stopping.stop(timeout_s=30) == 0
+        with leases.pipeline(transaction=True) as pipe:
+            expiry, owner = (
+                pipe.zscore(names.responses_running, queued.id).hget(names.responses_owners, queued.id).execute()
+            )
     finally:
         leases.close()
-    assert expiry is None or expiry == 0  # taken over already, or handed over: expired at once
+    # Handed over: expired at once, or already claimed by another session manager's sweep (a new
+    # owner and expiry) or finished by it (gone). Not handed over, it would still be the holder's.
+    assert expiry == 0 or owner != holder
     done = wait_status(survivor, queued.id, {"completed", "incomplete", "failed"}, timeout_s=30)
     assert done.status == "completed" and done.output_text == expected.output_text
+    assert '"event":"response_leases_not_handed_over"' not in stopping.log_text()
