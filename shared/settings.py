@@ -30,6 +30,9 @@ class CommonSettings(BaseSettings):
     default_rpm: int = Field(600, ge=1)
     default_tpm: int = Field(200_000, ge=1)
     default_max_concurrent: int = Field(32, ge=1)
+    # What a batch line's tokens are billed at, a share of them: the session manager charges
+    # budgets so, the gateway's `/admin/usage` reports them so (`billed_tokens`).
+    batch_billing_factor: float = Field(1.0, gt=0, le=1)
     # Connect/command timeout for Redis and the broker; every wait has a deadline.
     connect_timeout_s: float = Field(5.0, gt=0)
     # One stop request (SIGINT or SIGTERM): how long a worker's jobs in flight may still run

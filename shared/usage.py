@@ -15,6 +15,7 @@ reads the token counts back.
 """
 
 import datetime as dt
+import math
 
 import orjson
 from pydantic import BaseModel, field_validator
@@ -24,6 +25,13 @@ from shared.redis_pipe import PipeScript
 
 # The kind of a usage row's outbox entry (the entry's `kind` field; its `row` field is the JSON row).
 USAGE_KIND = "usage"
+
+
+def billed_tokens(tokens: int, factor: float) -> int:
+    """What `tokens` of batch usage count at the billing factor `factor` (`AXON_BATCH_BILLING_FACTOR`),
+    rounded up (to 6 decimals first, so that 100 x 0.07 is 7, not 8)."""
+    return math.ceil(round(tokens * factor, 6))
+
 
 # The fields of a job's progress hash that both sides read.
 PROGRESS_COMPLETION_TOKENS = "completion_tokens"

@@ -190,6 +190,7 @@ def _batches(
             catalog=opened.catalog,
             limiter=RateLimiter(opened.pipe, opened.names),
             lease_s=settings.background_timeout_s,
+            billing_factor=settings.batch_billing_factor,
         ),
         leases=ResponseLeases(
             opened.redis,

@@ -24,7 +24,7 @@ from shared.ratelimit import RateLimiter
 from shared.redis_pipe import RedisPipe
 from shared.schemas import Usage
 from shared.tasks import BackgroundTasks
-from shared.usage import MARK_BILLED, PROGRESS_GRACE_S, UsageRow
+from shared.usage import MARK_BILLED, PROGRESS_GRACE_S, UsageRow, billed_tokens
 
 log = get_logger(__name__)
 
@@ -37,9 +37,18 @@ class Billing:
     """Charges and settles requests (see the module's docstring)."""
 
     def __init__(
-        self, *, pipe: RedisPipe, names: Names, outbox: Outbox, limiter: RateLimiter, metrics: SessionsMetrics
+        self,
+        *,
+        pipe: RedisPipe,
+        names: Names,
+        outbox: Outbox,
+        limiter: RateLimiter,
+        metrics: SessionsMetrics,
+        batch_factor: float = 1.0,
     ) -> None:
         self._pipe = pipe
+        # A batch line's tokens count this share of them against its key's budget.
+        self._batch_factor = batch_factor
         self._names = names
         self._outbox = outbox
         self._limiter = limiter
@@ -129,12 +138,15 @@ class Billing:
 
     def _settlement(self, caller: Caller, usage: Usage | None) -> list[tuple[str, asyncio.Future[Any]]]:
         """The write that settles `caller`'s admission to its real token use `usage` (None: not
-        known, settled as 0): the gateway's charge against the key's tokens per minute replaced by
-        the use, its token budget reservation likewise, its lease released, in one command
-        (`RateLimiter.submit_settle`: Redis down, it is sent again once Redis is back)."""
+        known, settled as 0; a batch line's counted at `AXON_BATCH_BILLING_FACTOR`): the gateway's
+        charge against the key's tokens per minute replaced by the use, its token budget
+        reservation likewise, its lease released, in one command (`RateLimiter.submit_settle`:
+        Redis down, it is sent again once Redis is back)."""
         if caller.key_id is None:
             return []
         used = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
+        if caller.batch:
+            used = billed_tokens(used, self._batch_factor)
         if caller.lease_id is None and caller.budget is None and not (caller.tpm_limit and used != caller.tpm_charged):
             return []
         settlement = self._limiter.submit_settle(

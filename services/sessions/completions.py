@@ -72,7 +72,14 @@ class CompletionService:
         self._turns = turns
         self._metrics = metrics
         self._jobs = JobBuilder(settings)
-        self._billing = Billing(pipe=pipe, names=self._names, outbox=outbox, limiter=limiter, metrics=metrics)
+        self._billing = Billing(
+            pipe=pipe,
+            names=self._names,
+            outbox=outbox,
+            limiter=limiter,
+            metrics=metrics,
+            batch_factor=settings.batch_billing_factor,
+        )
         self._background = BackgroundTasks()
 
     async def start(

@@ -4,24 +4,30 @@ once; a bad file fails at validation with its lines named; a line the key may no
 in the error file while the others complete; cancel; tenancy; list paging."""
 
 import asyncio
+import datetime as dt
+import math
 import subprocess
 import sys
 import time
 from typing import Any
 
 import asyncpg
+import httpx
 import openai
 import orjson
 import pytest
+import redis
 from openai import NotFoundError, OpenAI
 from openai.types import Batch
 
 from services.cli.launcher import Service
 from shared.keys import KeyLimits, hash_key
+from shared.names import Names
+from shared.ratelimit import budget_window
 from shared.tokens import estimate_tokens
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import Stack
+from tests.e2e.stack import ADMIN_TOKEN, Stack
 from tests.e2e.test_workers import client_for, holder, metric, sim_worker, wait_listed
 
 pytestmark = pytest.mark.e2e
@@ -354,5 +360,56 @@ async def _expire_now(database_url: str, batch_id: str) -> None:
     conn = await asyncpg.connect(database_url)
     try:
         await conn.execute("UPDATE batches SET expires_at = now() WHERE id = $1", batch_id)
+    finally:
+        await conn.close()
+
+
+def test_batch_tokens_are_billed_at_the_billing_factor(stack: Stack, database_url: str) -> None:
+    """AXON_BATCH_BILLING_FACTOR 0.5: each line's tokens count half of them (rounded up) against its
+    key's budget, and /admin/usage reports the raw tokens beside the billed ones."""
+    factor = {"AXON_BATCH_BILLING_FACTOR": "0.5"}
+    sessions = stack.start("sessions:billing", env=factor)
+    gateway = stack.start("gateway:billing", env={"AXON_SESSIONS_URL": sessions.url, **factor})
+    limits = KeyLimits(token_budget=1_000_000, budget_period="day")
+    key = asyncio.run(create_key(database_url, name="batches-billed", limits=limits, tenant="batches-billed"))
+    client = client_for(gateway, key)
+    done = wait_status(client, _create(client, [_line(f"b-{i}", max_tokens=5) for i in range(5)]).id, {"completed"})
+    assert done.output_file_id is not None
+    used = [line["response"]["body"]["usage"]["total_tokens"] for line in content_lines(client, done.output_file_id)]
+    assert len(used) == 5
+
+    key_id = asyncio.run(_key_id(database_url, key))
+    period = budget_window("day", dt.datetime.now(dt.UTC))[0]
+    budget = Names(stack.namespace).rate_limit("budget", f"{key_id}:{period}")
+    client_redis = redis.Redis.from_url(stack.redis_url)
+    try:
+        # Settled as each line ends: read once every line's settlement is in.
+        deadline = time.monotonic() + 10
+        while int(client_redis.hget(budget, "used") or 0) != sum(math.ceil(t / 2) for t in used):
+            assert time.monotonic() < deadline, (client_redis.hgetall(budget), used)
+            time.sleep(0.2)
+        assert not [field for field in client_redis.hkeys(budget) if field.startswith(b"r:")]  # none left reserved
+    finally:
+        client_redis.close()
+
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    deadline = time.monotonic() + 30
+    while True:  # usage rows are written behind
+        rows = httpx.get(f"{gateway.url}/admin/usage", params={"key_id": key_id}, headers=admin, timeout=10)
+        data = rows.json()["data"]
+        if data and data[0]["batch_requests"] == 5:
+            break
+        assert time.monotonic() < deadline, data
+        time.sleep(0.3)
+    row = data[0]
+    assert row["requests"] == 5 and row["prompt_tokens"] + row["completion_tokens"] == sum(used)
+    assert row["batch_prompt_tokens"] + row["batch_completion_tokens"] == sum(used)
+    assert row["billed_tokens"] == math.ceil(sum(used) / 2)
+
+
+async def _key_id(database_url: str, key: str) -> str:
+    conn = await asyncpg.connect(database_url)
+    try:
+        return str(await conn.fetchval("SELECT id FROM api_keys WHERE key_hash = $1", hash_key(key)))
     finally:
         await conn.close()

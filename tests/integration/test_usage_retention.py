@@ -160,7 +160,7 @@ async def test_retention_drops_old_raw_rows_and_keeps_rollups_for_admin_usage(db
     # /admin/usage reports from the rollups, the days whose raw rows are gone included.
     app = FastAPI()
     app.include_router(admin.router)
-    app.state.settings = SimpleNamespace(admin_token=SecretStr(ADMIN_TOKEN))
+    app.state.settings = SimpleNamespace(admin_token=SecretStr(ADMIN_TOKEN), batch_billing_factor=0.5)
     app.state.db = db
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
         since = (NOW - dt.timedelta(days=400)).date().isoformat()
@@ -184,6 +184,8 @@ async def test_retention_drops_old_raw_rows_and_keeps_rollups_for_admin_usage(db
                 "batch_requests": 0,
                 "batch_prompt_tokens": 0,
                 "batch_completion_tokens": 0,
+                # No batch usage: billed as used whatever the factor.
+                "billed_tokens": prompt + completion,
             }
             for (day, _tenant, key, _model), (requests, prompt, completion) in _expected(rows).items()
         ),

@@ -11,6 +11,7 @@ from services.gateway.api.openapi import admin_bearer_scheme, admin_error_respon
 from shared.errors import InvalidRequest, NotFound
 from shared.keys import BudgetPeriod, KeyRecord, evict_key, limits_with_defaults
 from shared.registry import WorkerRegistry
+from shared.usage import billed_tokens
 
 # In the API document (section Admin) with its own credential; `AdminDep` checks it.
 router = APIRouter(
@@ -149,7 +150,9 @@ async def usage(
     key_id: Annotated[str | None, Query(max_length=64)] = None,
 ) -> dict[str, Any]:
     """Usage summed per key and day (UTC), from the daily rollups: kept after the raw rows'
-    retention (`AXON_USAGE_RETENTION_DAYS`)."""
+    retention (`AXON_USAGE_RETENTION_DAYS`). `billed_tokens`: the tokens with the batch lines' at
+    `AXON_BATCH_BILLING_FACTOR` (as budgets are charged)."""
+    factor = request.app.state.settings.batch_billing_factor
     since = since or (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=30))
     rows = await request.app.state.db.fetch(
         "SELECT key_id, day, sum(requests)::bigint AS requests, sum(prompt_tokens)::bigint AS prompt_tokens,"
@@ -174,10 +177,17 @@ async def usage(
                 "batch_requests": r["batch_requests"],
                 "batch_prompt_tokens": r["batch_prompt_tokens"],
                 "batch_completion_tokens": r["batch_completion_tokens"],
+                "billed_tokens": _billed(r, factor),
             }
             for r in rows
         ],
     }
+
+
+def _billed(row: Any, factor: float) -> int:
+    """A usage row's tokens, its batch lines' at the billing factor (rounded up once a row)."""
+    batch = int(row["batch_prompt_tokens"] + row["batch_completion_tokens"])
+    return int(row["prompt_tokens"] + row["completion_tokens"]) - batch + billed_tokens(batch, factor)
 
 
 class AliasTarget(BaseModel):

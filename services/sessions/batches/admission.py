@@ -1,6 +1,7 @@
 """A batch line's admission, as the gateway admits an online request of the batch's key: the key
 still valid (not revoked, not expired), allowed the line's model, and with token budget left
-(reserved, then settled to the line's real usage when it ends, as any request's). The key's rates
+(reserved, then settled to the line's real usage when it ends, as any request's, both at
+`AXON_BATCH_BILLING_FACTOR`). The key's rates
 (requests and tokens per minute, concurrency) do not apply: batch lines are paced by the
 dispatcher (`runner.py`), as OpenAI's batches do not count against the online rate limits.
 """
@@ -14,6 +15,7 @@ from shared.errors import Forbidden, Unauthorized
 from shared.internal_headers import Caller
 from shared.keys import KeyLimits, KeyRecord, KeyRepository, model_allowed
 from shared.ratelimit import RateLimiter, budget_refusal, budget_window
+from shared.usage import billed_tokens
 
 # A key read once serves a batch's lines for this long (a revocation or a new limit applies
 # to its lines this much later at most).
@@ -23,8 +25,11 @@ KEY_CACHE_S = 5.0
 class LineAdmission:
     """Admits batch lines (see the module's docstring)."""
 
-    def __init__(self, *, keys: KeyRepository, catalog: ModelCatalog, limiter: RateLimiter, lease_s: float) -> None:
+    def __init__(
+        self, *, keys: KeyRepository, catalog: ModelCatalog, limiter: RateLimiter, lease_s: float, billing_factor: float
+    ) -> None:
         self._keys = keys
+        self._billing_factor = billing_factor
         self._catalog = catalog
         self._limiter = limiter
         self._lease_s = lease_s
@@ -39,7 +44,8 @@ class LineAdmission:
         return cached[1]
 
     async def admit(self, *, tenant: str, key_id: str | None, model: str, tokens: int) -> Caller:
-        """The caller a line of key `key_id` runs as, `tokens` (its most) reserved of the key's budget.
+        """The caller a line of key `key_id` runs as, `tokens` (its most) reserved of the key's budget
+        at the billing factor.
 
         Raises:
             Unauthorized: 401, the key was revoked or has expired.
@@ -64,7 +70,7 @@ class LineAdmission:
         decision = await self._limiter.check(
             key_id,
             KeyLimits(token_budget=limits.token_budget, budget_period=limits.budget_period),
-            tokens=tokens,
+            tokens=billed_tokens(tokens, self._billing_factor),
             lease_id=secrets.token_hex(8),
             lease_ttl_s=self._lease_s,
             period_id=budget_window(limits.budget_period, now)[0],

@@ -4,10 +4,20 @@ a job's progress hash they agree on."""
 import datetime as dt
 
 import orjson
+import pytest
+from pydantic import ValidationError
 
 from services.sessions.outbox import Outbox
 from shared.names import Names
-from shared.usage import BILLED_FIELD, MARK_BILLED, PROGRESS_COMPLETION_TOKENS, PROGRESS_PROMPT_TOKENS, UsageRow
+from shared.settings import CommonSettings
+from shared.usage import (
+    BILLED_FIELD,
+    MARK_BILLED,
+    PROGRESS_COMPLETION_TOKENS,
+    PROGRESS_PROMPT_TOKENS,
+    UsageRow,
+    billed_tokens,
+)
 
 NOW = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
 
@@ -62,3 +72,18 @@ def test_the_billed_mark_and_the_token_counts_keep_their_redis_names() -> None:
 
 def _flat(fields: dict[str, str | bytes]) -> list[str | bytes]:
     return [part for item in fields.items() for part in item]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "factor", "billed"),
+    [(100, 1.0, 100), (7, 0.5, 4), (8, 0.5, 4), (100, 0.07, 7), (1, 0.01, 1), (0, 0.5, 0), (3, 0.1, 1)],
+)
+def test_batch_tokens_are_billed_at_the_factor_rounded_up(tokens: int, factor: float, billed: int) -> None:
+    assert billed_tokens(tokens, factor) == billed
+
+
+@pytest.mark.parametrize("factor", ["0", "-0.5", "1.5", "half"])
+def test_a_billing_factor_outside_0_to_1_is_refused(factor: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AXON_BATCH_BILLING_FACTOR", factor)
+    with pytest.raises(ValidationError, match="batch_billing_factor"):
+        CommonSettings()
