@@ -102,6 +102,12 @@ class SessionsSettings(CommonSettings):
     batch_line_attempts: int = Field(
         3, ge=1, description="how many times a batch line that fails on the server's side (5xx) is tried"
     )
+    batch_retention_days: int = Field(
+        30,
+        ge=1,
+        description="how long an ended batch's row is kept after it was created (its lines are deleted as it"
+        " ends: its output and error files hold the answers)",
+    )
     usage_retention_days: int = Field(
         90,
         ge=1,

@@ -113,6 +113,8 @@ def test_batch_runs_every_line_once(client: OpenAI, sessions: Service, database_
     assert metric(sessions, "axon_sessions_batch_lines_total", model=SIM_MODEL, outcome="completed") >= 12
     # Its usage rows are marked batch (written behind: within a few seconds).
     assert asyncio.run(_batch_usage_rows(database_url, "tests", at_least=12)) >= 12
+    # Its lines (request bodies and answers) are deleted once it ended: its files hold the answers.
+    assert asyncio.run(_lines_left(database_url, batch.id)) == 0
 
 
 async def _batch_usage_rows(database_url: str, tenant: str, *, at_least: int) -> int:
@@ -125,6 +127,19 @@ async def _batch_usage_rows(database_url: str, tenant: str, *, at_least: int) ->
             )
             if rows >= at_least or time.monotonic() > deadline:
                 return int(rows)
+            await asyncio.sleep(0.2)
+    finally:
+        await conn.close()
+
+
+async def _lines_left(database_url: str, batch_id: str) -> int:
+    conn = await asyncpg.connect(database_url)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            left = int(await conn.fetchval("SELECT count(*) FROM batch_lines WHERE batch_id = $1", batch_id))
+            if left == 0 or time.monotonic() > deadline:
+                return left
             await asyncio.sleep(0.2)
     finally:
         await conn.close()

@@ -1,6 +1,6 @@
 """Batches and their lines on a real PostgreSQL: each line answered and counted once whoever
 answers it, statuses moved only from the statuses named, a failed validation storing nothing,
-and a key's batch queue limit."""
+a key's batch queue limit, and an ended batch's lines deleted, its row after the retention."""
 
 import asyncio
 import datetime as dt
@@ -114,3 +114,46 @@ async def test_the_batch_queue_limit_counts_a_keys_unanswered_lines_per_model(st
     await store.answer(first, 1, ok=True, result={})
     assert await store.queue_full(key, 300) is None
     assert await store.validated(second, _lines(1, tokens=100), key_id=key, queue_tokens=300) == 1
+
+
+async def _sql(database_url: str, query: str, *args: object) -> object:
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await conn.fetchval(query, *args)
+    finally:
+        await conn.close()
+
+
+async def _line_count(database_url: str, batch_id: str) -> int:
+    return int(str(await _sql(database_url, "SELECT count(*) FROM batch_lines WHERE batch_id = $1", batch_id)))
+
+
+async def test_an_ended_batchs_lines_are_deleted_and_its_row_after_the_retention(
+    store: BatchStore, database_url: str
+) -> None:
+    running = await _batch(store)
+    ended = await _batch(store)
+    for batch_id in (running, ended):
+        assert await store.validated(batch_id, _lines(3), key_id=None, queue_tokens=0) == 3
+        assert await store.transition(batch_id, "in_progress", from_=("validating",)) is not None
+    assert await store.answer_rest(ended, code="batch_cancelled", message="cancelled") == 3
+    # Lines of a batch still running are kept.
+    assert await store.forget_lines(running) == 0 and await _line_count(database_url, running) == 3
+    assert await store.transition(ended, "cancelled", from_=("in_progress",)) is not None
+    # An owner that died before forgetting them: the sweep does; the rows stay within the retention.
+    assert await store.sweep(retention_days=30) >= 1
+    assert await _line_count(database_url, ended) == 0 and await _line_count(database_url, running) == 3
+    assert await store.forget_lines(ended) == 0
+    record = await store.load(ended)
+    assert record is not None and (record.total, record.failed, record.status) == (3, 3, "cancelled")
+
+    # Past the retention (created 31 days ago): the ended batch's row goes, the running one stays.
+    await _sql(
+        database_url,
+        "UPDATE batches SET created_at = now() - interval '31 days' WHERE id = ANY($1::text[])",
+        [running, ended],
+    )
+    while await store.sweep(retention_days=30):
+        pass
+    assert await store.load(ended) is None
+    assert await store.load(running) is not None and await _line_count(database_url, running) == 3

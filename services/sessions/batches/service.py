@@ -49,6 +49,8 @@ log = get_logger(__name__)
 TICK_S = 1.0
 # How often every session manager leases again the unfinished batches whose leases Redis lost.
 RECONCILE_S = 30.0
+# How often every session manager deletes what ended batches no longer need (`BatchStore.sweep`).
+RETAIN_EVERY_S = 300.0
 # Output and error files are not held to the upload limit (a batch's answers may be larger).
 _OUTPUT_MAX_BYTES = 1 << 40
 _EXPIRED = "This request could not be executed before the completion window expired."
@@ -176,8 +178,9 @@ class BatchService:
 
     async def sweep(self) -> None:
         """Renew this process's batch leases and take over expired ones; every `RECONCILE_S`, lease
-        again the unfinished batches the lease set lost (Redis' data lost), for ever."""
-        sweeping = asyncio.create_task(self.leases.run(self.run))
+        again the unfinished batches the lease set lost (Redis' data lost); every `RETAIN_EVERY_S`,
+        delete what ended batches no longer need; for ever."""
+        tasks = [asyncio.create_task(self.leases.run(self.run)), asyncio.create_task(self._retain())]
         outage = Outage("batch_reconcile", cap_s=RECONCILE_S)
         try:
             while True:
@@ -189,8 +192,24 @@ class BatchService:
                 outage.recovered()
                 await asyncio.sleep(RECONCILE_S)
         finally:
-            sweeping.cancel()
-            await asyncio.gather(sweeping, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _retain(self) -> None:
+        """Now and every `RETAIN_EVERY_S`: the lines of ended batches and the ended batches past
+        `AXON_BATCH_RETENTION_DAYS` deleted (`BatchStore.sweep`); PostgreSQL away, again with
+        capped backoff."""
+        outage = Outage("batch_retention")
+        while True:
+            try:
+                while await self.store.sweep(retention_days=self._settings.batch_retention_days):
+                    pass
+            except Exception as exc:  # noqa: BLE001 - retried with backoff
+                await asyncio.sleep(outage.failed(exc))
+                continue
+            outage.recovered()
+            await asyncio.sleep(RETAIN_EVERY_S)
 
     async def export_gauges(self) -> None:
         """Set the lines waiting and the oldest waiting batch's age per model (at a scrape): 0 for
@@ -220,6 +239,8 @@ class BatchService:
         if record is not None and record.status == "finalizing":
             record = await self._finalize(record, end="completed")
         if record is None or record.terminal:
+            # Its files hold the answers: its lines (with their bodies) are deleted at once.
+            await self.store.forget_lines(batch_id)
             await self.leases.drop(batch_id)
             log.info("batch_ended", status=record.status if record else None)
 

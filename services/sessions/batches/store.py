@@ -4,6 +4,10 @@ A batch's row moves through OpenAI's statuses by compare-and-set (`transition`: 
 statuses named), so a cancel and its owner's progress never overwrite each other. A line's answer
 is set only while it has none, in the statement that counts it (`answer`), so each line is answered
 and counted exactly once whichever session manager answers it.
+
+An ended batch's lines (their request bodies and answers) are deleted once it ends: its output and
+error files hold the answers (`forget_lines`, and `sweep` for a batch whose owner died before it
+could); an ended batch's row is deleted `AXON_BATCH_RETENTION_DAYS` after it was created.
 """
 
 import asyncio
@@ -24,6 +28,8 @@ TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 # Lines written per COPY while a file is validated.
 _COPY_ROWS = 1000
+# Batches one sweep statement deletes (the lines of) at most: the next takes the rest.
+_SWEEP_BATCHES = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +325,49 @@ class BatchStore:
         """Every batch some session manager must still run to its end."""
         rows = await self._pool.fetch("SELECT id FROM batches WHERE status = ANY($1::text[])", list(UNFINISHED))
         return [r["id"] for r in rows]
+
+    async def forget_lines(self, batch_id: str) -> int:
+        """Delete the lines of `batch_id` if it has ended (its files hold their answers); how many."""
+        status = await self._pool.execute(
+            "DELETE FROM batch_lines WHERE batch_id = $1"
+            " AND EXISTS (SELECT 1 FROM batches WHERE id = $1 AND status = ANY($2::text[]))",
+            batch_id,
+            list(TERMINAL),
+        )
+        return _count(status)
+
+    async def sweep(self, *, retention_days: int) -> int:
+        """Delete the lines of up to `_SWEEP_BATCHES` ended batches that still have some (their owner
+        died before it deleted them), and up to as many ended batches created more than
+        `retention_days` ago (with their lines); how many batches it touched (0: nothing left)."""
+        ended = list(TERMINAL)
+        async with self._pool.acquire() as conn:
+            with_lines = await conn.fetch(_ENDED_WITH_LINES, ended, _SWEEP_BATCHES)
+            if with_lines:
+                await conn.execute(
+                    "DELETE FROM batch_lines WHERE batch_id = ANY($1::text[])", [r["id"] for r in with_lines]
+                )
+            old = _count(await conn.execute(_DELETE_OLD, ended, retention_days, _SWEEP_BATCHES))
+        return len(with_lines) + old
+
+
+_ENDED_WITH_LINES = """
+SELECT b.id FROM batches b
+WHERE b.status = ANY($1::text[]) AND EXISTS (SELECT 1 FROM batch_lines l WHERE l.batch_id = b.id)
+LIMIT $2
+"""
+_DELETE_OLD = """
+DELETE FROM batches WHERE id IN (
+    SELECT id FROM batches
+    WHERE status = ANY($1::text[]) AND created_at < now() - make_interval(days => $2)
+    LIMIT $3
+)
+"""
+
+
+def _count(status: str) -> int:
+    """The rows a command's status (`DELETE 12`) names."""
+    return int(status.rsplit(" ", 1)[-1])
 
 
 async def _copy(conn: Any, rows: list[tuple[str, int, str, str, str, int]]) -> int:
