@@ -3,7 +3,7 @@ the response over once its lease expires, and stores it and appends it to its co
 of the worker generating them (failover), each ending `completed` with the full text; a stored
 stream whose client leaves before its first token runs on; a relay that loses its pub/sub
 connection follows the job's chunk log to the end instead; and a session manager that stops
-hands its responses over at once.
+hands its responses (and its batches, side by side) over at once.
 
 The answers are JSON (`text.format`), which the simulator ends with `stop` once complete, at one
 short piece per 40 ms: long enough to kill a process mid-answer. The full text is that of the
@@ -21,6 +21,8 @@ from openai.types.responses import Response
 from services.cli.launcher import Service
 from shared.names import Names
 from tests.e2e.stack import Stack, kill_subscribers
+from tests.e2e.test_batches import content_lines, upload
+from tests.e2e.test_batches import wait_status as wait_batch
 from tests.e2e.test_responses import wait_status
 from tests.e2e.test_workers import client_for, holder, metric, sim_worker, wait_listed
 
@@ -145,34 +147,56 @@ def test_a_relay_that_loses_its_chunks_follows_the_log_to_the_end(stack: Stack, 
     assert metric(relaying, "axon_sessions_active_streams") == 0  # the relays that gave them up ended theirs
 
 
+def _lease(client: redis.Redis, running: str, owners: str, answer_id: str) -> tuple[float | None, bytes | None]:
+    """`answer_id`'s lease expiry and owner, read together."""
+    with client.pipeline(transaction=True) as pipe:
+        expiry, owner = pipe.zscore(running, answer_id).hget(owners, answer_id).execute()
+    return expiry, owner
+
+
 def test_a_stopping_session_manager_hands_its_responses_over_at_once(
     stack: Stack, gateway: Service, api_key: str
 ) -> None:
+    """And its batch beside it: stopping the batch's running lines does not hold the response back."""
     model = "handover-sim"
     sim_worker(stack, "handover", model, AXON_SIM_ITL_MS="40")
-    # A lease longer than the test: only a handover lets another session manager take it over in time.
+    # A lease longer than the test: only a handover lets another session manager take over in time.
     stopping = stack.start("sessions:handover", env={"AXON_RESPONSE_LEASE_S": "120"})
     client = client_for(stack.start("gateway:handover", env={"AXON_SESSIONS_URL": stopping.url}), api_key)
     survivor = client_for(gateway, api_key)
     wait_listed(client, model)
     expected = _ask(survivor, model, "Hand it over.", store=False)
     queued = _ask(client, model, "Hand it over.", background=True)
+    body = {"model": model, "messages": [{"role": "user", "content": "A long line."}], "max_tokens": 200}
+    lines = [{"custom_id": f"h-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(3)]
+    batch = client.batches.create(
+        input_file_id=upload(client, b"".join(orjson.dumps(line) + b"\n" for line in lines)),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
     wait_status(client, queued.id, {"in_progress"}, timeout_s=30)
+    wait_batch(client, batch.id, {"in_progress"}, timeout_s=30)
     names = Names(stack.namespace)
     leases = redis.Redis.from_url(stack.redis_url)
     try:
         holder = leases.hget(names.responses_owners, queued.id)
-        assert holder is not None
+        assert holder is not None and leases.hget(names.batches_owners, batch.id) == holder
         assert stopping.stop(timeout_s=30) == 0
-        with leases.pipeline(transaction=True) as pipe:
-            expiry, owner = (
-                pipe.zscore(names.responses_running, queued.id).hget(names.responses_owners, queued.id).execute()
-            )
+        expiry, owner = _lease(leases, names.responses_running, names.responses_owners, queued.id)
+        batch_expiry, batch_owner = _lease(leases, names.batches_running, names.batches_owners, batch.id)
     finally:
         leases.close()
     # Handed over: expired at once, or already claimed by another session manager's sweep (a new
     # owner and expiry) or finished by it (gone). Not handed over, it would still be the holder's.
     assert expiry == 0 or owner != holder
+    assert batch_expiry == 0 or batch_owner != holder
     done = wait_status(survivor, queued.id, {"completed", "incomplete", "failed"}, timeout_s=30)
     assert done.status == "completed" and done.output_text == expected.output_text
     assert '"event":"response_leases_not_handed_over"' not in stopping.log_text()
+    finished = wait_batch(survivor, batch.id, {"completed", "failed", "cancelled", "expired"}, timeout_s=90)
+    assert finished.status == "completed" and finished.output_file_id is not None
+    assert sorted(line["custom_id"] for line in content_lines(survivor, finished.output_file_id)) == [
+        "h-0",
+        "h-1",
+        "h-2",
+    ]
