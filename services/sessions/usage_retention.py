@@ -35,7 +35,8 @@ _LOCK_KEY = 0x6178_7572
 # inserting), then gives up until the next run rather than holding writes back.
 _LOCK_TIMEOUT = "5s"
 _PARTITION = re.compile(r"usage_([0-9]{4})([0-9]{2})")
-_COLUMNS = "job_id, tenant, model, prompt_tokens, completion_tokens, created_at, key_id, latency_ms"
+# Every column of `usage`: a row moved into its partition keeps them all (`batch` included).
+_COLUMNS = "job_id, tenant, model, prompt_tokens, completion_tokens, created_at, key_id, latency_ms, batch"
 
 
 @dataclass(slots=True)

@@ -195,6 +195,19 @@ async def test_retention_drops_old_raw_rows_and_keeps_rollups_for_admin_usage(db
     assert keyed.json()["data"] == [r for r in expected if r["key_id"] == "key_a"]
 
 
+async def test_rows_moved_into_their_partition_keep_every_column(db) -> None:
+    """A batch line's row written while no partition covered its month keeps its `batch` mark."""
+    rows = [_row(key="key_b", model="m", age=dt.timedelta(days=70)) for _ in range(2)]
+    await _insert(db, rows)
+    await db.execute("UPDATE usage SET batch = true WHERE job_id = $1", uuid.UUID(rows[0].job_id))
+    assert await db.fetchval("SELECT count(*) FROM usage_default") == 2
+    run = await UsageRetention(db, retention_days=365, clock=lambda: NOW).run_once()
+    assert run is not None and sum(run.created.values()) == 2
+    assert await db.fetchval("SELECT count(*) FROM usage_default") == 0
+    moved = {str(r["job_id"]): r["batch"] for r in await db.fetch("SELECT job_id, batch FROM usage")}
+    assert moved == {rows[0].job_id: True, rows[1].job_id: False}
+
+
 async def test_one_session_manager_at_a_time_runs_the_retention(db) -> None:
     retention = UsageRetention(db, retention_days=90)
     async with db.acquire() as holder:
