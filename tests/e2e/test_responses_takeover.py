@@ -92,7 +92,9 @@ def test_killing_the_relaying_session_manager_another_takes_the_response_over(
 
 def test_killing_the_worker_another_finishes_the_response(stack: Stack, gateway: Service, api_key: str) -> None:
     model = "takeover-workers-sim"
-    workers = [sim_worker(stack, f"takeover-workers-{i}", model, AXON_SIM_ITL_MS="40") for i in range(2)]
+    # 100 ms a piece: the answer lasts about 3 s, long enough to find its worker running it on a
+    # loaded machine (at 40 ms it lasted about 1.2 s, and the search once came too late).
+    workers = [sim_worker(stack, f"takeover-workers-{i}", model, AXON_SIM_ITL_MS="100") for i in range(2)]
     client = client_for(gateway, api_key)
     wait_listed(client, model)
     expected = _ask(client, model, "Another story.", store=False)
