@@ -24,7 +24,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 import asyncpg
 import httpx
@@ -47,6 +47,7 @@ from schemathesis.specs.openapi.checks import (
 
 from services.cli.launcher import Service
 from shared.keys import KeyLimits
+from shared.schemas import Capability
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.load import report
@@ -184,25 +185,8 @@ def _some_to_the_sim_model(case: schemathesis.Case) -> bool:
     return True
 
 
-# Request fields that are an engine capability of the same name (`shared.schemas.Capability`).
-_CAPABILITY_FIELDS = frozenset(
-    {
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "logit_bias",
-        "seed",
-        "stop",
-        "top_k",
-        "min_p",
-        "min_tokens",
-        "ignore_eos",
-        "echo",
-        "logprobs",
-        "tools",
-        "response_format",
-    }
-)
+# Request fields that are an engine capability of the same name.
+_CAPABILITY_FIELDS = frozenset(get_args(Capability))
 
 
 def _is_int(value: object) -> bool:
