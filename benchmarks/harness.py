@@ -210,7 +210,8 @@ async def _delete_topology(amqp_url: str, namespace: str, models: set[str]) -> N
     connection = await aio_pika.connect(amqp_url, timeout=10)
     try:
         channel = await connection.channel()
-        for queue in [*(names.jobs_queue(model) for model in models), names.dead_letter_queue]:
+        queues = [*(names.jobs_queue(model) for model in models), *(names.batch_queue(model) for model in models)]
+        for queue in [*queues, names.dead_letter_queue]:
             await channel.queue_delete(queue)
         for exchange in (names.jobs_exchange, names.dead_letter_exchange):
             await channel.exchange_delete(exchange)

@@ -31,6 +31,12 @@ class Names:
         jobs exchange; what waits there too long is dead-lettered to the model's queue."""
         return f"{self.namespace}.jobs.{model}.w.{worker_id}"
 
+    def batch_queue(self, model: str) -> str:
+        """Durable queue holding one model's batch lines' jobs, also their routing key on the jobs
+        exchange. Workers take from it only into a free sequence (`basic.get`), and hand a line
+        back to it when an interactive job needs its sequence."""
+        return f"{self.namespace}.jobs.{model}.batch"
+
     @property
     def dead_letter_exchange(self) -> str:
         return f"{self.namespace}.jobs.dlx"

@@ -1,5 +1,5 @@
 """The job queue topology on RabbitMQ: the jobs exchange, one durable queue per model, one queue
-per worker (session affinity), and the dead-letter queue.
+per worker (session affinity), one queue of batch lines per model, and the dead-letter queue.
 
 Every service declares the topology it touches with the same arguments, so any of them may come
 up first.
@@ -15,7 +15,8 @@ from shared.names import Names
 # RabbitMQ priorities 0-9 (a key's tier); higher is served first.
 MAX_JOB_PRIORITY = 9
 # Batch lines' jobs go at the lowest priority, alone: interactive jobs go at 1 or more (a key of
-# priority 0 shares 1 with the keys of priority 1), so no batch line is served before one.
+# priority 0 shares 1 with the keys of priority 1). They wait in a queue of their own
+# (`declare_batch_queue`), which workers read only into free sequences.
 BATCH_JOB_PRIORITY = 0
 
 
@@ -62,6 +63,34 @@ async def declare_job_queue(
         },
     )
     await queue.bind(jobs_exchange, routing_key=model)
+    return queue
+
+
+async def declare_batch_queue(
+    channel: AbstractChannel,
+    names: Names,
+    model: str,
+    *,
+    max_queued_jobs: int,
+) -> AbstractQueue:
+    """Declare the jobs exchange and the model's durable queue of batch lines' jobs, bound under its
+    own name. No worker consumes it: a worker takes one job at a time from it (`basic.get`) while
+    it has a free sequence, and gives a line back to it when an interactive job needs the line's
+    sequence (`services/worker/batch_lines.py`). Like the model's queue, it refuses publishes past
+    `max_queued_jobs` and dead-letters to the dead-letter queue."""
+    await channel.declare_exchange(names.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True)
+    jobs_exchange = await channel.declare_exchange(names.jobs_exchange, aio_pika.ExchangeType.DIRECT, durable=True)
+    name = names.batch_queue(model)
+    queue = await channel.declare_queue(
+        name,
+        durable=True,
+        arguments={
+            "x-dead-letter-exchange": names.dead_letter_exchange,
+            "x-max-length": max_queued_jobs,
+            "x-overflow": "reject-publish",
+        },
+    )
+    await queue.bind(jobs_exchange, routing_key=name)
     return queue
 
 

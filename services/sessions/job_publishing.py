@@ -1,7 +1,7 @@
 """Publishes jobs to RabbitMQ with publisher confirms: to the model's shared queue, or a session's
 job to its home worker's own queue, from which RabbitMQ moves it to the shared queue once it has
 waited `AXON_AFFINITY_WAIT_MS` there (per-message TTL and dead-lettering: the broker spills it, not
-a timer of ours)."""
+a timer of ours), or a batch line's job to the model's batch queue (`shared/topology.py`)."""
 
 import asyncio
 import time
@@ -19,7 +19,7 @@ from shared.errors import Unavailable
 from shared.logging import get_logger
 from shared.names import Names
 from shared.schemas import Job
-from shared.topology import MAX_JOB_PRIORITY, declare_job_queue
+from shared.topology import MAX_JOB_PRIORITY, declare_batch_queue, declare_job_queue
 
 log = get_logger(__name__)
 
@@ -55,13 +55,17 @@ class JobPublisher:
         await channel.declare_exchange(self._names.jobs_exchange, aio_pika.ExchangeType.DIRECT, durable=True)
         self._channel = channel
 
-    async def _ensure_queue(self, channel: AbstractChannel, model: str) -> None:
-        if model in self._declared:
-            return
+    async def _ensure_queue(self, channel: AbstractChannel, model: str, *, batch: bool) -> str:
+        """Declare the queue a job of `model` goes to (once); returns its routing key."""
+        key = self._names.batch_queue(model) if batch else model
+        if key in self._declared:
+            return key
         async with self._declare_lock:
-            if model not in self._declared:
-                await declare_job_queue(channel, self._names, model, max_queued_jobs=self._max_queued_jobs)
-                self._declared.add(model)
+            if key not in self._declared:
+                declare = declare_batch_queue if batch else declare_job_queue
+                await declare(channel, self._names, model, max_queued_jobs=self._max_queued_jobs)
+                self._declared.add(key)
+        return key
 
     @property
     def affinity(self) -> bool:
@@ -79,7 +83,8 @@ class JobPublisher:
     ) -> None:
         """Publish `job` persistently; the broker drops it unread once its deadline passes.
 
-        With `home` (a live worker that served the session's last turn, and affinity on), the job
+        A batch line's job (`job.batch`) goes to the model's batch queue. With `home` (a live
+        worker that served the session's last turn, and affinity on), the job
         goes to that worker's own queue with a per-message TTL of `affinity_wait_ms` (or what is
         left to its deadline, if less); expired there, RabbitMQ dead-letters it to the model's
         queue. That queue gone (its worker died a while ago), the broker returns the job and it is
@@ -103,9 +108,9 @@ class JobPublisher:
         properties = _properties(job, priority=priority, request_id=request_id, expiration_ms=left_ms, headers=headers)
         body = job.model_dump_json().encode()
         try:
-            await self._ensure_queue(self._channel, job.model)
+            routing_key = await self._ensure_queue(self._channel, job.model, batch=job.batch)
             channel = await self._channel.get_underlay_channel()
-            if home is not None and self.affinity:
+            if home is not None and self.affinity and not job.batch:
                 wait_ms = min(left_ms, self._affinity_wait_ms)
                 confirmation = await channel.basic_publish(
                     body,
@@ -123,11 +128,11 @@ class JobPublisher:
                 log.info("job_home_missing", model=job.model, worker_id=home)
                 route = "home_missing"
             else:
-                route = "shared"
+                route = "batch" if job.batch else "shared"
             confirmation = await channel.basic_publish(
                 body,
                 exchange=self._names.jobs_exchange,
-                routing_key=job.model,
+                routing_key=routing_key,
                 properties=properties,
                 mandatory=True,
                 timeout=self._publish_timeout_s,
@@ -143,7 +148,7 @@ class JobPublisher:
             raise Unavailable("The job broker is unavailable; try again shortly.", retry_after_s=2) from exc
         if not isinstance(confirmation, spec.Basic.Ack):
             # Returned unrouted: the queue is gone. Declare it again for the next request.
-            self._declared.discard(job.model)
+            self._declared.discard(routing_key)
             log.warning("job_returned", model=job.model)
             raise Unavailable(f"The job queue of model '{job.model}' was missing; try again.", retry_after_s=1)
         self._count(job.model, route)

@@ -22,7 +22,8 @@ class SessionsMetrics:
             "axon_sessions_jobs_routed_total",
             "Jobs confirmed by the broker, by the queue they went to: `home` (a session's or a"
             " conversation's worker, spilling to the shared queue after AXON_AFFINITY_WAIT_MS),"
-            " `shared`, or `home_missing` (the home's queue was gone: returned, then shared).",
+            " `shared`, `home_missing` (the home's queue was gone: returned, then shared), or `batch`"
+            " (a batch line's, to the model's batch queue).",
             ["model", "route"],
             registry=self.registry,
         )

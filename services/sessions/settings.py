@@ -88,10 +88,16 @@ class SessionsSettings(CommonSettings):
         50_000, ge=1, description="the requests (lines) a batch's input file may hold, as OpenAI's limit"
     )
     batch_lines_in_flight: int = Field(
+        256,
+        ge=1,
+        description="the most lines of one batch its owner has released at a time (waiting in their model's"
+        " batch queue or running on a worker)",
+    )
+    batch_queue_ahead: int = Field(
         32,
         ge=1,
-        description="the lines of one batch its owner runs at a time (released as jobs at the lowest priority,"
-        " only while their model's queue is empty)",
+        description="the lines of a model a session manager keeps waiting in the model's batch queue, for"
+        " the workers to take into their free sequences (released while fewer wait)",
     )
     batch_queue_tokens: int = Field(
         0,

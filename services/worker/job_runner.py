@@ -130,6 +130,10 @@ class JobRunner:
         self._hand_back = hand_back
         self._gate = gate
         self._tasks: set[asyncio.Task[None]] = set()
+        # The batch lines' jobs among them, oldest first, and those preempted (being handed back).
+        self._batch: dict[asyncio.Task[None], None] = {}
+        self._preempted: set[asyncio.Task[None]] = set()
+        self._freed = asyncio.Event()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self.generating = 0
 
@@ -138,13 +142,54 @@ class JobRunner:
         """Jobs taken from the queue and not yet finished (generating or about to)."""
         return len(self._tasks)
 
+    @property
+    def batch_in_flight(self) -> int:
+        """Batch lines' jobs among them (not counting those preempted)."""
+        return len(self._batch)
+
+    def has_free_sequence(self) -> bool:
+        """Whether the worker runs fewer jobs than its engine has sequences (a batch line may be taken)."""
+        return len(self._tasks) < self._engine.max_seqs
+
+    async def sequence_freed(self, timeout_s: float) -> None:
+        """Wait until a job ends here, or `timeout_s`."""
+        self._freed.clear()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._freed.wait()
+        except TimeoutError:
+            return
+
     async def on_message(self, message: AbstractIncomingMessage) -> None:
         """Start one job in a task of its own (which `drain` tracks). Not in the delivery's task:
         aiormq cancels those when the broker connection drops, and a broker restart must not
-        abort the generations in flight."""
+        abort the generations in flight. Past the worker's sequences (an interactive job arrived
+        while batch lines filled the rest), a batch line's job gives up its sequence."""
+        self.start(message)
+        if len(self._tasks) > self._engine.max_seqs:
+            self._preempt()
+
+    def start(self, message: AbstractIncomingMessage) -> None:
+        """Start one job in a task of its own (a batch line's, taken into a free sequence)."""
         task = asyncio.create_task(self._handle(message))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: "asyncio.Task[None]") -> None:
+        self._tasks.discard(task)
+        self._batch.pop(task, None)
+        self._preempted.discard(task)
+        self._freed.set()
+
+    def _preempt(self) -> None:
+        """Stop the newest batch line's job (the least of its answer to write again) and give it
+        back to the batch queue, from where it resumes from its published tokens (`_handle_job`)."""
+        if not self._batch:
+            return
+        task = next(reversed(self._batch))
+        del self._batch[task]
+        self._preempted.add(task)
+        task.cancel()
 
     async def cancel(self, job_id: str) -> None:
         """A client went away: abort its job if it runs here, skip it if it comes later."""
@@ -207,6 +252,10 @@ class JobRunner:
 
     async def _handle_job(self, job: Job, message: AbstractIncomingMessage) -> None:
         started = time.perf_counter()
+        task = asyncio.current_task()
+        if job.batch and task is not None:
+            # Preemptable from here on: a cancel lands in the `try` below, which hands it back.
+            self._batch[task] = None
         attempt, outages = Attempt.first(message), 0
         while True:
             try:
@@ -214,9 +263,13 @@ class JobRunner:
                 ended = await self._attempt(job, message, attempt)
                 break
             except asyncio.CancelledError:
-                # Draining: the job goes back to the queue; its progress lets the next worker resume.
+                # Draining, or a batch line preempted: the job goes back to its queue; its progress
+                # lets the next worker resume it.
                 await asyncio.shield(self._hand_back(message, job))
-                self._metrics.jobs.labels(job.model, "handed_back").inc()
+                preempted = task in self._preempted
+                self._metrics.jobs.labels(job.model, "preempted" if preempted else "handed_back").inc()
+                if preempted:
+                    log.info("job_preempted", reason="an interactive job needed its sequence")
                 raise
             except EngineDied as exc:
                 # Left unacked: it goes back to the queue when this worker's broker connection closes

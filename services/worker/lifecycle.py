@@ -13,6 +13,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
 
+from services.worker.batch_lines import BatchLines
 from services.worker.engines import Engine
 from services.worker.heartbeat import Heartbeat
 from services.worker.job_runner import JobRunner, consume, listen_for_cancellations
@@ -27,7 +28,7 @@ from shared.outages import Outage, describe
 from shared.redis_pipe import RedisPipe
 from shared.registry import WorkerRegistry
 from shared.schemas import Job
-from shared.topology import declare_job_queue, declare_worker_queue
+from shared.topology import declare_batch_queue, declare_job_queue, declare_worker_queue
 from shared.tracing import Tracing
 
 log = get_logger(__name__)
@@ -77,6 +78,8 @@ class Worker:
         self._consumer_tag: str | None = None
         self._own_queue: AbstractQueue | None = None
         self._own_consumer_tag: str | None = None
+        # The model's batch lines, taken into free sequences on a channel of their own.
+        self._batch_lines: BatchLines | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._engine_starting: asyncio.Future[None] | None = None
         # What `/ready` says while Redis is unreachable (None: it is not).
@@ -100,6 +103,7 @@ class Worker:
             max_seqs=self.engine.max_seqs,
             in_flight=lambda: self.runner.in_flight,
             generating=lambda: self.runner.generating,
+            batch=lambda: self.runner.batch_in_flight,
             kv_cache_usage=self.engine.kv_cache_usage if self.engine.reports_kv_cache else None,
         )
         self.metrics.include(self.engine.metrics)
@@ -168,6 +172,8 @@ class Worker:
         deadline, then the delivery acked. If the copy cannot be published, the delivery is nacked
         back to the queue instead (a plain redelivery)."""
         headers = {k: v for k, v in (message.headers or {}).items() if k != _DEATH_HEADER}
+        # A batch line's job goes back to the batch queue (it was taken from there, or preempted).
+        routing_key = self.names.batch_queue(job.model) if job.batch else job.model
         copy = aio_pika.Message(
             body=message.body,
             headers={**headers, HANDED_BACK_HEADER: self.settings.worker_id},
@@ -181,7 +187,7 @@ class Worker:
             assert self._channel is not None
             exchange = await self._channel.get_exchange(self.names.jobs_exchange, ensure=False)
             confirmation = await exchange.publish(
-                copy, routing_key=job.model, mandatory=True, timeout=self.settings.connect_timeout_s
+                copy, routing_key=routing_key, mandatory=True, timeout=self.settings.connect_timeout_s
             )
             if isinstance(confirmation, aiormq.spec.Basic.Ack):
                 await message.ack()
@@ -203,6 +209,8 @@ class Worker:
                     with contextlib.suppress(Exception):  # the broker is away too: no delivery comes anyway
                         await queue.cancel(tag)
             self._own_consumer_tag = self._consumer_tag = None
+            if self._batch_lines is not None:
+                await self._batch_lines.pause()
 
     async def _resume(self) -> None:
         """Redis answers again: ready, and taking jobs again (retried while the broker refuses)."""
@@ -227,6 +235,8 @@ class Worker:
             self._own_consumer_tag = await consume(self._own_queue, self.runner)
         if self._consumer_tag is None:
             self._consumer_tag = await consume(self._queue, self.runner)
+        if self._batch_lines is not None:
+            self._batch_lines.resume()
 
     async def _connect_until_up(self) -> None:
         outage = Outage("worker_connect")
@@ -247,6 +257,13 @@ class Worker:
                 self._own_queue = await declare_worker_queue(
                     self._channel, self.names, self.engine.model_name, self.settings.worker_id
                 )
+                batch_queue = await declare_batch_queue(
+                    await self._connection.channel(),
+                    self.names,
+                    self.engine.model_name,
+                    max_queued_jobs=self.settings.max_queued_jobs,
+                )
+                self._batch_lines = BatchLines(self.runner, batch_queue, timeout_s=self.settings.connect_timeout_s)
                 async with self._consuming:
                     await self._consume()
                 outage.recovered()
@@ -274,6 +291,8 @@ class Worker:
                     with contextlib.suppress(Exception):
                         await queue.cancel(tag)
             self._own_consumer_tag = self._consumer_tag = None
+            if self._batch_lines is not None:
+                await self._batch_lines.pause()
         if getattr(self, "_heartbeat", None) is not None:
             await self._heartbeat.draining()
         left = await self.runner.drain(self.settings.drain_timeout_s)

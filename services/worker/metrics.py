@@ -71,9 +71,10 @@ class WorkerMetrics:
         max_seqs: int,
         in_flight: Callable[[], int],
         generating: Callable[[], int],
+        batch: Callable[[], int],
         kv_cache_usage: Callable[[], float | None] | None,
     ) -> None:
-        """Gauges read at scrape time: waiting sequences, batch utilization, KV cache (engines
+        """Gauges read at scrape time: waiting sequences, batch utilization, batch lines, KV cache (engines
         that report it), GPU memory (where a GPU exists)."""
         self.max_seqs.labels(model).set(max_seqs)
         Gauge(
@@ -88,6 +89,12 @@ class WorkerMetrics:
             ["model"],
             registry=self.registry,
         ).labels(model).set_function(lambda: generating() / max_seqs)
+        Gauge(
+            "axon_worker_batch_sequences",
+            "Batch lines' jobs this worker runs (taken into free sequences; preempted by interactive jobs).",
+            ["model"],
+            registry=self.registry,
+        ).labels(model).set_function(batch)
         if kv_cache_usage is not None:
             Gauge(
                 "axon_worker_kv_cache_usage_ratio",

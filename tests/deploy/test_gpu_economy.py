@@ -61,12 +61,17 @@ def test_a_pool_scales_to_zero_and_wakes_on_one_queued_job(economy_manifests: li
     spec = scaled_object(economy_manifests, "qwen-32b")["spec"]
     assert spec["minReplicaCount"] == 0
     assert spec["cooldownPeriod"] == POOLS["qwen-32b"]["keda"]["cooldownPeriod"]
-    (trigger,) = spec["triggers"]
+    trigger, batch = spec["triggers"]
     metadata = trigger["metadata"]
     assert (trigger["type"], metadata["mode"]) == ("rabbitmq", "QueueLength")
     # KEDA activates (0 -> 1) while the queue length is above the activation value.
     assert metadata["activationValue"] == "0"
     assert metadata["queueName"] == Names("axon").jobs_queue(POOLS["qwen-32b"]["model"])
+    # A waiting batch line wakes the pool too (one pod at most: its queue holds a few lines only).
+    assert batch["metadata"]["queueName"] == Names("axon").batch_queue(POOLS["qwen-32b"]["model"])
+    assert batch["metadata"]["activationValue"] == "0"
+    assert int(batch["metadata"]["value"]) >= 1000 * int(metadata["value"])
+    assert batch["authenticationRef"] == trigger["authenticationRef"]
     (deployment,) = [
         d for d in of_kind(economy_manifests, "Deployment") if d["metadata"]["name"] == spec["scaleTargetRef"]["name"]
     ]
@@ -74,7 +79,8 @@ def test_a_pool_scales_to_zero_and_wakes_on_one_queued_job(economy_manifests: li
     # Pools that keep a pod never wait for one: no activation threshold of their own.
     for other in of_kind(economy_manifests, "ScaledObject"):
         if other["spec"]["minReplicaCount"] >= 1:
-            assert "activationValue" not in other["spec"]["triggers"][0]["metadata"]
+            (only,) = other["spec"]["triggers"]
+            assert "activationValue" not in only["metadata"]
 
 
 def test_the_session_manager_waits_for_exactly_the_pools_at_zero(

@@ -279,12 +279,51 @@ def test_owner_and_worker_killed_mid_batch_every_line_once(stack: Stack, gateway
     assert any('"event":"batch_taken_over"' in text and batch.id in text for text in _sessions_logs(stack, owner))
 
 
+def test_an_interactive_request_takes_a_batch_lines_sequence(stack: Stack, gateway: Service, api_key: str) -> None:
+    """A worker of two sequences, both running batch lines (2 s answers): an interactive request
+    starts at once, in the sequence of a line that is stopped and handed back, and every line's
+    answer is still the one the same request gets online (resumed from its published tokens)."""
+    model = "preempt-batch-sim"
+    worker = sim_worker(stack, "preempt", model, AXON_SIM_MAX_SEQS="2", AXON_SIM_TTFT_MS="20", AXON_SIM_ITL_MS="50")
+    client = client_for(gateway, api_key)
+    wait_listed(client, model)
+    lines = [_line(f"p-{i}", model=model, max_tokens=40) for i in range(4)]
+    batch = client.batches.create(input_file_id=upload(client, _jsonl(lines)), endpoint=CHAT, completion_window="24h")
+    deadline = time.monotonic() + 30
+    while metric(worker, "axon_worker_batch_sequences", model=model) < 2:
+        assert time.monotonic() < deadline, "the worker never ran two batch lines"
+        time.sleep(0.05)
+    started = time.monotonic()
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "now"}], max_tokens=4, stream=True
+    )
+    chunks = iter(stream)
+    pieces = [next(chunks)]
+    waited = time.monotonic() - started
+    assert waited < 1.0, f"the interactive request waited {waited:.2f} s for a sequence"
+    pieces += list(chunks)
+    assert pieces[-1].choices[0].finish_reason == "length"
+    assert metric(worker, "axon_worker_jobs_total", model=model, outcome="preempted") >= 1
+    done = wait_status(client, batch.id, {"completed", "failed"})
+    assert done.status == "completed" and done.output_file_id is not None
+    output = content_lines(client, done.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == [f"p-{i}" for i in range(4)]
+    for line in output:
+        request = next(raw for raw in lines if raw["custom_id"] == line["custom_id"])["body"]
+        online = client.chat.completions.create(**request)
+        assert line["response"]["body"]["choices"][0]["message"]["content"] == online.choices[0].message.content
+        assert line["response"]["body"]["usage"]["completion_tokens"] == 40
+    worker.stop()
+
+
 def _sessions_logs(stack: Stack, dead: Service) -> list[str]:
     return [s.log_text() for s in stack.services if s.name.split(":")[0] == "sessions" and s is not dead]
 
 
 def test_cli_lists_shows_and_cancels_batches(stack: Stack, client: OpenAI) -> None:
-    lines = [_line(f"cli-{i}", max_tokens=2000) for i in range(40)]
+    # 40 s answers (the sim worker's 5 ms per token): every line may run at once, and the three
+    # commands take a few seconds; the batch must still be running at the cancel.
+    lines = [_line(f"cli-{i}", max_tokens=8000) for i in range(40)]
     batch = client.batches.create(input_file_id=upload(client, _jsonl(lines)), endpoint=CHAT, completion_window="24h")
     wait_status(client, batch.id, {"in_progress"})
 

@@ -1,12 +1,13 @@
-"""Whether a model has slack for batch lines: no job waits in its queue.
+"""How many lines of a model a batch's owner may release now: room in the model's batch queue.
 
-A worker takes jobs up to its engine's free sequences (its prefetch is its most concurrent
-sequences), so a model whose queue holds a ready job has no free sequence anywhere: interactive
-work is waiting, or lines released before. A batch's owner releases lines of a model only while
-its queue is empty (`service.py`), so at most one round of lines waits at a time, behind any
-interactive job (they have a higher priority). RabbitMQ reports a queue's ready messages in the
-answer to a passive declare, the queue-depth poller's way (`queue_depth.py`); answers are reused
-for `FRESH_S`, so the batches one process owns share one question per model.
+A batch line's job waits in the model's batch queue (`shared/topology.py`) until a worker has a
+sequence nothing else wants; the workers take from it themselves (`services/worker/batch_lines.py`)
+and hand a line back to it when an interactive job needs its sequence. So the owners only keep
+that queue stocked: a model's lines are released while fewer than `AXON_BATCH_QUEUE_AHEAD` wait
+in it, enough for every free sequence to find one at once, few enough that a cancel or a window's
+end has little to call back. RabbitMQ reports a queue's ready messages in the answer to a passive
+declare, the queue-depth poller's way (`queue_depth.py`); an answer is reused for `FRESH_S`, less
+the lines released since, so the batches one process owns share one question per model.
 """
 
 import contextlib
@@ -25,40 +26,45 @@ _DECLARE_TIMEOUT_S = 5.0
 
 
 class QueueSlack:
-    """Asks RabbitMQ whether a model's queue is empty (see the module's docstring)."""
+    """Counts the room left in a model's batch queue (see the module's docstring)."""
 
-    def __init__(self, connection: AbstractRobustConnection, names: Names) -> None:
+    def __init__(self, connection: AbstractRobustConnection, names: Names, *, ahead: int) -> None:
         self._connection = connection
         self._names = names
+        self._ahead = ahead
         self._channel: AbstractRobustChannel | None = None
-        self._answers: dict[str, tuple[float, bool]] = {}
+        # Per model: when its queue was asked, and the room left since.
+        self._answers: dict[str, tuple[float, int]] = {}
 
-    async def has_slack(self, model: str) -> bool:
-        """Whether no job of `model` waits in its queue (a queue not declared yet: none waits; the
-        broker unreachable: no slack)."""
+    async def take(self, model: str) -> bool:
+        """Whether one more line of `model` may be released now; if so, it is counted as waiting
+        (a queue not declared yet: empty; the broker unreachable: no room)."""
         now = time.monotonic()
         answer = self._answers.get(model)
         if answer is None or now - answer[0] > FRESH_S:
-            answer = (now, await self._ask(model))
+            answer = (now, await self._room(model))
+        if answer[1] <= 0:
             self._answers[model] = answer
-        return answer[1]
+            return False
+        self._answers[model] = (answer[0], answer[1] - 1)
+        return True
 
-    async def _ask(self, model: str) -> bool:
+    async def _room(self, model: str) -> int:
         try:
             if self._channel is None or self._channel.is_closed:
                 self._channel = await self._connection.channel()
             # robust=False: a robust channel caches passively declared queues, with their counts.
             queue = await self._channel.declare_queue(
-                self._names.jobs_queue(model), passive=True, robust=False, timeout=_DECLARE_TIMEOUT_S
+                self._names.batch_queue(model), passive=True, robust=False, timeout=_DECLARE_TIMEOUT_S
             )
         except ChannelNotFoundEntity:
             await self._drop_channel()  # the broker closed it
-            return True
+            return self._ahead
         except Exception as exc:  # noqa: BLE001 - no answer: no line is released until there is one
             log.warning("batch_slack_unknown", model=model, error=repr(exc))
             await self._drop_channel()
-            return False
-        return not queue.declaration_result.message_count
+            return 0
+        return self._ahead - (queue.declaration_result.message_count or 0)
 
     async def _drop_channel(self) -> None:
         channel, self._channel = self._channel, None

@@ -16,6 +16,7 @@ def all_names(names: Names) -> dict[str, str]:
         "jobs_exchange": names.jobs_exchange,
         "jobs_queue": names.jobs_queue(MODEL),
         "worker_queue": names.worker_queue(MODEL, "worker-1"),
+        "batch_queue": names.batch_queue(MODEL),
         "dead_letter_exchange": names.dead_letter_exchange,
         "dead_letter_queue": names.dead_letter_queue,
         "tokens_channel": names.tokens_channel(JOB_ID),
@@ -91,6 +92,7 @@ def test_documented_shapes() -> None:
     names = Names("ns")
     assert names.jobs_exchange == "ns.jobs"
     assert names.jobs_queue(MODEL) == f"ns.jobs.{MODEL}"
+    assert names.batch_queue(MODEL) == f"ns.jobs.{MODEL}.batch"
     assert names.dead_letter_queue == "ns.jobs.dead"
     assert names.tokens_channel(JOB_ID) == f"ns:tokens:{JOB_ID}"
     assert names.cancel_channel == "ns:cancel"
