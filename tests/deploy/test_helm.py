@@ -114,6 +114,12 @@ def test_chart_refuses_to_render_without_any_required_secret(helm_home: Path) ->
         ({"gatway.port": "8000"}, "gatway"),
         ({"files.store": "s3"}, "files.s3.bucket"),
         ({"files.store": "disk"}, "files.store"),
+        ({"batch.linesInFlight": "0"}, "linesInFlight"),
+        ({"batch.billingFactor": "0"}, "billingFactor"),
+        # The chart's own value would win over an env map's without a word: refused there.
+        ({"config.env.AXON_BATCH_BILLING_FACTOR": "0.5"}, "AXON_BATCH_BILLING_FACTOR, which the chart writes"),
+        ({"sessions.env.AXON_FILE_STORE": "s3"}, "remove it from sessions.env"),
+        ({"gateway.env.AXON_BATCH_BILLING_FACTOR": "0.5"}, "remove it from gateway.env"),
     ],
 )
 def test_bad_values_fail_at_install_time(helm_home: Path, values: dict, message: str) -> None:
@@ -359,6 +365,12 @@ def _api_env(manifests: list[dict], name: str) -> dict[str, object]:
     return env_of(deployment["spec"]["template"]["spec"]["containers"][0])
 
 
+def _sessions_fields(*prefixes: str) -> list[str]:
+    from services.sessions.settings import SessionsSettings
+
+    return sorted(f for f in SessionsSettings.model_fields if f.startswith(prefixes))
+
+
 def test_files_settings_reach_the_gateway_and_the_session_manager(
     helm_home: Path, default_manifests: list[dict]
 ) -> None:
@@ -367,7 +379,12 @@ def test_files_settings_reach_the_gateway_and_the_session_manager(
     assert limit == str(setting_default("GatewaySettings", "file_max_bytes"))
     assert gateway["AXON_FILE_MAX_BYTES"] == sessions["AXON_FILE_MAX_BYTES"] == limit
     assert sessions["AXON_FILE_STORE"] == "postgres" and "AXON_FILE_S3_BUCKET" not in sessions
-    s3 = {"files.store": "s3", "files.s3.bucket": "axon-files", "files.s3.region": "eu-west-1"}
+    s3 = {
+        "files.store": "s3",
+        "files.s3.bucket": "axon-files",
+        "files.s3.region": "eu-west-1",
+        "files.s3.endpoint": "https://minio.storage:9000",
+    }
     result = helm("template", RELEASE, str(CHART), *set_args({**REQUIRED_SECRETS, **s3}), tmp_home=helm_home)
     assert result.returncode == 0, result.stderr
     sessions = _api_env(load_manifests(result.stdout), "sessions")
@@ -376,7 +393,52 @@ def test_files_settings_reach_the_gateway_and_the_session_manager(
         "AXON_FILE_S3_BUCKET": "axon-files",
         "AXON_FILE_S3_PREFIX": "axon/files/",
         "AXON_FILE_S3_REGION": "eu-west-1",
+        "AXON_FILE_S3_ENDPOINT": "https://minio.storage:9000",
     }
+    s3_settings = {f"AXON_{f.upper()}" for f in _sessions_fields("file_s3_")}
+    assert s3_settings <= set(sessions), f"files.s3 writes none of {s3_settings - set(sessions)}"
+
+
+def test_every_batch_and_file_setting_reaches_the_session_manager_at_the_codes_default(
+    default_manifests: list[dict],
+) -> None:
+    """The chart's `batch` and `files` values write every batch_* and file_* setting the session
+    manager reads (the S3 bucket's with files.store s3: above), each at the code's default."""
+    sessions = _api_env(default_manifests, "sessions")
+    fields = [f for f in _sessions_fields("batch_", "file_") if not f.startswith("file_s3_")]
+    assert "batch_billing_factor" in fields and "batch_lines_in_flight" in fields
+    for field in fields:
+        name, default = f"AXON_{field.upper()}", setting_default("SessionsSettings", field)
+        assert name in sessions, f"the chart gives the session manager no {name}"
+        assert type(default)(sessions[name]) == default, f"{name}: the chart's {sessions[name]}, the code's {default}"
+    gateway = _api_env(default_manifests, "gateway")
+    assert float(gateway["AXON_BATCH_BILLING_FACTOR"]) == setting_default("GatewaySettings", "batch_billing_factor")
+
+
+def test_batch_values_reach_the_session_manager_and_the_billing_factor_the_gateway(
+    helm_home: Path, tmp_path: Path
+) -> None:
+    # A values file, as an operator's: YAML numbers reach the templates as floats, and a large one
+    # must still be written as an integer (not 5e+07).
+    values = tmp_path / "batch.yaml"
+    values.write_text(
+        "batch:\n  maxRequests: 1000\n  linesInFlight: 8\n  queueAhead: 4\n  queueTokens: 50000000\n"
+        "  lineAttempts: 5\n  retentionDays: 7\n  billingFactor: 0.5\n"
+    )
+    result = helm("template", RELEASE, str(CHART), *set_args(REQUIRED_SECRETS), "-f", str(values), tmp_home=helm_home)
+    assert result.returncode == 0, result.stderr
+    manifests = load_manifests(result.stdout)
+    sessions, gateway = (_api_env(manifests, name) for name in ("sessions", "gateway"))
+    assert {k: v for k, v in sessions.items() if k.startswith("AXON_BATCH_")} == {
+        "AXON_BATCH_MAX_REQUESTS": "1000",
+        "AXON_BATCH_LINES_IN_FLIGHT": "8",
+        "AXON_BATCH_QUEUE_AHEAD": "4",
+        "AXON_BATCH_QUEUE_TOKENS": "50000000",
+        "AXON_BATCH_LINE_ATTEMPTS": "5",
+        "AXON_BATCH_RETENTION_DAYS": "7",
+        "AXON_BATCH_BILLING_FACTOR": "0.5",
+    }
+    assert {k: v for k, v in gateway.items() if k.startswith("AXON_BATCH_")} == {"AXON_BATCH_BILLING_FACTOR": "0.5"}
 
 
 # --- scaling and disruption --------------------------------------------------------------------------
