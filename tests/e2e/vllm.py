@@ -94,10 +94,19 @@ def engine_core_of(worker: Service) -> int:
 
 
 def stream_killing(client: OpenAI, kill: Callable[[], None], **body: Any) -> str:
-    """Stream a greedy chat answer, calling `kill()` after its 8th chunk; the whole text received."""
-    pieces = []
+    """Stream a greedy chat answer, calling `kill()` as soon as its first text arrives; the whole
+    text received.
+
+    The first text, not the n-th chunk: a loaded worker merges tokens into fewer chunks, so a
+    count of chunks may never be reached, while the first text goes out as soon as it exists.
+    Fails unless the kill landed mid-answer: text must arrive after it."""
+    pieces: list[str] = []
+    killed_after: int | None = None  # the pieces received when kill() was called
     for chunk in client.chat.completions.create(temperature=0, stream=True, **body):
         pieces.append(chunk.choices[0].delta.content or "")
-        if len(pieces) == 8:
+        if killed_after is None and pieces[-1]:
             kill()
+            killed_after = len(pieces)
+    assert killed_after is not None, "the stream ended without any text: kill() was never called"
+    assert any(pieces[killed_after:]), f"no text came after the kill: the answer {''.join(pieces)!r} was complete"
     return "".join(pieces)
