@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/batch.py load                     # a 20,000-line batch, about 3 minutes
     .venv/bin/python benchmarks/batch.py load --lines 5000
-    .venv/bin/python benchmarks/batch.py load --kill --lines 2000   # about 2 minutes
+    .venv/bin/python benchmarks/batch.py load --kill --lines 1000   # about 3 minutes
+    .venv/bin/python benchmarks/batch.py load --kill --lines 20000  # up to --timeout-s (3600 s): see below
     .venv/bin/python benchmarks/batch.py validate                 # a 200 MB, 50,000-line file
     .venv/bin/python benchmarks/batch.py validate --lines 10000
     .venv/bin/python benchmarks/batch.py validate --stack         # the same through the services
@@ -18,11 +19,26 @@ output tokens/s while the batch runs (interactive, and the batch's answered line
 tokens: the simulator answers each line with exactly its `max_tokens`) over the measured capacity
 (the issue: 0.9 at least), and the batch's progress; then cancels the batch.
 
-`load --kill` (e.g. `--lines 2000`): two session managers, each with a gateway; once `--kill-at`
-(0.3) of the batch's lines are answered, one worker and the batch's owner (the session manager it
-was created through) are SIGKILLed; the batch is followed through the other one to its end, and
-every `custom_id` of its output and error files counted: lines lost, duplicated, or not in the file
-(the issue: 0).
+`load --kill`: two session managers, each with a gateway; the capacity measured as `load` does
+through `gateway-0`, then `load`'s interactive load (the same streamed chat bodies and Poisson
+arrivals at `--load` of capacity, built by `axon bench`'s functions but sent from this process so
+that each request's gateway and outcome are known) started through `gateway-0`, and a batch of
+`--lines` lines created through it beside the load. Once `--kill-at` (0.3) of the batch's lines are
+answered, `worker-0` and the batch's owner (`sessions-0`, the session manager it was created
+through) are SIGKILLed; from then on the interactive requests go through `gateway-1` (the surviving
+session manager), and the batch is followed through it until it ends or `--timeout-s` (3600) from
+its upload, when the load stops sending (the requests in flight are answered first). It prints:
+- the interactive requests in three groups, each with how many were sent, answered OK and failed,
+  the OK ones' TTFT p50 and p99, and the failures' distinct errors (HTTP status and message) with
+  their counts: those sent before the kill through `gateway-0`; those in flight through the killed
+  session manager at the kill (they fail: a 503 from the gateway, or their stream interrupted); those
+  sent after the kill through `gateway-1`;
+- the batch's total time from its upload to its end (and lines/s);
+- every `custom_id` of its output and error files counted: lines lost, duplicated, or not in the
+  file (the issue: 0; else the exit status is 1).
+Its duration is the batch's: on this 2-core machine, shared, 1,000 lines took 73 to 85 s at 12 to
+14 lines/s (with 32- and with 8-token answers: `--tokens` barely changes it), so 20,000 lines
+would take about 24 to 28 minutes at that rate (not run); `--timeout-s` bounds it.
 
 `validate`: in this process, against a database of its own, uploads a file of `--lines` chat lines
 (`--prompt-chars` characters of prompt each: 3,900 make 50,000 lines about 200 MB) through the
@@ -45,15 +61,27 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import asyncpg
 import openai
 import orjson
-from capacity import run_level
-from harness import BenchEnvironment
+from capacity import INPUT_LEN, MODEL, run_level
+from harness import BenchEnvironment, loop_factory
 from openai.types import Batch
 
+from services.cli.bench import (
+    BenchConfig,
+    RequestResult,
+    arrival_offsets_s,
+    build_bodies,
+    distinct_errors,
+    distribution_ms,
+    make_poster,
+    send_one,
+    synthetic_prompts,
+)
 from services.cli.launcher import Service
 from services.sessions.batches.store import BatchRecord, BatchStore
 from services.sessions.batches.validation import BatchLine, Validator, numbered_lines
@@ -61,6 +89,9 @@ from services.sessions.files.store import DatabaseFileStore, PostgresContent
 
 ENDPOINT = "/v1/chat/completions"
 TENANT = "bench"
+# The seed of the interactive load's prompts and Poisson arrival times.
+SEED = 7
+FINAL = ("completed", "failed", "expired", "cancelled")
 
 
 def rss_mb(field: str = "VmRSS") -> float:
@@ -261,27 +292,32 @@ def interactive(env: BenchEnvironment, url: str, key: str, args: argparse.Namesp
         requests=requests,
         output_tokens=args.tokens,
         warmup=0,
-        bench_args=["--request-rate", f"{rate:.2f}", "--seed", "7"],
+        bench_args=["--request-rate", f"{rate:.2f}", "--seed", str(SEED)],
     )
     return dict(level["summary"])
+
+
+def measure_capacity(env: BenchEnvironment, url: str, key: str, args: argparse.Namespace) -> dict:
+    """`axon bench` at as many streams as the workers have sequences: its summary."""
+    seqs = args.workers * args.max_seqs
+    print(f"platform ready: {args.workers} sim workers x {args.max_seqs} sequences (logs in {env.log_dir})", flush=True)
+    capacity = run_level(
+        env, url, key, {}, concurrency=seqs, requests=args.capacity_requests, output_tokens=args.tokens, warmup=seqs
+    )["summary"]
+    print(
+        f"capacity ({seqs} streams, {args.tokens}-token answers): {capacity['request_throughput_rps']:.1f} req/s, "
+        f"{capacity['output_token_throughput_tps']:.0f} output tok/s, {capacity['requests']['failed']} errors",
+        flush=True,
+    )
+    return dict(capacity)
 
 
 def load(env: BenchEnvironment, args: argparse.Namespace) -> int:
     url = start_platform(env, args)["gateway-0"].url
     key = env.create_key()
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=0)
-    seqs = args.workers * args.max_seqs
-    print(f"platform ready: {args.workers} sim workers x {args.max_seqs} sequences (logs in {env.log_dir})", flush=True)
-
-    capacity = run_level(
-        env, url, key, {}, concurrency=seqs, requests=args.capacity_requests, output_tokens=args.tokens, warmup=seqs
-    )["summary"]
+    capacity = measure_capacity(env, url, key, args)
     capacity_rps, capacity_tps = capacity["request_throughput_rps"], capacity["output_token_throughput_tps"]
-    print(
-        f"capacity ({seqs} streams, {args.tokens}-token answers): {capacity_rps:.1f} req/s, "
-        f"{capacity_tps:.0f} output tok/s, {capacity['requests']['failed']} errors",
-        flush=True,
-    )
     rate = capacity_rps * args.load
 
     without = interactive(env, url, key, args, rate)
@@ -324,34 +360,140 @@ def load(env: BenchEnvironment, args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass
+class Sent:
+    """One interactive request: the gateway it went through (0: the batch owner's, until the kill)."""
+
+    gateway: int
+    answer: "asyncio.Task[RequestResult]"
+    # Still in flight through the owner's gateway when its session manager was killed.
+    at_kill: bool = False
+
+
+async def steady_load(
+    urls: list[str],
+    key: str,
+    args: argparse.Namespace,
+    rate: float,
+    sent: list[Sent],
+    *,
+    killed: asyncio.Event,
+    stop: asyncio.Event,
+) -> None:
+    """The interactive load of `interactive` (the same bodies and Poisson arrivals, built by `axon
+    bench`'s own functions) sent in this process, until `stop`: through `urls[0]` until `killed`, then
+    through `urls[1]`; each request's answer awaited to its end (nothing in flight cancelled)."""
+    count = int(rate * args.timeout_s) + 1
+    config = BenchConfig(
+        base_url=urls[0],
+        model=MODEL,
+        num_requests=count,
+        request_rate=rate,
+        input_len=INPUT_LEN,
+        output_len=args.tokens,
+        seed=SEED,
+    )
+    bodies = build_bodies(config, synthetic_prompts(count, input_len=INPUT_LEN, seed=SEED), count)
+    posters = [make_poster(replace(config, base_url=url), api_key=key) for url in urls]
+    started = time.perf_counter()
+    try:
+        for body, offset_s in zip(bodies, arrival_offsets_s(count, request_rate=rate, seed=SEED), strict=True):
+            await asyncio.sleep(max(0.0, started + offset_s - time.perf_counter()))
+            if stop.is_set():
+                break
+            gateway = 1 if killed.is_set() else 0
+            answer = asyncio.create_task(send_one(posters[gateway], body, stream=True, timeout_s=config.timeout_s))
+            sent.append(Sent(gateway, answer))
+        if sent:
+            await asyncio.wait([request.answer for request in sent])
+    finally:
+        for poster in posters:
+            await poster.aclose()
+
+
+async def kill_under_load(
+    services: dict[str, Service], key: str, args: argparse.Namespace, rate: float, sent: list[Sent]
+) -> tuple[Batch | None, float]:
+    """The interactive load started, then the batch through `gateway-0`; a worker and the batch's
+    owner killed once `--kill-at` of its lines are answered; the batch followed through `gateway-1`
+    to its end. The batch as last seen (None: nothing was killed, the batch not in progress or out of
+    time first) and its seconds from the upload."""
+    urls = [f"{services[f'gateway-{index}'].url}/v1" for index in (0, 1)]
+    owner, survivor = (openai.OpenAI(base_url=url, api_key=key, timeout=120, max_retries=0) for url in urls)
+    killed, stop = asyncio.Event(), asyncio.Event()
+    load = asyncio.create_task(steady_load(urls, key, args, rate, sent, killed=killed, stop=stop))
+    started = time.monotonic()
+    deadline = started + args.timeout_s
+    try:
+        batch = await asyncio.to_thread(start_batch, owner, args)
+        while batch.request_counts is None or batch.request_counts.completed < args.kill_at * args.lines:
+            if time.monotonic() > deadline or batch.status != "in_progress":
+                print(f"the batch is {batch.status} with {batch.request_counts}: not killed")
+                return None, time.monotonic() - started
+            await asyncio.sleep(0.2)
+            batch = await asyncio.to_thread(owner.batches.retrieve, batch.id)
+        # In one step of the loop: no request is sent between the switch and the kill.
+        killed.set()
+        for request in sent:
+            request.at_kill = request.gateway == 0 and not request.answer.done()
+        services["worker-0"].kill()
+        services["sessions-0"].kill()
+        killed_at = time.monotonic()
+        print(
+            f"killed worker-0 and the batch's owner (sessions-0) at {batch.request_counts.completed} lines answered, "
+            f"{killed_at - started:.1f} s after the upload began; interactive load through gateway-1 from then on",
+            flush=True,
+        )
+        while batch.status not in FINAL and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            batch = await asyncio.to_thread(survivor.batches.retrieve, batch.id)
+        print(
+            f"batch {batch.status} {time.monotonic() - killed_at:.1f} s after the kill: {batch.request_counts}",
+            flush=True,
+        )
+        return batch, time.monotonic() - started
+    finally:
+        stop.set()
+        await load
+
+
+def print_outcomes(sent: list[Sent]) -> None:
+    """The interactive requests' outcomes: before the kill, in flight through the killed session
+    manager, after it."""
+    groups = {
+        "before the kill (gateway-0)": [request for request in sent if request.gateway == 0 and not request.at_kill],
+        "through the killed session manager": [request for request in sent if request.at_kill],
+        "after the kill (gateway-1)": [request for request in sent if request.gateway == 1],
+    }
+    print(f"\n{'interactive requests':<36} {'sent':>6} {'OK':>6} {'failed':>6} {'TTFT p50':>9} {'TTFT p99':>9}")
+    for name, group in groups.items():
+        results = [request.answer.result() for request in group]
+        ttft = distribution_ms(result.ttft_s for result in results if result.ok and result.ttft_s is not None)
+        ok = sum(result.ok for result in results)
+        p50, p99 = (f"{ttft[q]:.1f}" if ttft[q] is not None else "-" for q in ("p50", "p99"))
+        print(f"{name:<36} {len(results):>6} {ok:>6} {len(results) - ok:>6} {p50:>9} {p99:>9}")
+        for error in distinct_errors(results):
+            print(f"    {error['count']} x {error['message']}")
+
+
 def kill(env: BenchEnvironment, args: argparse.Namespace) -> int:
-    """A worker and the batch's owner killed once `--kill-at` of its lines are answered; then every
-    line's output counted."""
+    """The interactive load at `--load` of capacity beside a batch whose worker and owner are killed
+    mid-run; then the requests' outcomes and every line's output counted."""
     services = start_platform(env, args, sessions=2)
     key = env.create_key()
-    owner, survivor = (
-        openai.OpenAI(base_url=f"{services[f'gateway-{i}'].url}/v1", api_key=key, timeout=120, max_retries=0)
-        for i in (0, 1)
-    )
-    batch = start_batch(owner, args)
-    deadline = time.monotonic() + args.timeout_s
-    while batch.request_counts is None or batch.request_counts.completed < args.kill_at * args.lines:
-        if time.monotonic() > deadline or batch.status != "in_progress":
-            print(f"the batch is {batch.status} with {batch.request_counts}: not killed")
-            return 1
-        time.sleep(0.2)
-        batch = owner.batches.retrieve(batch.id)
-    services["worker-0"].kill()
-    services["sessions-0"].kill()
-    killed_at = time.monotonic()
-    print(f"killed worker-0 and the batch's owner (sessions-0) at {batch.request_counts.completed} lines answered")
-    while batch.status not in ("completed", "failed", "expired", "cancelled"):
-        if time.monotonic() > deadline:
-            print(f"the batch is still {batch.status} after {args.timeout_s:.0f} s: {batch.request_counts}")
-            return 1
-        time.sleep(0.5)
-        batch = survivor.batches.retrieve(batch.id)
-    print(f"batch {batch.status} {time.monotonic() - killed_at:.1f} s after the kill: {batch.request_counts}")
+    rate = measure_capacity(env, services["gateway-0"].url, key, args)["request_throughput_rps"] * args.load
+    print(f"interactive load: {rate:.1f} req/s offered (Poisson), streamed", flush=True)
+    sent: list[Sent] = []
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        batch, batch_s = runner.run(kill_under_load(services, key, args, rate, sent))
+    print_outcomes(sent)
+    if batch is None:
+        return 1
+    print(f"\nbatch {batch.status} {batch_s:.1f} s after its upload began ({args.lines / batch_s:.1f} lines/s)")
+    if batch.status not in FINAL:
+        print(f"the batch did not end within --timeout-s {args.timeout_s:.0f} s")
+        return 1
+    survivor = openai.OpenAI(base_url=f"{services['gateway-1'].url}/v1", api_key=key, timeout=120, max_retries=0)
     seen: Counter[str] = Counter()
     for file_id in (batch.output_file_id, batch.error_file_id):
         if file_id is not None:
@@ -448,7 +590,9 @@ def main() -> int:
     run.add_argument("--settle-s", type=float, default=3.0, help="wait after the batch starts before measuring")
     run.add_argument("--kill", action="store_true", help="instead: kill a worker and the batch's owner mid-run")
     run.add_argument("--kill-at", type=float, default=0.3, help="with --kill: the share of lines answered first")
-    run.add_argument("--timeout-s", type=float, default=600.0, help="with --kill: the most to wait for the batch")
+    run.add_argument(
+        "--timeout-s", type=float, default=3600.0, help="with --kill: the most to wait for the batch, from its upload"
+    )
     args = parser.parse_args()
     with BenchEnvironment() as env:
         if args.mode == "load":

@@ -31,6 +31,8 @@ from pathlib import Path
 from harness import BenchEnvironment, CpuMeter, server_pids
 
 MODEL = "sim"
+# Words in each synthetic prompt `run_level` sends.
+INPUT_LEN = 16
 PROCESSES = ("gateway", "sessions", "worker", "redis", "rabbitmq", "postgres", "client")
 
 
@@ -75,7 +77,7 @@ def run_level(
             "--max-concurrency",
             str(concurrency),
             "--input-len",
-            "16",
+            str(INPUT_LEN),
             "--output-len",
             str(output_tokens),
             "--warmup",
