@@ -36,9 +36,9 @@ its upload, when the load stops sending (the requests in flight are answered fir
 - the batch's total time from its upload to its end (and lines/s);
 - every `custom_id` of its output and error files counted: lines lost, duplicated, or not in the
   file (the issue: 0; else the exit status is 1).
-Its duration is the batch's: on this 2-core machine, shared, 1,000 lines took 73 to 85 s at 12 to
-14 lines/s (with 32- and with 8-token answers: `--tokens` barely changes it), so 20,000 lines
-would take about 24 to 28 minutes at that rate (not run); `--timeout-s` bounds it.
+Its duration is the batch's: on this 2-core machine, shared, 1,000 lines took 54 to 85 s in four
+runs, 12 to 19 lines/s (with 32- and with 8-token answers alike: `--tokens` barely changes it), so
+20,000 lines would take about 18 to 28 minutes at those rates (not run); `--timeout-s` bounds it.
 
 `validate`: in this process, against a database of its own, uploads a file of `--lines` chat lines
 (`--prompt-chars` characters of prompt each: 3,900 make 50,000 lines about 200 MB) through the
@@ -489,7 +489,11 @@ def kill(env: BenchEnvironment, args: argparse.Namespace) -> int:
     print_outcomes(sent)
     if batch is None:
         return 1
-    print(f"\nbatch {batch.status} {batch_s:.1f} s after its upload began ({args.lines / batch_s:.1f} lines/s)")
+    answered = batch.request_counts.completed + batch.request_counts.failed if batch.request_counts else 0
+    print(
+        f"\nbatch {batch.status} {batch_s:.1f} s after its upload began: {answered} of {args.lines} lines answered "
+        f"({answered / batch_s:.1f} lines/s)"
+    )
     if batch.status not in FINAL:
         print(f"the batch did not end within --timeout-s {args.timeout_s:.0f} s")
         return 1
