@@ -238,10 +238,17 @@ def start_platform(env: BenchEnvironment, args: argparse.Namespace, *, sessions:
     services = {}
     for index in range(args.workers):
         services[f"worker-{index}"] = env.start_service("worker", env=worker_env, name=f"worker-{index}")
-    for index in range(sessions):
-        manager = env.start_service(
-            "sessions", name=f"sessions-{index}", env={"AXON_BATCH_LINES_IN_FLIGHT": str(args.lines_in_flight)}
+    # The settings' defaults unless given.
+    batch_env = {
+        name: str(value)
+        for name, value in (
+            ("AXON_BATCH_LINES_IN_FLIGHT", args.lines_in_flight),
+            ("AXON_BATCH_QUEUE_AHEAD", args.queue_ahead),
         )
+        if value is not None
+    }
+    for index in range(sessions):
+        manager = env.start_service("sessions", name=f"sessions-{index}", env=batch_env)
         services[f"sessions-{index}"] = manager
         services[f"gateway-{index}"] = env.start_service(
             "gateway", name=f"gateway-{index}", env={"AXON_SESSIONS_URL": manager.url}
@@ -523,7 +530,14 @@ def rss_of(pid: int, field: str = "VmRSS") -> float:
 def through_stack(env: BenchEnvironment, args: argparse.Namespace) -> int:
     """The file uploaded, validated and its batch ended through a session manager and a gateway,
     with the session manager's resident memory."""
-    args.workers, args.lines_in_flight, args.ttft_ms, args.itl_ms, args.max_seqs = 1, 32, 50.0, 10.0, 16
+    args.workers, args.lines_in_flight, args.queue_ahead, args.ttft_ms, args.itl_ms, args.max_seqs = (
+        1,
+        None,
+        None,
+        50.0,
+        10.0,
+        16,
+    )
     services = start_platform(env, args)
     sessions = services["sessions-0"].pid
     client = openai.OpenAI(
@@ -587,7 +601,8 @@ def main() -> int:
     run.add_argument("--ttft-ms", type=float, default=50.0, help="AXON_SIM_TTFT_MS")
     run.add_argument("--itl-ms", type=float, default=20.0, help="AXON_SIM_ITL_MS")
     run.add_argument("--tokens", type=int, default=32, help="tokens each request and line asks (max_tokens)")
-    run.add_argument("--lines-in-flight", type=int, default=32, help="the session manager's AXON_BATCH_LINES_IN_FLIGHT")
+    run.add_argument("--lines-in-flight", type=int, help="AXON_BATCH_LINES_IN_FLIGHT (its default)")
+    run.add_argument("--queue-ahead", type=int, help="AXON_BATCH_QUEUE_AHEAD (its default)")
     run.add_argument("--load", type=float, default=0.5, help="interactive requests/s as a share of capacity's")
     run.add_argument("--capacity-requests", type=int, default=1500)
     run.add_argument("--phase-s", type=float, default=40.0, help="seconds of interactive load in each phase")
