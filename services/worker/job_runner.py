@@ -252,15 +252,20 @@ class JobRunner:
 
     async def _handle_job(self, job: Job, message: AbstractIncomingMessage) -> None:
         started = time.perf_counter()
-        task = asyncio.current_task()
-        if job.batch and task is not None:
-            # Preemptable from here on: a cancel lands in the `try` below, which hands it back.
-            self._batch[task] = None
+        # A batch line's job is preemptable while it is attempted: a cancel then lands in this
+        # `try`, whose `CancelledError` branch hands it back.
+        task = asyncio.current_task() if job.batch else None
         attempt, outages = Attempt.first(message), 0
         while True:
             try:
                 await self._gate.wait_until_up(job=True)
-                ended = await self._attempt(job, message, attempt)
+                if task is not None:
+                    self._batch[task] = None
+                try:
+                    ended = await self._attempt(job, message, attempt)
+                finally:
+                    if task is not None:
+                        self._batch.pop(task, None)
                 break
             except asyncio.CancelledError:
                 # Draining, or a batch line preempted: the job goes back to its queue; its progress
