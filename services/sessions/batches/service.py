@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import math
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,6 +48,9 @@ log = get_logger(__name__)
 
 # How often an owner looks at its batch's row (a cancel, the window's end) and releases lines.
 TICK_S = 1.0
+# The least time between two rounds of releasing lines: lines that ended meanwhile are replaced
+# together (one query), not one query each (AXON_BATCH_QUEUE_AHEAD lines wait in the queue anyway).
+ROUND_S = 0.1
 # How often every session manager leases again the unfinished batches whose leases Redis lost.
 RECONCILE_S = 30.0
 # How often every session manager deletes what ended batches no longer need (`BatchStore.sweep`).
@@ -291,12 +295,15 @@ class BatchService:
         # Lines read but not released: their model had no slack.
         held: list[PendingLine] = []
         cursor, exhausted = 0, False
+        loaded = -math.inf
         try:
             while True:
-                current = await self.store.load(record.id)
-                if current is None:
-                    return None
-                record = current
+                began = time.monotonic()
+                if began - loaded >= TICK_S or (exhausted and not running and not held):
+                    current = await self.store.load(record.id)
+                    if current is None:
+                        return None
+                    record, loaded = current, began
                 if record.status == "cancelling":
                     return await self._end_early(record, running, end="cancelled", code="batch_cancelled")
                 if dt.datetime.now(dt.UTC) >= record.expires_at:
@@ -317,6 +324,7 @@ class BatchService:
                 held = await self._release(record, held, running, free)
                 if running:
                     await asyncio.wait(running.values(), timeout=TICK_S, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.sleep(max(0.0, began + ROUND_S - time.monotonic()))
                     for number in [n for n, task in running.items() if task.done()]:
                         _retrieve(running.pop(number))
                 elif held or not exhausted:
