@@ -3,7 +3,8 @@
 Interactive jobs are delivered (`basic.consume`, prefetch = the engine's sequences): RabbitMQ
 pushes them as fast as the worker has room. Batch lines' jobs wait in the model's batch queue
 (`shared/topology.py`), which no worker consumes: `BatchLines` takes one at a time
-(`basic.get`) while the worker runs fewer jobs than its engine has sequences, and looks again
+(`basic.get`) while the worker runs fewer jobs than its engine has sequences, less
+`AXON_BATCH_RESERVED_SEQS` kept free for interactive arrivals, and looks again
 when a job ends here, or every `POLL_S` while the queue is empty. So a batch line only ever
 starts in a sequence nothing else wanted, and the workers do not idle while lines wait.
 
@@ -31,10 +32,11 @@ POLL_S = 0.25
 class BatchLines:
     """Takes batch lines' jobs from one model's batch queue into the worker's free sequences."""
 
-    def __init__(self, runner: JobRunner, queue: AbstractQueue, *, timeout_s: float) -> None:
+    def __init__(self, runner: JobRunner, queue: AbstractQueue, *, timeout_s: float, reserved: int) -> None:
         self._runner = runner
         self._queue = queue
         self._timeout_s = timeout_s
+        self._reserved = reserved
         self._paused = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -54,7 +56,7 @@ class BatchLines:
     async def _take(self) -> None:
         outage = Outage("worker_batch_lines")
         while not self._paused.is_set():
-            if not self._runner.has_free_sequence():
+            if not self._runner.has_free_sequence(self._reserved):
                 await self._runner.sequence_freed(POLL_S)
                 continue
             try:

@@ -359,6 +359,16 @@ class Coalescer:
         self.closed = True
         self._ready.set()
 
+    async def gather(self, timeout_s: float) -> None:
+        """Let outputs pile up for `timeout_s`, or until the last one came (closed)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not self.closed:
+                    self._ready.clear()
+                    await self._ready.wait()
+        except TimeoutError:
+            return
+
     async def take(self) -> EngineOutput | None:
         """Everything added since the last take, merged; None once closed and empty."""
         while not self._pending:

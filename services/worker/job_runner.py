@@ -60,6 +60,10 @@ log = get_logger(__name__)
 _FAILED = frozenset({"failed", "expired"})
 # How many cancelled job ids to remember, so a job cancelled while still queued is skipped.
 _CANCELLED_MEMORY = 10_000
+# A batch line's answer is published at most this often (its tokens merged meanwhile): nobody
+# streams it, and each chunk costs the worker, Redis and the session manager as an interactive
+# one's. A preempted line resumes from what was published, so it loses at most this much work.
+BATCH_CHUNK_INTERVAL_S = 0.5
 
 
 DeadLetter = Callable[[AbstractIncomingMessage, str], Awaitable[None]]
@@ -147,9 +151,10 @@ class JobRunner:
         """Batch lines' jobs among them (not counting those preempted)."""
         return len(self._batch)
 
-    def has_free_sequence(self) -> bool:
-        """Whether the worker runs fewer jobs than its engine has sequences (a batch line may be taken)."""
-        return len(self._tasks) < self._engine.max_seqs
+    def has_free_sequence(self, reserved: int = 0) -> bool:
+        """Whether the worker runs fewer jobs than its engine has sequences, less `reserved` of
+        them (at least one stays takeable): a batch line may be taken."""
+        return len(self._tasks) < max(1, self._engine.max_seqs - reserved)
 
     async def sequence_freed(self, timeout_s: float) -> None:
         """Wait until a job ends here, or `timeout_s`."""
@@ -447,7 +452,10 @@ class JobRunner:
         model = job.model
         started, started_ns = time.perf_counter(), time.time_ns()
         outputs = Coalescer()
-        pump = asyncio.create_task(self._pump(outputs, publisher, job_id=job.job_id, model=model, started=started))
+        pace_s = BATCH_CHUNK_INTERVAL_S if job.batch else 0.0
+        pump = asyncio.create_task(
+            self._pump(outputs, publisher, job_id=job.job_id, model=model, started=started, pace_s=pace_s)
+        )
         self._metrics.running.labels(model).inc()
         self.generating += 1
         engine_error: EngineError | None = None
@@ -487,11 +495,19 @@ class JobRunner:
         return "completed"
 
     async def _pump(
-        self, outputs: Coalescer, publisher: ChunkPublisher, *, job_id: str, model: str, started: float
+        self,
+        outputs: Coalescer,
+        publisher: ChunkPublisher,
+        *,
+        job_id: str,
+        model: str,
+        started: float,
+        pace_s: float = 0.0,
     ) -> tuple[FinishReason | None, int | None]:
-        """Publish what the engine produced, merging whatever piled up during the last publish.
-        A chunk nobody received, of a job without a chunk log, aborts the engine's sequence: its
-        `cancelled` end comes within a step, and its usage is recorded here.
+        """Publish what the engine produced, merging whatever piled up during the last publish
+        (and, with `pace_s`, for that long after it: a batch line's). A chunk nobody received, of
+        a job without a chunk log, aborts the engine's sequence: its `cancelled` end comes within
+        a step, and its usage is recorded here.
 
         Returns:
             The answer's finish reason, and when its first output came (Unix time in ns).
@@ -517,6 +533,8 @@ class JobRunner:
                 reason = out.finish_reason
                 self._metrics.prompt_tokens.labels(model).inc(publisher.prompt_tokens)
                 self._metrics.cached_prompt_tokens.labels(model).inc(out.cached_tokens)
+            elif pace_s:
+                await outputs.gather(pace_s)
         return reason, first_ns
 
 

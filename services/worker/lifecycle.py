@@ -263,7 +263,12 @@ class Worker:
                     self.engine.model_name,
                     max_queued_jobs=self.settings.max_queued_jobs,
                 )
-                self._batch_lines = BatchLines(self.runner, batch_queue, timeout_s=self.settings.connect_timeout_s)
+                self._batch_lines = BatchLines(
+                    self.runner,
+                    batch_queue,
+                    timeout_s=self.settings.connect_timeout_s,
+                    reserved=self.settings.batch_reserved_seqs,
+                )
                 async with self._consuming:
                     await self._consume()
                 outage.recovered()

@@ -38,6 +38,9 @@ class WorkerSettings(CommonSettings):
     model_cache_dir: str = ""
     # Sequences one engine runs at once; also the queue prefetch. 0: the engine's default.
     max_seqs: int = Field(0, ge=0)
+    # Sequences kept free of batch lines: an interactive job arriving takes one without preempting
+    # a line (`batch_lines.py`). At most max_seqs - 1 count.
+    batch_reserved_seqs: int = Field(1, ge=0)
 
     # transformers engine
     kv_cache_blocks: int = Field(64, ge=1)

@@ -284,7 +284,15 @@ def test_an_interactive_request_takes_a_batch_lines_sequence(stack: Stack, gatew
     starts at once, in the sequence of a line that is stopped and handed back, and every line's
     answer is still the one the same request gets online (resumed from its published tokens)."""
     model = "preempt-batch-sim"
-    worker = sim_worker(stack, "preempt", model, AXON_SIM_MAX_SEQS="2", AXON_SIM_TTFT_MS="20", AXON_SIM_ITL_MS="50")
+    worker = sim_worker(
+        stack,
+        "preempt",
+        model,
+        AXON_SIM_MAX_SEQS="2",
+        AXON_BATCH_RESERVED_SEQS="0",
+        AXON_SIM_TTFT_MS="20",
+        AXON_SIM_ITL_MS="50",
+    )
     client = client_for(gateway, api_key)
     wait_listed(client, model)
     lines = [_line(f"p-{i}", model=model, max_tokens=40) for i in range(4)]
@@ -313,6 +321,30 @@ def test_an_interactive_request_takes_a_batch_lines_sequence(stack: Stack, gatew
         online = client.chat.completions.create(**request)
         assert line["response"]["body"]["choices"][0]["message"]["content"] == online.choices[0].message.content
         assert line["response"]["body"]["usage"]["completion_tokens"] == 40
+    worker.stop()
+
+
+def test_a_reserved_sequence_is_kept_free_of_batch_lines(stack: Stack, gateway: Service, api_key: str) -> None:
+    """AXON_BATCH_RESERVED_SEQS (1 by default): a worker of two sequences runs one batch line at a
+    time, and an interactive request takes the other without preempting it."""
+    model = "reserve-batch-sim"
+    worker = sim_worker(stack, "reserve", model, AXON_SIM_MAX_SEQS="2", AXON_SIM_ITL_MS="50")
+    client = client_for(gateway, api_key)
+    wait_listed(client, model)
+    lines = [_line(f"r-{i}", model=model, max_tokens=30) for i in range(3)]
+    batch = client.batches.create(input_file_id=upload(client, _jsonl(lines)), endpoint=CHAT, completion_window="24h")
+    running = []
+    while (current := client.batches.retrieve(batch.id)).status not in {"completed", "failed"}:
+        running.append(metric(worker, "axon_worker_batch_sequences", model=model))
+        if len(running) == 10:
+            answer = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "now"}], max_tokens=4
+            )
+            assert answer.choices[0].finish_reason == "length"
+        time.sleep(0.2)
+    assert current.status == "completed"
+    assert max(running) == 1, running
+    assert metric(worker, "axon_worker_jobs_total", model=model, outcome="preempted") == 0
     worker.stop()
 
 

@@ -111,6 +111,8 @@ def workers(
         "AXON_MODEL_CACHE_DIR": str(vllm_model_cache),
         "AXON_LORA_ADAPTERS": json.dumps({ADAPTER: str(adapter)}),
         "AXON_MAX_SEQS": "16",
+        # Batch lines may fill all 16 (the preemption test), none reserved for interactive jobs.
+        "AXON_BATCH_RESERVED_SEQS": "0",
         "AXON_OTLP_ENDPOINT": receiver.endpoint,
     }
     pool = VllmWorkers(stack, "vllm", env)
