@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/batch.py load                     # a 20,000-line batch, about 3 minutes
     .venv/bin/python benchmarks/batch.py load --lines 5000
     .venv/bin/python benchmarks/batch.py load --kill --lines 1000   # about 3 minutes
-    .venv/bin/python benchmarks/batch.py load --kill --lines 20000  # up to --timeout-s (3600 s): see below
+    .venv/bin/python benchmarks/batch.py load --kill --lines 20000  # about 25 minutes, up to --timeout-s (3600 s)
     .venv/bin/python benchmarks/batch.py validate                 # a 200 MB, 50,000-line file
     .venv/bin/python benchmarks/batch.py validate --lines 10000
     .venv/bin/python benchmarks/batch.py validate --stack         # the same through the services
@@ -36,9 +36,9 @@ its upload, when the load stops sending (the requests in flight are answered fir
 - the batch's total time from its upload to its end (and lines/s);
 - every `custom_id` of its output and error files counted: lines lost, duplicated, or not in the
   file (the issue: 0; else the exit status is 1).
-Its duration is the batch's: on this 2-core machine, shared, 1,000 lines took 54 to 85 s in four
-runs, 12 to 19 lines/s (with 32- and with 8-token answers alike: `--tokens` barely changes it), so
-20,000 lines would take about 18 to 28 minutes at those rates (not run); `--timeout-s` bounds it.
+Its duration is the batch's: on this 2-core machine 20,000 lines took 25 minutes (about 34 lines/s
+before the kill, 10 after it, on the 2 workers left beside the same interactive load);
+`--timeout-s` bounds it.
 
 `validate`: in this process, against a database of its own, uploads a file of `--lines` chat lines
 (`--prompt-chars` characters of prompt each: 3,900 make 50,000 lines about 200 MB) through the
