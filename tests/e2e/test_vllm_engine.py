@@ -448,9 +448,10 @@ def test_a_small_batch_answers_each_line_as_the_same_request_online(sdk: OpenAI,
         assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
         time.sleep(0.5)
     assert batch.status == "completed", batch.errors
-    assert batch.request_counts is not None
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 3, 1)
-    assert batch.output_file_id and batch.error_file_id
+    assert batch.request_counts is not None and batch.error_file_id
+    counts = (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed)
+    assert counts == (4, 3, 1), sdk.files.content(batch.error_file_id).text
+    assert batch.output_file_id
 
     def read(file_id: str) -> dict[str, dict]:
         parsed = [json.loads(line) for line in sdk.files.content(file_id).text.splitlines() if line]
