@@ -111,8 +111,6 @@ def workers(
         "AXON_MODEL_CACHE_DIR": str(vllm_model_cache),
         "AXON_LORA_ADAPTERS": json.dumps({ADAPTER: str(adapter)}),
         "AXON_MAX_SEQS": "16",
-        # Batch lines may fill all 16 (the preemption test), none reserved for interactive jobs.
-        "AXON_BATCH_RESERVED_SEQS": "0",
         "AXON_OTLP_ENDPOINT": receiver.endpoint,
     }
     pool = VllmWorkers(stack, "vllm", env)
@@ -476,41 +474,6 @@ def test_a_small_batch_answers_each_line_as_the_same_request_online(sdk: OpenAI,
     checked.check("ErrorResponse", refusal["body"], "batch line refused")
     assert (refusal["status_code"], refusal["body"]["error"]["param"]) == (400, "tool_choice")
     assert online_refusal.value.param == "tool_choice"
-
-
-def test_an_interactive_request_preempts_a_batch_line_on_vllm(sdk: OpenAI, vllm_worker: Service) -> None:
-    """The worker's 16 sequences full of batch lines: an interactive request takes one (a line's
-    job is stopped in vLLM and handed back, outcome `preempted`) instead of waiting for a line to
-    end, and every line still completes with its whole answer, resumed from its published tokens.
-    (Word for word is not asked of vLLM here: its CPU answers are not batch-invariant, see above.)"""
-    most = 48
-    body = {"model": MODEL, "messages": STORY, "temperature": 0, "max_tokens": most, "ignore_eos": True}
-    jsonl = "".join(
-        json.dumps({"custom_id": f"story-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
-        for i in range(20)
-    )
-    upload = sdk.files.create(file=("batch.jsonl", jsonl.encode()), purpose="batch")
-    preempted = metric(vllm_worker, "axon_worker_jobs_total", model=MODEL, outcome="preempted")
-    batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 60
-    while metric(vllm_worker, "axon_worker_batch_sequences", model=MODEL) < 16:
-        assert time.monotonic() < deadline, "the worker never ran 16 batch lines"
-        time.sleep(0.05)
-    answer = sdk.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=4)
-    assert answer.choices[0].message.content
-    assert metric(vllm_worker, "axon_worker_jobs_total", model=MODEL, outcome="preempted") > preempted
-    deadline = time.monotonic() + 180
-    while (batch := sdk.batches.retrieve(batch.id)).status not in {"completed", "failed", "expired", "cancelled"}:
-        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
-        time.sleep(0.5)
-    assert batch.status == "completed" and batch.output_file_id, batch.errors
-    output = [json.loads(line) for line in sdk.files.content(batch.output_file_id).text.splitlines() if line]
-    assert sorted(line["custom_id"] for line in output) == sorted(f"story-{i}" for i in range(20))
-    for line in output:
-        answered = line["response"]["body"]
-        assert answered["usage"]["completion_tokens"] == most, line["custom_id"]
-        assert answered["choices"][0]["finish_reason"] == "length"
-        assert len(answered["choices"][0]["message"]["content"].split()) > most // 4
 
 
 # --- failing and stopping workers (last: they kill workers) -----------------------------------
