@@ -46,6 +46,21 @@ async def declare_job_queue(
     The queue refuses publishes past `max_queued_jobs` (`reject-publish`), which turns
     into an early 503 for the caller instead of an ever-growing backlog.
     """
+    arguments = {"x-max-priority": MAX_JOB_PRIORITY}
+    return await _declare_bounded_queue(channel, names, names.jobs_queue(model), model, arguments, max_queued_jobs)
+
+
+async def _declare_bounded_queue(
+    channel: AbstractChannel,
+    names: Names,
+    name: str,
+    routing_key: str,
+    arguments: dict[str, int],
+    max_queued_jobs: int,
+) -> AbstractQueue:
+    """Declare the dead-letter exchange and queue, the jobs exchange, and the durable queue `name`
+    bound to it under `routing_key`: it refuses publishes past `max_queued_jobs` and dead-letters
+    what expires."""
     dead_exchange = await channel.declare_exchange(
         names.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
     )
@@ -53,16 +68,16 @@ async def declare_job_queue(
     await dead_queue.bind(dead_exchange)
     jobs_exchange = await channel.declare_exchange(names.jobs_exchange, aio_pika.ExchangeType.DIRECT, durable=True)
     queue = await channel.declare_queue(
-        names.jobs_queue(model),
+        name,
         durable=True,
         arguments={
-            "x-max-priority": MAX_JOB_PRIORITY,
+            **arguments,
             "x-dead-letter-exchange": names.dead_letter_exchange,
             "x-max-length": max_queued_jobs,
             "x-overflow": "reject-publish",
         },
     )
-    await queue.bind(jobs_exchange, routing_key=model)
+    await queue.bind(jobs_exchange, routing_key=routing_key)
     return queue
 
 
@@ -77,21 +92,9 @@ async def declare_batch_queue(
     own name. No worker consumes it: a worker takes one job at a time from it (`basic.get`) while
     it has a free sequence, and gives a line back to it when an interactive job needs the line's
     sequence (`services/worker/batch_lines.py`). Like the model's queue, it refuses publishes past
-    `max_queued_jobs` and dead-letters to the dead-letter queue."""
-    await channel.declare_exchange(names.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True)
-    jobs_exchange = await channel.declare_exchange(names.jobs_exchange, aio_pika.ExchangeType.DIRECT, durable=True)
+    `max_queued_jobs` and dead-letters to the dead-letter queue (declared too)."""
     name = names.batch_queue(model)
-    queue = await channel.declare_queue(
-        name,
-        durable=True,
-        arguments={
-            "x-dead-letter-exchange": names.dead_letter_exchange,
-            "x-max-length": max_queued_jobs,
-            "x-overflow": "reject-publish",
-        },
-    )
-    await queue.bind(jobs_exchange, routing_key=name)
-    return queue
+    return await _declare_bounded_queue(channel, names, name, name, {}, max_queued_jobs)
 
 
 async def declare_worker_queue(channel: AbstractChannel, names: Names, model: str, worker_id: str) -> AbstractQueue:
