@@ -299,7 +299,9 @@ class BatchService:
         try:
             while True:
                 began = time.monotonic()
-                if began - loaded >= TICK_S or (exhausted and not running and not held):
+                # Every line read was answered: the row is reread before the batch can end.
+                drained = exhausted and not running and not held
+                if began - loaded >= TICK_S or drained:
                     current = await self.store.load(record.id)
                     if current is None:
                         return None
@@ -308,7 +310,7 @@ class BatchService:
                     return await self._end_early(record, running, end="cancelled", code="batch_cancelled")
                 if dt.datetime.now(dt.UTC) >= record.expires_at:
                     return await self._end_early(record, running, end="expired", code="batch_expired")
-                if exhausted and not running and not held:
+                if drained:
                     if not await self.store.unanswered(record.id, after_line=0, limit=1):
                         moved = await self._moved(record, "finalizing", from_=("in_progress",))
                         if moved is None or moved.status != "cancelling":
