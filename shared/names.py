@@ -7,7 +7,20 @@ Every Redis key either expires (its docstring says when) or is one of `keys_with
 docstrings name the owner that removes what they hold, so nothing in Redis grows without bound.
 """
 
+import hashlib
+import re
 from dataclasses import dataclass
+
+# A tenant or model name used as it is in a queue name; any other is hashed (`queue_safe`).
+_QUEUE_SAFE = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+
+def queue_safe(name: str) -> str:
+    """`name` where it is short and plain, else a hash of it: a queue name stays readable and
+    within RabbitMQ's 255 bytes, whatever a tenant is called."""
+    if _QUEUE_SAFE.fullmatch(name):
+        return name
+    return "h-" + hashlib.sha256(name.encode()).hexdigest()[:24]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +50,13 @@ class Names:
         back to it when an interactive job needs its sequence."""
         return f"{self.namespace}.jobs.{model}.batch"
 
+    def tenant_queue(self, model: str, tenant: str, *, batch: bool = False) -> str:
+        """Durable queue of one tenant's waiting jobs of `model` (`batch`: its batch lines'), also
+        its routing key on the jobs exchange. Workers take from it (`basic.get`) when the fair
+        share picks the tenant (`shared/fair.py`); deleted by the broker after a week unused."""
+        kind = "batch.t" if batch else "t"
+        return f"{self.namespace}.jobs.{model}.{kind}.{queue_safe(tenant)}"
+
     @property
     def dead_letter_exchange(self) -> str:
         return f"{self.namespace}.jobs.dlx"
@@ -56,7 +76,27 @@ class Names:
         """Channel carrying ids of jobs whose client went away."""
         return f"{self.namespace}:cancel"
 
+    def fair_ready(self, model: str) -> str:
+        """Channel on which a session manager says a tenant's job of `model` waits (the workers'
+        doorbell, `shared/fair.py`)."""
+        return f"{self.namespace}:fair-ready:{model}"
+
     # Redis keys
+    def fair(self, model: str, band: str, part: str) -> str:
+        """The fair share's state of one model and band (`interactive` or `batch`), `part` one of
+        `waiting` (hash: tenant -> its jobs waiting), `backlog` (sorted set: the tenants with jobs
+        waiting, scored by their weighted served tokens), `served` (hash: tenant -> weighted served
+        tokens) and `vtime` (the score of the tenant picked last). Each expires a week after its
+        last write (`shared/fair.py`)."""
+        return f"{self.namespace}:fair:{model}:{band}:{part}"
+
+    @property
+    def tenant_weights(self) -> str:
+        """Hash: tenant -> its fair-share weight (a decimal string; absent: 1). No expiry; owner:
+        the operator (`axon tenants set`, `PUT /admin/tenants/{tenant}`), written from the
+        `tenants` table of PostgreSQL, which every gateway copies into it every few seconds."""
+        return f"{self.namespace}:tenant-weights"
+
     def job_progress(self, job_id: str) -> str:
         """Hash of a running job's progress: next `seq`, tokens so far (for failover). Expires at the
         job's deadline + 60 s (`shared.usage.PROGRESS_GRACE_S`)."""
@@ -233,5 +273,6 @@ class Names:
                 self.batches_running,
                 self.batches_owners,
                 self.outbox,
+                self.tenant_weights,
             }
         )

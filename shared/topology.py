@@ -91,10 +91,36 @@ async def declare_batch_queue(
     """Declare the jobs exchange and the model's durable queue of batch lines' jobs, bound under its
     own name. No worker consumes it: a worker takes one job at a time from it (`basic.get`) while
     it has a free sequence, and gives a line back to it when an interactive job needs the line's
-    sequence (`services/worker/batch_lines.py`). Like the model's queue, it refuses publishes past
+    sequence (`services/worker/pulling.py`). Like the model's queue, it refuses publishes past
     `max_queued_jobs` and dead-letters to the dead-letter queue (declared too)."""
     name = names.batch_queue(model)
     return await _declare_bounded_queue(channel, names, name, name, {}, max_queued_jobs)
+
+
+# A tenant's queue that no worker read for this long is deleted by the broker (its jobs' deadlines
+# passed long before; a batch line's window is at most a day).
+TENANT_QUEUE_EXPIRES_MS = 7 * 24 * 3600 * 1000
+
+
+async def declare_tenant_queue(
+    channel: AbstractChannel,
+    names: Names,
+    model: str,
+    tenant: str,
+    *,
+    batch: bool,
+    max_queued_jobs: int,
+) -> AbstractQueue:
+    """Declare the durable queue of one tenant's waiting jobs of `model` (`batch`: its batch
+    lines'), bound to the jobs exchange under its own name. No worker consumes it: a worker takes
+    one job at a time from it (`basic.get`) when the fair share picks the tenant for a free
+    sequence (`shared/fair.py`, `services/worker/pulling.py`). Priorities order a tenant's own
+    jobs; like the model's queue it refuses publishes past `max_queued_jobs` and dead-letters."""
+    name = names.tenant_queue(model, tenant, batch=batch)
+    arguments = {"x-expires": TENANT_QUEUE_EXPIRES_MS}
+    if not batch:
+        arguments["x-max-priority"] = MAX_JOB_PRIORITY
+    return await _declare_bounded_queue(channel, names, name, name, arguments, max_queued_jobs)
 
 
 async def declare_worker_queue(channel: AbstractChannel, names: Names, model: str, worker_id: str) -> AbstractQueue:

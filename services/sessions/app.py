@@ -202,7 +202,7 @@ def _batches(
             keys=(opened.names.batches_running, opened.names.batches_owners),
             kind="batch",
         ),
-        slack=QueueSlack(opened.amqp, opened.names, ahead=settings.batch_queue_ahead),
+        slack=QueueSlack(opened.amqp, opened.names, ahead=settings.batch_queue_ahead, fair=settings.fair_share),
         catalog=opened.catalog,
         metrics=metrics,
     )

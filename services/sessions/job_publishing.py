@@ -1,7 +1,10 @@
-"""Publishes jobs to RabbitMQ with publisher confirms: to the model's shared queue, or a session's
-job to its home worker's own queue, from which RabbitMQ moves it to the shared queue once it has
-waited `AXON_AFFINITY_WAIT_MS` there (per-message TTL and dead-lettering: the broker spills it, not
-a timer of ours), or a batch line's job to the model's batch queue (`shared/topology.py`)."""
+"""Publishes jobs to RabbitMQ with publisher confirms: to its tenant's queue of the model, from which
+workers take jobs in the fair share's order (`shared/fair.py`); or, while nothing waits for the
+model, a session's job to its home worker's own queue, from which RabbitMQ moves it to the shared
+queue once it has waited `AXON_AFFINITY_WAIT_MS` there (per-message TTL and dead-lettering: the
+broker spills it, not a timer of ours). A batch line's job goes to its tenant's batch queue. With
+the fair share off (`AXON_FAIR_SHARE=false`) or Redis unreachable, jobs go to the model's shared
+queue and batch lines to its batch queue, first in, first out (`shared/topology.py`)."""
 
 import asyncio
 import time
@@ -15,11 +18,13 @@ from aiormq import spec
 from aiormq.exceptions import ChannelInvalidStateError
 from prometheus_client import Counter
 
-from shared.errors import Unavailable
+from shared.errors import RateLimited, Unavailable
+from shared.fair import BATCH, INTERACTIVE, FairShare
 from shared.logging import get_logger
 from shared.names import Names
+from shared.outages import Outage
 from shared.schemas import Job
-from shared.topology import MAX_JOB_PRIORITY, declare_batch_queue, declare_job_queue
+from shared.topology import MAX_JOB_PRIORITY, declare_batch_queue, declare_job_queue, declare_tenant_queue
 
 log = get_logger(__name__)
 
@@ -37,8 +42,12 @@ class JobPublisher:
         publish_timeout_s: float,
         affinity_wait_ms: int = 0,
         routed: Counter | None = None,
+        fair: FairShare | None = None,
     ) -> None:
         self._connection = connection
+        # None: the fair share is off, every job goes to its model's shared (or batch) queue.
+        self._fair = fair
+        self._fair_outage = Outage("fair_share", first_s=0.5, cap_s=0.5)
         self._names = names
         # 0: affinity off, every job goes to the shared queue.
         self._affinity_wait_ms = affinity_wait_ms
@@ -55,17 +64,63 @@ class JobPublisher:
         await channel.declare_exchange(self._names.jobs_exchange, aio_pika.ExchangeType.DIRECT, durable=True)
         self._channel = channel
 
-    async def _ensure_queue(self, channel: AbstractChannel, model: str, *, batch: bool) -> str:
-        """Declare the queue a job of `model` goes to (once); returns its routing key."""
-        key = self._names.batch_queue(model) if batch else model
+    async def _ensure_queue(self, channel: AbstractChannel, model: str, *, batch: bool, tenant: str | None) -> str:
+        """Declare the queue a job of `model` goes to (once): its tenant's (`tenant`), else the
+        model's shared or batch queue; returns its routing key."""
+        if tenant is not None:
+            key = self._names.tenant_queue(model, tenant, batch=batch)
+        else:
+            key = self._names.batch_queue(model) if batch else model
         if key in self._declared:
             return key
         async with self._declare_lock:
             if key not in self._declared:
-                declare = declare_batch_queue if batch else declare_job_queue
-                await declare(channel, self._names, model, max_queued_jobs=self._max_queued_jobs)
+                if tenant is not None:
+                    await declare_tenant_queue(
+                        channel, self._names, model, tenant, batch=batch, max_queued_jobs=self._max_queued_jobs
+                    )
+                else:
+                    declare = declare_batch_queue if batch else declare_job_queue
+                    await declare(channel, self._names, model, max_queued_jobs=self._max_queued_jobs)
                 self._declared.add(key)
         return key
+
+    async def _admit(self, job: Job) -> bool | None:
+        """Ask the fair share whether `job` may wait (`shared/fair.py`): None when it is off or
+        Redis did not answer (the job goes first in, first out: said once per outage), else
+        whether nothing waits for the model (a session's job may go to its home worker).
+
+        Raises:
+            RateLimited: the job's tenant has its share of the model's queue waiting already.
+        """
+        if self._fair is None or job.start_by is not None:
+            # A job waiting for a pool at zero goes to the queue its autoscaler watches.
+            return None
+        try:
+            admission = await self._fair.admit(
+                job.model, job.tenant, band=BATCH if job.batch else INTERACTIVE, limit=self._max_queued_jobs
+            )
+        except Exception as exc:  # noqa: BLE001 - Redis away: first in, first out until it is back
+            self._fair_outage.failed(exc, fallback="first in, first out")
+            return None
+        self._fair_outage.recovered()
+        if not admission.within_share and not job.batch:
+            raise RateLimited(
+                f"Too many requests of your tenant are waiting for model '{job.model}' (its share of the"
+                f" queue is {admission.allowance}); try again shortly.",
+                code="tenant_queue_full",
+                headers={"Retry-After": "1"},
+            )
+        return admission.idle
+
+    async def _enqueued(self, job: Job) -> None:
+        """Count a job the broker confirmed in its tenant's queue (a failure is left to the
+        workers' reconciling with the queue, `services/worker/pulling.py`)."""
+        assert self._fair is not None
+        try:
+            await self._fair.enqueued(job.model, job.tenant, band=BATCH if job.batch else INTERACTIVE)
+        except Exception as exc:  # noqa: BLE001 - the job waits in its queue all the same
+            log.warning("fair_enqueue_failed", model=job.model, error=repr(exc))
 
     @property
     def affinity(self) -> bool:
@@ -104,13 +159,17 @@ class JobPublisher:
             # Refused at once while the robust connection reconnects: its channel would make the
             # request wait for the broker's return, however long that takes.
             raise Unavailable("The job broker is unavailable; try again shortly.", retry_after_s=2)
+        idle = await self._admit(job)
+        fair = idle is not None
         left_ms = max(1, int((job.deadline - time.time()) * 1000))
         properties = _properties(job, priority=priority, request_id=request_id, expiration_ms=left_ms, headers=headers)
         body = job.model_dump_json().encode()
         try:
-            routing_key = await self._ensure_queue(self._channel, job.model, batch=job.batch)
+            routing_key = await self._ensure_queue(
+                self._channel, job.model, batch=job.batch, tenant=job.tenant if fair else None
+            )
             channel = await self._channel.get_underlay_channel()
-            if home is not None and self.affinity and not job.batch:
+            if home is not None and self.affinity and not job.batch and idle is not False:
                 wait_ms = min(left_ms, self._affinity_wait_ms)
                 confirmation = await channel.basic_publish(
                     body,
@@ -127,6 +186,8 @@ class JobPublisher:
                     return
                 log.info("job_home_missing", model=job.model, worker_id=home)
                 route = "home_missing"
+            elif fair:
+                route = "tenant_batch" if job.batch else "tenant"
             else:
                 route = "batch" if job.batch else "shared"
             confirmation = await channel.basic_publish(
@@ -143,7 +204,19 @@ class JobPublisher:
                 retry_after_s=2,
                 code="queue_full",
             ) from exc
-        except (TimeoutError, AMQPError, ChannelInvalidStateError, ConnectionError) as exc:
+        except TimeoutError as exc:
+            log.warning("job_publish_failed", error=repr(exc), connected=self._connection.connected.is_set())
+            if self._connection.connected.is_set():
+                # The broker is up but did not confirm in time: overloaded, not away. The caller
+                # calls the job off (`publish_all`), so it does not run for a client told no.
+                raise Unavailable(
+                    f"The platform is overloaded: the job broker did not take the job within"
+                    f" {self._publish_timeout_s:g} s; try again shortly.",
+                    retry_after_s=2,
+                    code="overloaded",
+                ) from exc
+            raise Unavailable("The job broker is unavailable; try again shortly.", retry_after_s=2) from exc
+        except (AMQPError, ChannelInvalidStateError, ConnectionError) as exc:
             log.warning("job_publish_failed", error=repr(exc))
             raise Unavailable("The job broker is unavailable; try again shortly.", retry_after_s=2) from exc
         if not isinstance(confirmation, spec.Basic.Ack):
@@ -151,6 +224,8 @@ class JobPublisher:
             self._declared.discard(routing_key)
             log.warning("job_returned", model=job.model)
             raise Unavailable(f"The job queue of model '{job.model}' was missing; try again.", retry_after_s=1)
+        if fair:
+            await self._enqueued(job)
         self._count(job.model, route)
 
     def _count(self, model: str, route: str) -> None:

@@ -27,6 +27,7 @@ from services.sessions.relay import TokenRelay
 from services.sessions.settings import SessionsSettings
 from services.sessions.usage_retention import UsageRetention
 from shared.clients import connect_amqp, create_redis
+from shared.fair import FairShare
 from shared.logging import get_logger
 from shared.names import Names
 from shared.outages import Outage
@@ -101,6 +102,7 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
         publish_timeout_s=settings.publish_timeout_s,
         affinity_wait_ms=settings.affinity_wait_ms,
         routed=metrics.jobs_routed,
+        fair=FairShare(pipe, names) if settings.fair_share else None,
     )
     # min_size=0: the session manager starts, and chats keep working, while PostgreSQL is down.
     db = await asyncpg.create_pool(

@@ -25,6 +25,14 @@ class SessionsSettings(CommonSettings):
     # to the worker their first exchange hashes to. Off by default: it pays for clients that keep
     # the conversation themselves, and piles requests sharing a few-shot example onto one worker.
     prefix_affinity: bool = False
+    fair_share: bool = Field(
+        True,
+        description=(
+            "interactive jobs and batch lines wait in their tenant's queue of the model and free"
+            " sequences go to the tenant with the least weighted served tokens (docs/architecture.md,"
+            " Fair share); false: the model's shared queue, first in, first out"
+        ),
+    )
     cold_start_wait_s: float = Field(
         0.0,
         ge=0,

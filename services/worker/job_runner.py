@@ -36,6 +36,7 @@ from services.worker.failover import Failover, Progress, remaining_sampling
 from services.worker.metrics import WorkerMetrics
 from services.worker.redis_gate import RedisGate
 from services.worker.tool_parsers import answer_finish_reason
+from shared.fair import BATCH, INTERACTIVE, ServiceMeter
 from shared.internal_headers import HANDED_BACK_HEADER
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
@@ -118,8 +119,11 @@ class JobRunner:
         worker_id: str = "",
         on_engine_failure: Callable[[str], None] | None = None,
         tracing: Tracing | None = None,
+        meter: ServiceMeter | None = None,
     ) -> None:
         self._engine = engine
+        # Counts the tokens each tenant is served, for the fair share (None: not counted).
+        self._meter = meter
         self._tracing = tracing
         # Called when the engine died under a job: the worker stops (`Worker.fail`).
         self._on_engine_failure = on_engine_failure
@@ -156,14 +160,14 @@ class JobRunner:
         them (at least one stays takeable): a batch line may be taken."""
         return len(self._tasks) < max(1, self._engine.max_seqs - reserved)
 
-    async def sequence_freed(self, timeout_s: float) -> None:
-        """Wait until a job ends here, or `timeout_s`."""
-        self._freed.clear()
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._freed.wait()
-        except TimeoutError:
-            return
+    def has_room_for_interactive(self) -> bool:
+        """Whether an interactive job may start: a free sequence, or a batch line's to take."""
+        return len(self._tasks) < self._engine.max_seqs or bool(self._batch)
+
+    @property
+    def freed(self) -> asyncio.Event:
+        """Set whenever a job ends here (whoever waits on it clears it first)."""
+        return self._freed
 
     async def on_message(self, message: AbstractIncomingMessage) -> None:
         """Start one job in a task of its own (which `drain` tracks). Not in the delivery's task:
@@ -453,9 +457,7 @@ class JobRunner:
         started, started_ns = time.perf_counter(), time.time_ns()
         outputs = Coalescer()
         pace_s = BATCH_CHUNK_INTERVAL_S if job.batch else 0.0
-        pump = asyncio.create_task(
-            self._pump(outputs, publisher, job_id=job.job_id, model=model, started=started, pace_s=pace_s)
-        )
+        pump = asyncio.create_task(self._pump(outputs, publisher, job=job, started=started, pace_s=pace_s))
         self._metrics.running.labels(model).inc()
         self.generating += 1
         engine_error: EngineError | None = None
@@ -499,26 +501,33 @@ class JobRunner:
         outputs: Coalescer,
         publisher: ChunkPublisher,
         *,
-        job_id: str,
-        model: str,
+        job: Job,
         started: float,
         pace_s: float = 0.0,
     ) -> tuple[FinishReason | None, int | None]:
         """Publish what the engine produced, merging whatever piled up during the last publish
         (and, with `pace_s`, for that long after it: a batch line's). A chunk nobody received, of
         a job without a chunk log, aborts the engine's sequence: its `cancelled` end comes within
-        a step, and its usage is recorded here.
+        a step, and its usage is recorded here. The tokens served are counted for the job's tenant
+        as they come (`ServiceMeter`): its prompt with the first output, then each output's.
 
         Returns:
             The answer's finish reason, and when its first output came (Unix time in ns).
         """
+        job_id, model, tenant = job.job_id, job.model, job.tenant
+        band = BATCH if job.batch else INTERACTIVE
+        meter = self._meter
         reason: FinishReason | None = None
         first_ns: int | None = None
         aborted = False
         while (out := await outputs.take()) is not None:
+            if meter is not None:
+                meter.output(model, band, tenant, out.n_tokens)
             if first_ns is None:
                 first_ns = time.time_ns()
                 self._metrics.ttft.labels(model).observe(time.perf_counter() - started, exemplar())
+                if meter is not None:
+                    meter.prompt(model, band, tenant, out.prompt_tokens)
             if out.finish_reason is not None:
                 with span(self._tracing, "publish", attributes={"axon.final": True}):
                     await publisher.publish(out)
@@ -562,7 +571,7 @@ async def listen_for_cancellations(
     subscriber = RedisSubscriber(
         url, timeout_s=timeout_s, on_message=lambda _channel, job_id: job_ids.put_nowait(job_id), on_lost=lost.set
     )
-    subscribing = asyncio.create_task(_stay_subscribed(subscriber, names.cancel_channel, lost, gate))
+    subscribing = asyncio.create_task(stay_subscribed(subscriber, names.cancel_channel, lost, gate, "cancel_listener"))
     try:
         while True:
             job_id = (await job_ids.get()).decode()
@@ -576,10 +585,13 @@ async def listen_for_cancellations(
         await subscriber.aclose()
 
 
-async def _stay_subscribed(subscriber: RedisSubscriber, channel: str, lost: asyncio.Event, gate: RedisGate) -> None:
+async def stay_subscribed(
+    subscriber: RedisSubscriber, channel: str, lost: asyncio.Event, gate: RedisGate, event: str
+) -> None:
     """Subscribe to `channel`, and again each time the connection is lost: at once, or, while
-    Redis is unreachable, as soon as `gate` finds it back. A cancel published meanwhile is lost."""
-    outage = Outage("cancel_listener")
+    Redis is unreachable, as soon as `gate` finds it back (`event` names it in the log). A message
+    published meanwhile is lost."""
+    outage = Outage(event)
     while True:
         lost.clear()
         try:
@@ -593,7 +605,7 @@ async def _stay_subscribed(subscriber: RedisSubscriber, channel: str, lost: asyn
             continue
         outage.recovered()
         await lost.wait()
-        log.info("cancel_listener_resubscribing", reason="connection lost")
+        log.info(f"{event}_resubscribing", reason="connection lost")
 
 
 async def consume(queue: AbstractQueue, runner: JobRunner) -> str:

@@ -13,14 +13,15 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
 
-from services.worker.batch_lines import BatchLines
 from services.worker.engines import Engine
 from services.worker.heartbeat import Heartbeat
 from services.worker.job_runner import JobRunner, consume, listen_for_cancellations
 from services.worker.metrics import WorkerMetrics
+from services.worker.pulling import Puller, listen_for_doorbell
 from services.worker.redis_gate import RedisGate
 from services.worker.settings import WorkerSettings
 from shared.clients import connect_amqp, create_redis
+from shared.fair import FairShare, ServiceMeter
 from shared.internal_headers import DEAD_REASON_HEADER, HANDED_BACK_HEADER
 from shared.logging import get_logger
 from shared.names import Names
@@ -54,6 +55,12 @@ class Worker:
         self.registry = WorkerRegistry(self.redis, self.names)
         # While Redis is unreachable the worker takes no job and is not ready (`redis_gate.py`).
         self.gate = RedisGate(self.pipe, on_down=self._pause, on_up=self._resume)
+        self.fair = FairShare(self.pipe, self.names)
+        self.meter = ServiceMeter(
+            self.fair, prompt_cost=settings.fair_prompt_token_cost, output_cost=settings.fair_output_token_cost
+        )
+        # Rung by session managers when a job of the model waits in a tenant's queue.
+        self._doorbell = asyncio.Event()
         self.runner = JobRunner(
             engine=engine,
             pipe=self.pipe,
@@ -66,6 +73,7 @@ class Worker:
             worker_id=settings.worker_id,
             on_engine_failure=self.fail,
             tracing=self.tracing,
+            meter=self.meter,
         )
         self.not_ready_reason: str | None = "starting"
         # Why the process must exit non-zero (the engine failed), so an orchestrator restarts it.
@@ -78,8 +86,8 @@ class Worker:
         self._consumer_tag: str | None = None
         self._own_queue: AbstractQueue | None = None
         self._own_consumer_tag: str | None = None
-        # The model's batch lines, taken into free sequences on a channel of their own.
-        self._batch_lines: BatchLines | None = None
+        # Takes the tenants' waiting jobs and batch lines into free sequences, on channels of its own.
+        self._puller: Puller | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._engine_starting: asyncio.Future[None] | None = None
         # What `/ready` says while Redis is unreachable (None: it is not).
@@ -119,8 +127,18 @@ class Worker:
             on_engine_failure=self.fail,
             gate=self.gate,
         )
+        self.meter.start()
         self._tasks += [
             asyncio.create_task(heartbeat.run()),
+            asyncio.create_task(
+                listen_for_doorbell(
+                    self.settings.redis_url,
+                    self.names.fair_ready(self.engine.model_name),
+                    self._doorbell,
+                    self.gate,
+                    timeout_s=self.settings.connect_timeout_s,
+                )
+            ),
             asyncio.create_task(
                 listen_for_cancellations(
                     self.settings.redis_url,
@@ -209,8 +227,8 @@ class Worker:
                     with contextlib.suppress(Exception):  # the broker is away too: no delivery comes anyway
                         await queue.cancel(tag)
             self._own_consumer_tag = self._consumer_tag = None
-            if self._batch_lines is not None:
-                await self._batch_lines.pause()
+            if self._puller is not None:
+                await self._puller.pause()
 
     async def _resume(self) -> None:
         """Redis answers again: ready, and taking jobs again (retried while the broker refuses)."""
@@ -235,8 +253,8 @@ class Worker:
             self._own_consumer_tag = await consume(self._own_queue, self.runner)
         if self._consumer_tag is None:
             self._consumer_tag = await consume(self._queue, self.runner)
-        if self._batch_lines is not None:
-            self._batch_lines.resume()
+        if self._puller is not None:
+            self._puller.resume()
 
     async def _connect_until_up(self) -> None:
         outage = Outage("worker_connect")
@@ -263,11 +281,17 @@ class Worker:
                     self.engine.model_name,
                     max_queued_jobs=self.settings.max_queued_jobs,
                 )
-                self._batch_lines = BatchLines(
+                self._puller = Puller(
                     self.runner,
-                    batch_queue,
+                    self._connection,
+                    self.names,
+                    model=self.engine.model_name,
+                    fair=self.fair,
+                    batch_queue=batch_queue,
+                    doorbell=self._doorbell,
                     timeout_s=self.settings.connect_timeout_s,
                     reserved=self.settings.batch_reserved_seqs,
+                    max_queued_jobs=self.settings.max_queued_jobs,
                 )
                 async with self._consuming:
                     await self._consume()
@@ -296,8 +320,8 @@ class Worker:
                     with contextlib.suppress(Exception):
                         await queue.cancel(tag)
             self._own_consumer_tag = self._consumer_tag = None
-            if self._batch_lines is not None:
-                await self._batch_lines.pause()
+            if self._puller is not None:
+                await self._puller.pause()
         if getattr(self, "_heartbeat", None) is not None:
             await self._heartbeat.draining()
         left = await self.runner.drain(self.settings.drain_timeout_s)
@@ -312,6 +336,7 @@ class Worker:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.meter.stop()
         await self.gate.close()
         if self._connection is not None:
             await self._connection.close()  # unacked jobs go back to the queue

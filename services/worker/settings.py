@@ -39,8 +39,12 @@ class WorkerSettings(CommonSettings):
     # Sequences one engine runs at once; also the queue prefetch. 0: the engine's default.
     max_seqs: int = Field(0, ge=0)
     # Sequences kept free of batch lines: an interactive job arriving takes one without preempting
-    # a line (`batch_lines.py`). At most max_seqs - 1 count.
+    # a line (`pulling.py`). At most max_seqs - 1 count.
     batch_reserved_seqs: int = Field(1, ge=0)
+    # The fair share counts each tenant's served tokens at these costs (prompt, output), divided by
+    # its weight (`shared/fair.py`): output tokens cost twice a prompt token's by default, as in VTC.
+    fair_prompt_token_cost: float = Field(1.0, ge=0, le=1000)
+    fair_output_token_cost: float = Field(2.0, gt=0, le=1000)
 
     # transformers engine
     kv_cache_blocks: int = Field(64, ge=1)

@@ -340,7 +340,7 @@ class BatchService:
         """Start up to `free` of `lines` whose model has slack; the others, held."""
         held: list[PendingLine] = []
         for line in lines:
-            if free > 0 and await self._slack.take(line.model):
+            if free > 0 and await self._slack.take(line.model, record.tenant):
                 running[line.line] = asyncio.create_task(self._line(record, line))
                 free -= 1
             else:

@@ -17,6 +17,10 @@ def all_names(names: Names) -> dict[str, str]:
         "jobs_queue": names.jobs_queue(MODEL),
         "worker_queue": names.worker_queue(MODEL, "worker-1"),
         "batch_queue": names.batch_queue(MODEL),
+        "tenant_queue": names.tenant_queue(MODEL, "tenant-a"),
+        "fair_ready": names.fair_ready(MODEL),
+        "fair": names.fair(MODEL, "interactive", "waiting"),
+        "tenant_weights": names.tenant_weights,
         "dead_letter_exchange": names.dead_letter_exchange,
         "dead_letter_queue": names.dead_letter_queue,
         "tokens_channel": names.tokens_channel(JOB_ID),
@@ -102,3 +106,12 @@ def test_job_channel_and_queue_depend_on_their_argument() -> None:
     names = Names("ns")
     assert names.tokens_channel("a") != names.tokens_channel("b")
     assert names.jobs_queue("m1") != names.jobs_queue("m2")
+
+
+def test_a_tenant_queue_is_named_readably_when_it_can_be_and_safely_always() -> None:
+    names = Names("axon")
+    assert names.tenant_queue(MODEL, "acme") == "axon.jobs.smollm2.t.acme"
+    assert names.tenant_queue(MODEL, "acme", batch=True) == "axon.jobs.smollm2.batch.t.acme"
+    odd = names.tenant_queue(MODEL, "café / x" * 40)
+    assert odd.startswith("axon.jobs.smollm2.t.h-") and len(odd.encode()) < 255
+    assert odd != names.tenant_queue(MODEL, "café / y" * 40)

@@ -1,0 +1,204 @@
+"""Waiting jobs into a worker's free sequences, in the fair share's order, and batch lines into the
+sequences nobody else wants.
+
+Jobs pushed to the worker (`basic.consume`, prefetch = the engine's sequences) are those that do
+not wait for a share: a session's turn to its home worker while nothing waits, a job handed back
+or spilled from a worker's queue, and every job while the fair share is off or Redis away. The
+others wait in their tenant's queue (`shared/topology.py`), which no worker consumes: `Puller`
+asks the fair share which tenant's job comes next (`FairShare.claim`, `shared/fair.py`) and takes
+one from that tenant's queue (`basic.get`) whenever the worker has a free sequence (or a batch
+line's to take), and again at once while that lasts. It looks when a job ends here, when a
+session manager rings the model's doorbell (`Names.fair_ready`), and every `POLL_S`.
+
+Batch lines are taken the same way from the tenants' batch queues, but only while the worker runs
+fewer jobs than its engine has sequences less `AXON_BATCH_RESERVED_SEQS`, so a batch line only
+starts in a sequence nothing else wanted; a line handed back (preempted or drained), or queued
+first in, first out, waits in the model's batch queue and is taken first. An interactive job
+taken while batch lines hold the rest of the sequences takes one of theirs: the newest line's job
+is stopped and handed back, and resumes later from its published tokens
+(`JobRunner.on_message`).
+
+A tenant's count in Redis may disagree with its queue (a process died between the broker and
+Redis, a job was redelivered): too high costs an empty take; too low is mended by `reconcile`,
+every `RECONCILE_S` while the worker has room and finds nothing to take.
+"""
+
+import asyncio
+import contextlib
+import time
+
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
+
+from services.worker.job_runner import JobRunner, stay_subscribed
+from services.worker.redis_gate import RedisGate
+from shared.fair import BATCH, INTERACTIVE, Band, FairShare
+from shared.logging import get_logger
+from shared.names import Names
+from shared.outages import Outage
+from shared.redis_pipe import RedisSubscriber
+from shared.topology import declare_tenant_queue
+
+log = get_logger(__name__)
+
+# How often a worker with a free sequence looks again when nothing rang.
+POLL_S = 0.25
+# How often a worker with room and nothing to take checks the tenants' queues against their counts.
+RECONCILE_S = 5.0
+# Empty takes in a row (counts too high) before a look waits for the next ring or poll.
+_MAX_MISSES = 8
+
+
+class Puller:
+    """Takes waiting jobs of one model into the worker's free sequences."""
+
+    def __init__(
+        self,
+        runner: JobRunner,
+        connection: AbstractRobustConnection,
+        names: Names,
+        *,
+        model: str,
+        fair: FairShare,
+        batch_queue: AbstractQueue,
+        doorbell: asyncio.Event,
+        timeout_s: float,
+        reserved: int,
+        max_queued_jobs: int,
+    ) -> None:
+        self._runner = runner
+        self._connection = connection
+        self._names = names
+        self._model = model
+        self._fair = fair
+        self._batch_queue = batch_queue
+        self._doorbell = doorbell
+        self._timeout_s = timeout_s
+        self._reserved = reserved
+        self._max_queued_jobs = max_queued_jobs
+        self._channel: AbstractChannel | None = None
+        self._queues: dict[str, AbstractQueue] = {}
+        self._paused = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._reconciled = time.monotonic()
+
+    def resume(self) -> None:
+        """Start taking jobs (again)."""
+        self._paused.clear()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._take())
+
+    async def pause(self) -> None:
+        """Stop taking jobs: returns once none is being taken (the jobs taken run on)."""
+        self._paused.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _take(self) -> None:
+        outage = Outage("worker_pulling")
+        while not self._paused.is_set():
+            # Cleared before looking, so a ring or a freed sequence during the look is not missed.
+            self._doorbell.clear()
+            self._runner.freed.clear()
+            try:
+                took = await self._take_one()
+            except Exception as exc:  # noqa: BLE001 - the broker or Redis is away: look again once it is back
+                if self._channel is None or self._channel.is_closed:
+                    self._queues = {}
+                await asyncio.sleep(min(POLL_S * 4, outage.failed(exc)))
+                continue
+            outage.recovered()
+            if not took:
+                await self._rung(POLL_S)
+
+    async def _take_one(self) -> bool:
+        """Start one waiting job if there is room for it; whether one started."""
+        runner = self._runner
+        if runner.has_room_for_interactive():
+            message = await self._take_fair(INTERACTIVE)
+            if message is not None:
+                await runner.on_message(message)
+                return True
+        if runner.has_free_sequence(self._reserved):
+            message = await self._batch_queue.get(no_ack=False, fail=False, timeout=self._timeout_s)
+            if message is None:
+                message = await self._take_fair(BATCH)
+            if message is not None:
+                if self._paused.is_set():
+                    with contextlib.suppress(Exception):  # paused while it was taken: back, first in line
+                        await message.nack(requeue=True)
+                    return False
+                runner.start(message)
+                return True
+        if runner.has_free_sequence() and time.monotonic() - self._reconciled > RECONCILE_S:
+            await self.reconcile()
+        return False
+
+    async def _take_fair(self, band: Band) -> AbstractIncomingMessage | None:
+        """One job of the tenant the fair share picks, or None when no tenant has one waiting."""
+        for _ in range(_MAX_MISSES):
+            tenant = await self._fair.claim(self._model, band=band)
+            if tenant is None:
+                return None
+            queue = await self._queue(tenant, band)
+            message = await queue.get(no_ack=False, fail=False, timeout=self._timeout_s)
+            if message is not None:
+                return message
+            log.debug("fair_take_missed", tenant=tenant, band=band)
+        return None
+
+    async def reconcile(self) -> None:
+        """Count what waits in each known tenant's queue that Redis does not (a session manager
+        died between the broker's confirm and its count, or a job was redelivered there)."""
+        self._reconciled = time.monotonic()
+        for band in (INTERACTIVE, BATCH):
+            state = await self._fair.state(self._model, band=band)
+            for tenant in state.served:
+                waiting = (await self._queue(tenant, band)).declaration_result.message_count or 0
+                missing = waiting - state.waiting.get(tenant, 0)
+                if missing > 0:
+                    log.info("fair_reconciled", tenant=tenant, band=band, jobs=missing)
+                    await self._fair.enqueued(self._model, tenant, band=band, count=missing)
+            # Declared again next time, for a fresh count.
+            self._queues = {}
+
+    async def _queue(self, tenant: str, band: Band) -> AbstractQueue:
+        name = self._names.tenant_queue(self._model, tenant, batch=band == BATCH)
+        queue = self._queues.get(name)
+        if queue is None:
+            if self._channel is None or self._channel.is_closed:
+                self._channel = await self._connection.channel()
+            queue = await declare_tenant_queue(
+                self._channel,
+                self._names,
+                self._model,
+                tenant,
+                batch=band == BATCH,
+                max_queued_jobs=self._max_queued_jobs,
+            )
+            self._queues[name] = queue
+        return queue
+
+    async def _rung(self, timeout_s: float) -> None:
+        """Wait for the doorbell, a freed sequence, or `timeout_s`."""
+        waits = [asyncio.ensure_future(self._doorbell.wait()), asyncio.ensure_future(self._runner.freed.wait())]
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+
+async def listen_for_doorbell(
+    url: str, channel: str, doorbell: asyncio.Event, gate: RedisGate, *, timeout_s: float
+) -> None:
+    """Set `doorbell` whenever a session manager says a job waits for the model (`channel`),
+    subscribed again after each lost connection (`stay_subscribed`)."""
+    lost = asyncio.Event()
+    subscriber = RedisSubscriber(
+        url, timeout_s=timeout_s, on_message=lambda _channel, _body: doorbell.set(), on_lost=lost.set
+    )
+    try:
+        await stay_subscribed(subscriber, channel, lost, gate, "fair_doorbell")
+    finally:
+        await subscriber.aclose()

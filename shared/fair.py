@@ -1,0 +1,263 @@
+"""Fair share: a model's free sequences go to the tenant with the least weighted served tokens.
+
+This is virtual token counting (VTC: Sheng et al., "Fairness in Serving Large Language Models",
+OSDI 2024) held in Redis, so that every session manager and every worker of a model applies one
+order. Per model and band (`interactive`; `batch`, the batch lines', shared by the same rule
+among themselves) Redis holds:
+
+- `served`: tenant -> the tokens it was served, prompt and output each at their cost
+  (`AXON_FAIR_PROMPT_TOKEN_COST`, `AXON_FAIR_OUTPUT_TOKEN_COST`), divided by its weight. Workers
+  add what they really served as they serve it (`ServiceMeter`, every `SETTLE_INTERVAL_S`), so a
+  long answer counts while it runs;
+- `waiting`: tenant -> its jobs waiting in its own queue (`Names.tenant_queue`);
+- `backlog`: the tenants with jobs waiting, scored by `served`;
+- `vtime`: the score of the tenant picked last.
+
+The jobs themselves wait in RabbitMQ, one durable queue per tenant, so nothing a session manager
+or a worker holds is lost when it dies. The steps:
+
+1. A session manager, before it publishes a job, asks `admit`: a tenant may have at most its
+   weight's share of `AXON_MAX_QUEUED_JOBS` waiting (429 past it, before anyone within theirs
+   is refused), and a session's job may go to its home worker only while nothing waits at all
+   (affinity never jumps a queue).
+2. Once the broker confirmed the job in the tenant's queue, `enqueued`: the tenant's count goes
+   up; a tenant that had nothing waiting starts at the least score of those waiting (or at the
+   last pick's when none waits): idle time earns no credit. The workers' doorbell rings.
+3. A worker with a free sequence `claim`s the waiting tenant with the least score and takes one
+   job from its queue (`services/worker/pulling.py`).
+
+A count that went wrong (a process died between the broker and Redis) costs at most an empty
+take (too high) or a wait until a worker reconciles it with the queue (too low): never a job.
+Redis away, session managers publish to the model's shared queue, first in first out.
+"""
+
+import asyncio
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.logging import get_logger
+from shared.names import Names
+from shared.redis_pipe import PipeScript, RedisPipe
+
+log = get_logger(__name__)
+
+Band = Literal["interactive", "batch"]
+INTERACTIVE: Band = "interactive"
+BATCH: Band = "batch"
+
+# Every key of the fair share expires this long after its last write: a model or band unused for a
+# week starts afresh.
+FAIR_TTL_S = 7 * 24 * 3600
+# How often a worker adds the tokens it served to the tenants' counters.
+SETTLE_INTERVAL_S = 0.1
+
+# A tenant's weight, 1 where none is set or it is not a positive number.
+_WEIGHT = """
+local function weight(key, tenant)
+  local w = tonumber(redis.call('HGET', key, tenant) or '1')
+  if w == nil or w <= 0 or w ~= w then return 1 end
+  return w
+end
+"""
+
+# KEYS: waiting, weights. ARGV: tenant, limit. Returns {within its share (1/0), nothing waits (1/0), its allowance}.
+_ADMIT = PipeScript(
+    _WEIGHT
+    + """
+local waiting = redis.call('HGETALL', KEYS[1])
+local tenant = ARGV[1]
+local total, wsum, mine = 0, 0, 0
+for i = 1, #waiting, 2 do
+  local n = tonumber(waiting[i + 1])
+  if n > 0 then
+    total = total + n
+    wsum = wsum + weight(KEYS[2], waiting[i])
+    if waiting[i] == tenant then mine = n end
+  end
+end
+local own = weight(KEYS[2], tenant)
+if mine == 0 then wsum = wsum + own end
+local allowance = math.max(1, math.floor(tonumber(ARGV[2]) * own / wsum))
+local within = 0
+if mine < allowance then within = 1 end
+local idle = 0
+if total == 0 then idle = 1 end
+return {within, idle, allowance}
+"""
+)
+
+# KEYS: waiting, backlog, served, vtime. ARGV: tenant, how many, ttl_s, doorbell channel.
+_ENQUEUED = PipeScript("""
+local tenant = ARGV[1]
+local n = redis.call('HINCRBY', KEYS[1], tenant, tonumber(ARGV[2]))
+if not redis.call('ZSCORE', KEYS[2], tenant) then
+  local score = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
+  local floor
+  local least = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  if #least > 0 then floor = tonumber(least[2]) else floor = tonumber(redis.call('GET', KEYS[4]) or '0') end
+  if floor > score then
+    score = floor
+    redis.call('HSET', KEYS[3], tenant, tostring(score))
+  end
+  redis.call('ZADD', KEYS[2], score, tenant)
+end
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
+redis.call('PUBLISH', ARGV[4], '1')
+return n
+""")
+
+# KEYS: waiting, backlog, vtime. ARGV: ttl_s. Returns the tenant picked, or nil.
+_CLAIM = PipeScript("""
+local least = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+if #least == 0 then return false end
+local tenant = least[1]
+redis.call('SET', KEYS[3], least[2], 'EX', ARGV[1])
+local n = redis.call('HINCRBY', KEYS[1], tenant, -1)
+if n <= 0 then
+  redis.call('HDEL', KEYS[1], tenant)
+  redis.call('ZREM', KEYS[2], tenant)
+end
+return tenant
+""")
+
+# KEYS: served, backlog, weights. ARGV: ttl_s, then tenant and tokens pairs.
+_SETTLE = PipeScript(
+    _WEIGHT
+    + """
+for i = 2, #ARGV, 2 do
+  local tenant = ARGV[i]
+  local score = redis.call('HINCRBYFLOAT', KEYS[1], tenant, tonumber(ARGV[i + 1]) / weight(KEYS[3], tenant))
+  if redis.call('ZSCORE', KEYS[2], tenant) then redis.call('ZADD', KEYS[2], score, tenant) end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What `FairShare.admit` decided for one job."""
+
+    # The tenant has fewer jobs waiting than its share of the queue's length.
+    within_share: bool
+    # Nothing waits for the model: a session's job may go to its home worker.
+    idle: bool
+    # How many of the tenant's jobs may wait (its share).
+    allowance: int
+
+
+@dataclass(frozen=True, slots=True)
+class BandState:
+    """One model's band as Redis holds it (for metrics and tests)."""
+
+    waiting: dict[str, int]
+    served: dict[str, float]
+
+
+class FairShare:
+    """The fair share's Redis side, for session managers and workers alike."""
+
+    def __init__(self, pipe: RedisPipe, names: Names) -> None:
+        self._pipe = pipe
+        self._names = names
+
+    def _keys(self, model: str, band: Band, *parts: str) -> list[str]:
+        return [self._names.fair(model, band, part) for part in parts]
+
+    async def admit(self, model: str, tenant: str, *, band: Band, limit: int) -> Admission:
+        """Whether a job of `tenant` may wait for `model` (at most `limit` x its weight's share).
+
+        Raises:
+            redis errors: Redis is unreachable (the caller falls back to first in, first out).
+        """
+        keys = [self._names.fair(model, band, "waiting"), self._names.tenant_weights]
+        within, idle, allowance = await self._pipe.evalsha(_ADMIT, keys, [tenant, limit])
+        return Admission(within_share=bool(within), idle=bool(idle), allowance=int(allowance))
+
+    async def enqueued(self, model: str, tenant: str, *, band: Band, count: int = 1) -> int:
+        """`count` more jobs of `tenant` wait in its queue; returns how many wait now."""
+        keys = self._keys(model, band, "waiting", "backlog", "served", "vtime")
+        return int(
+            await self._pipe.evalsha(_ENQUEUED, keys, [tenant, count, FAIR_TTL_S, self._names.fair_ready(model)])
+        )
+
+    async def claim(self, model: str, *, band: Band) -> str | None:
+        """The tenant whose job a free sequence takes next (its count taken down), or None."""
+        keys = self._keys(model, band, "waiting", "backlog", "vtime")
+        tenant = await self._pipe.evalsha(_CLAIM, keys, [FAIR_TTL_S])
+        return tenant.decode() if isinstance(tenant, bytes) else tenant
+
+    async def state(self, model: str, *, band: Band) -> BandState:
+        """How many jobs each tenant has waiting, and what each was served (weighted)."""
+        waiting, served = await asyncio.gather(
+            self._pipe.execute("HGETALL", self._names.fair(model, band, "waiting")),
+            self._pipe.execute("HGETALL", self._names.fair(model, band, "served")),
+        )
+        return BandState(
+            waiting={tenant: int(n) for tenant, n in _pairs(waiting).items()},
+            served={tenant: float(v) for tenant, v in _pairs(served).items()},
+        )
+
+    def settle(self, model: str, band: Band, served: dict[str, float]) -> "asyncio.Future[object]":
+        """Add `served` (tenant -> tokens at their cost, before weighting) to the counters."""
+        keys = [*self._keys(model, band, "served", "backlog"), self._names.tenant_weights]
+        args: list[str | int] = [FAIR_TTL_S]
+        for tenant, tokens in served.items():
+            args += [tenant, repr(tokens)]
+        return self._pipe.submit_script(_SETTLE, keys, args)
+
+
+def _pairs(flat: list[bytes]) -> dict[str, str]:
+    """A Redis hash's HGETALL reply as a dict."""
+    return {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+
+
+class ServiceMeter:
+    """A worker's tokens served per tenant, added to the fair share's counters every
+    `SETTLE_INTERVAL_S` (one script call per model and band, whatever the number of jobs)."""
+
+    def __init__(self, fair: FairShare, *, prompt_cost: float, output_cost: float) -> None:
+        self._fair = fair
+        self.prompt_cost = prompt_cost
+        self.output_cost = output_cost
+        self._owed: dict[tuple[str, Band], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self._task: asyncio.Task[None] | None = None
+
+    def prompt(self, model: str, band: Band, tenant: str, tokens: float) -> None:
+        """`tokens` prompt tokens served (negative: an estimate corrected)."""
+        if tokens:
+            self._owed[(model, band)][tenant] += tokens * self.prompt_cost
+
+    def output(self, model: str, band: Band, tenant: str, tokens: int) -> None:
+        """`tokens` output tokens served."""
+        if tokens:
+            self._owed[(model, band)][tenant] += tokens * self.output_cost
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop, after adding what is owed (if Redis takes it)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        with contextlib.suppress(Exception):
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Add what is owed now. What Redis did not take is lost (a counter a little low)."""
+        owed, self._owed = self._owed, defaultdict(lambda: defaultdict(float))
+        sent = [self._fair.settle(model, band, dict(served)) for (model, band), served in owed.items() if served]
+        for outcome in await asyncio.gather(*sent, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                log.debug("fair_settle_failed", error=repr(outcome))
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(SETTLE_INTERVAL_S)
+            await self.flush()
