@@ -197,6 +197,16 @@ class Names:
         expiry; owner: the workers' heartbeats, which forget an adapter with `models_key`."""
         return f"{self.namespace}:adapters"
 
+    @property
+    def tenant_weights(self) -> str:
+        """Hash: tenant -> its fair-share weight as a decimal string ("3", "0.5"); a tenant absent
+        from it has weight 1. Read by the scheduler on every settlement. No expiry; owner: the
+        gateways, which copy PostgreSQL's `tenants` table into it every
+        `AXON_TENANT_WEIGHTS_SYNC_S` and remove the tenants no longer in the table
+        (`shared/tenants.py`); `axon tenants set` and `PUT /admin/tenants/{tenant}` write a change
+        at once."""
+        return f"{self.namespace}:tenant-weights"
+
     def key_cache(self, key_hash_hex: str) -> str:
         """Cached lookup of an API key by its hash ("-" caches "no such key"). Expires after
         `AXON_KEY_CACHE_TTL_S`; deleted when the key is revoked or changed."""
@@ -268,6 +278,7 @@ class Names:
                 self.adapters_key,
                 self.model_profiles_key,
                 self.aliases_key,
+                self.tenant_weights,
                 self.responses_running,
                 self.responses_owners,
                 self.batches_running,

@@ -9,6 +9,7 @@ from services.cli.bench import add_bench_command
 from services.cli.checks import check_dependencies, how_to_start
 from services.cli.keys import add_keys_command
 from services.cli.models import add_models_command
+from services.cli.tenants import add_tenants_command
 from services.cli.up import run_up
 from shared.logging import configure_logging
 from shared.migrations import migrate
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         func=_check
     )
     add_keys_command(commands)
+    add_tenants_command(commands)
     add_models_command(commands)
     add_batches_command(commands)
     add_bench_command(commands)

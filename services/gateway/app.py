@@ -28,6 +28,7 @@ from shared.probes import PROBE_PATHS, install_probes
 from shared.ratelimit import RateLimiter
 from shared.registry import WorkerRegistry
 from shared.settings import InsecureConfiguration
+from shared.tenants import keep_weights_synced
 from shared.tracing import Tracing
 
 log = get_logger(__name__)
@@ -105,8 +106,17 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         try:
             async with open_clients(settings) as clients:
                 _attach_services(app, clients, settings=settings, metrics=metrics, tracing=tracing)
+                syncing = asyncio.create_task(
+                    keep_weights_synced(
+                        clients.db, clients.redis, app.state.names, interval_s=settings.tenant_weights_sync_s
+                    )
+                )
                 log.info("gateway_ready", port=settings.gateway_port, sessions_url=settings.sessions_url)
-                yield
+                try:
+                    yield
+                finally:
+                    syncing.cancel()
+                    await asyncio.gather(syncing, return_exceptions=True)
         finally:
             if tracing is not None:
                 await asyncio.to_thread(tracing.shutdown)

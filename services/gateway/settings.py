@@ -61,6 +61,9 @@ class GatewaySettings(CommonSettings):
     max_tokens_limit: int = Field(8192, ge=1)
     # How long the aliases a key's model allowlist is checked with are reused in-process.
     models_cache_ttl_s: float = Field(1.0, ge=0)
+    # Every gateway copies the tenants' weights from PostgreSQL into Redis at start and this often,
+    # so a weight Redis missed or lost reaches the scheduler within this.
+    tenant_weights_sync_s: float = Field(5.0, gt=0)
     # HTTPS without a load balancer: the gateway serves TLS itself with this certificate (PEM, the
     # chain after it) and its unencrypted private key (PEM). Both or neither; neither: plain HTTP.
     tls_certfile: str | None = None

@@ -1,4 +1,4 @@
-"""Admin API (`/admin/*`), guarded by `AXON_ADMIN_TOKEN`: API keys and usage."""
+"""Admin API (`/admin/*`), guarded by `AXON_ADMIN_TOKEN`: API keys, tenants' weights, usage and aliases."""
 
 import datetime as dt
 from typing import Annotated, Any
@@ -11,6 +11,7 @@ from services.gateway.api.openapi import admin_bearer_scheme, admin_error_respon
 from shared.errors import InvalidRequest, NotFound
 from shared.keys import BudgetPeriod, KeyRecord, evict_key, limits_with_defaults
 from shared.registry import WorkerRegistry
+from shared.tenants import Tenant, TenantStore, WeightChange
 from shared.usage import billed_tokens
 
 # In the API document (section Admin) with its own credential; `AdminDep` checks it.
@@ -25,6 +26,8 @@ _MAX_LIMIT = 2**31 - 1
 _MAX_BUDGET = 2**53 - 1
 ModelName = Annotated[str, Field(min_length=1, max_length=256)]
 AllowedModels = Annotated[list[ModelName], Field(min_length=1, max_length=256)]
+# As a key's `tenant`.
+TenantPath = Annotated[str, Path(min_length=1, max_length=128)]
 
 
 def _future(value: dt.datetime | None) -> dt.datetime | None:
@@ -141,6 +144,23 @@ async def revoke_key(key_id: str, keys: KeysDep, request: Request) -> dict[str, 
         raise NotFound(f"No active key with id '{key_id}'.", param="key_id")
     await evict_key(request.app.state.redis, request.app.state.names, key_hash)
     return {"id": key_id, "revoked": True}
+
+
+def _tenants(request: Request) -> TenantStore:
+    return TenantStore(request.app.state.db, request.app.state.redis, request.app.state.names)
+
+
+@router.get("/tenants")
+async def list_tenants(request: Request) -> dict[str, Any]:
+    """List tenants (those of API keys and those given a weight) with their weight and active keys."""
+    return {"object": "list", "data": [t.model_dump() for t in await _tenants(request).list()]}
+
+
+@router.put("/tenants/{tenant}", responses=admin_error_responses(400))
+async def set_tenant_weight(tenant: TenantPath, body: WeightChange, request: Request) -> Tenant:
+    """Set a tenant's weight, its share of the workers relative to other tenants' (default 1); applied at once."""
+    stored, _ = await _tenants(request).set_weight(tenant, body.weight)
+    return stored
 
 
 @router.get("/usage", responses=admin_error_responses(400))

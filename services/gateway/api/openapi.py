@@ -48,7 +48,10 @@ TAGS: list[dict[str, Any]] = [
     {"name": "Models", "description": "The models live workers serve, and aliases."},
     {"name": "Files", "description": "OpenAI's Files API: the input and output files of batches."},
     {"name": "Batches", "description": "OpenAI's Batch API: requests run in the workers' slack, within a window."},
-    {"name": "Admin", "description": "API keys, usage and model aliases (the admin token, not an API key)."},
+    {
+        "name": "Admin",
+        "description": "API keys, tenants' weights, usage and model aliases (the admin token, not an API key).",
+    },
     {"name": "Operations", "description": "Liveness, readiness and Prometheus metrics."},
 ]
 # The section of a route, by the start of its path (the first that matches).

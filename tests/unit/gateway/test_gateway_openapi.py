@@ -121,6 +121,7 @@ def test_every_operation_is_in_one_section_and_the_admin_api_is_documented(schem
     assert "/v1/files" in sections["Files"] and "/v1/batches" in sections["Batches"]
     admin = sections["Admin"]
     assert {"/admin/keys", "/admin/keys/{key_id}", "/admin/usage", "/admin/models/aliases"} <= admin
+    assert {"/admin/tenants", "/admin/tenants/{tenant}"} <= admin
     # The fuzzing of tests/e2e/test_fuzz.py takes only ^/v1/: never the admin API.
     assert not any(path.startswith("/v1/") for path in admin)
     assert schema["components"]["securitySchemes"]["adminToken"]["scheme"] == "bearer"
@@ -128,6 +129,7 @@ def test_every_operation_is_in_one_section_and_the_admin_api_is_documented(schem
         for method, operation in schema["paths"][path].items():
             assert operation["security"] == [{"adminToken": []}], (method, path)
             assert "422" not in operation["responses"], (method, path)  # refusals are 400s in OpenAI's shape
+            assert operation["summary"] and operation["description"], (method, path)  # the route's docstring
             assert operation["responses"]["401"]["content"]["application/json"]["schema"] == {
                 "$ref": "#/components/schemas/ErrorResponse"
             }

@@ -52,6 +52,7 @@ def all_names(names: Names) -> dict[str, str]:
         "batches_running": names.batches_running,
         "batches_owners": names.batches_owners,
         "aliases_key": names.aliases_key,
+        "tenant_weights": names.tenant_weights,
         "outbox_group": names.outbox_group,
     }
 
