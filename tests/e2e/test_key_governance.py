@@ -1,6 +1,7 @@
 """Keys an operator governs, across three real gateway processes in front of one session manager
 and one sim worker: expiry, a model allowlist with aliases, a token budget held under concurrent
-requests, and changes made with `PATCH /admin/keys/{id}` and `axon keys update`."""
+requests, and changes made with `PATCH /admin/keys/{id}` and `axon keys update`; tenants' weights
+set with `PUT /admin/tenants/{tenant}` and `axon tenants set`, and kept in Redis by the gateways."""
 
 import asyncio
 import datetime as dt
@@ -13,9 +14,11 @@ import time
 import httpx
 import openai
 import pytest
+import redis
 from openai import AsyncOpenAI, OpenAI
 
 from services.cli.launcher import Service
+from shared.names import Names
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.stack import ADMIN_TOKEN, Stack
 
@@ -238,3 +241,83 @@ def test_cli_creates_updates_and_lists_governed_keys(stack: Stack, gateways: lis
         timeout=60,
     )
     assert bad.returncode == 2 and "--budget" in bad.stderr
+
+
+def _weights(stack: Stack) -> dict[str, str]:
+    """The Redis hash of tenants' weights the scheduler reads."""
+    client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    try:
+        return client.hgetall(Names(stack.namespace).tenant_weights)
+    finally:
+        client.close()
+
+
+def _listed(gateway: Service, tenant: str) -> dict | None:
+    listed = httpx.get(f"{gateway.url}/admin/tenants", headers=ADMIN, timeout=10)
+    assert listed.status_code == 200 and listed.json()["object"] == "list", listed.text
+    return next((t for t in listed.json()["data"] if t["tenant"] == tenant), None)
+
+
+def test_admin_tenants_set_and_list_weights_and_refuse_bad_ones(stack: Stack, gateways: list[Service]) -> None:
+    tenant = f"fair-{time.monotonic_ns()}"
+    _create(gateways[0], tenant=tenant)
+    assert _listed(gateways[1], tenant) == {"object": "tenant", "tenant": tenant, "weight": 1.0, "keys": 1}
+    url = f"{gateways[0].url}/admin/tenants/{tenant}"
+    put = httpx.put(url, json={"weight": 3}, headers=ADMIN, timeout=10)
+    assert put.status_code == 200, put.text
+    assert put.json() == {"object": "tenant", "tenant": tenant, "weight": 3.0, "keys": 1}
+    assert _weights(stack)[tenant] == "3"  # at once, before any sync
+    assert _listed(gateways[2], tenant)["weight"] == 3.0
+
+    json_headers = {**ADMIN, "content-type": "application/json"}
+    for raw in ('{"weight": 0}', '{"weight": -1}', '{"weight": "abc"}', '{"weight": NaN}', '{"weight": Infinity}',
+                '{"weight": 1000001}', '{"weight": null}', "{}"):  # fmt: skip
+        refused = httpx.put(url, content=raw, headers=json_headers, timeout=10)
+        assert refused.status_code == 400, (raw, refused.text)
+        error = refused.json()["error"]
+        assert error["param"] == "weight" and error["type"] == "invalid_request_error", (raw, error)
+    extra = httpx.put(url, json={"weight": 2, "share": 0.5}, headers=ADMIN, timeout=10)
+    assert extra.status_code == 400 and "share" in extra.json()["error"]["message"]
+    too_long = httpx.put(f"{gateways[0].url}/admin/tenants/{'t' * 129}", json={"weight": 2}, headers=ADMIN)
+    assert too_long.status_code == 400
+    assert httpx.put(url, json={"weight": 2}).status_code == 401
+    assert httpx.get(f"{gateways[0].url}/admin/tenants").status_code == 401
+    assert _listed(gateways[0], tenant)["weight"] == 3.0 and _weights(stack)[tenant] == "3"  # nothing changed
+
+    # Redis lost the hash (a restart without its data): the gateways' sync writes it back.
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        client.delete(Names(stack.namespace).tenant_weights)
+    finally:
+        client.close()
+    deadline = time.monotonic() + 10  # AXON_TENANT_WEIGHTS_SYNC_S is 5 s
+    while _weights(stack).get(tenant) != "3":
+        assert time.monotonic() < deadline, "no gateway wrote the weights back"
+        time.sleep(0.2)
+
+
+def test_cli_sets_and_lists_tenants_weights(stack: Stack, gateway: Service) -> None:
+    tenant = f"cli-fair-{time.monotonic_ns()}"
+
+    def axon(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli.main", "tenants", *args],
+            env=stack.env({}),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    done = axon("set", tenant, "--weight", "0.5")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == f"{tenant} weight=0.5 keys=0"
+    assert _weights(stack)[tenant] == "0.5"
+    assert _listed(gateway, tenant)["weight"] == 0.5
+    # Each refusal is unit-tested (tests/unit/cli/test_tenants_command.py); one here, as a process.
+    refused = axon("set", tenant, "--weight", "0")
+    assert refused.returncode == 2 and "weight" in refused.stderr and refused.stdout == ""
+    listed = axon("list")
+    assert listed.returncode == 0 and listed.stdout.splitlines()[0].split() == ["tenant", "weight", "keys"]
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(tenant + " "))
+    assert row.split() == [tenant, "0.5", "0"]
+    assert _weights(stack)[tenant] == "0.5"
