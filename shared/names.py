@@ -90,13 +90,6 @@ class Names:
         last write (`shared/fair.py`)."""
         return f"{self.namespace}:fair:{model}:{band}:{part}"
 
-    @property
-    def tenant_weights(self) -> str:
-        """Hash: tenant -> its fair-share weight (a decimal string; absent: 1). No expiry; owner:
-        the operator (`axon tenants set`, `PUT /admin/tenants/{tenant}`), written from the
-        `tenants` table of PostgreSQL, which every gateway copies into it every few seconds."""
-        return f"{self.namespace}:tenant-weights"
-
     def job_progress(self, job_id: str) -> str:
         """Hash of a running job's progress: next `seq`, tokens so far (for failover). Expires at the
         job's deadline + 60 s (`shared.usage.PROGRESS_GRACE_S`)."""
@@ -284,6 +277,5 @@ class Names:
                 self.batches_running,
                 self.batches_owners,
                 self.outbox,
-                self.tenant_weights,
             }
         )

@@ -20,7 +20,6 @@ def all_names(names: Names) -> dict[str, str]:
         "tenant_queue": names.tenant_queue(MODEL, "tenant-a"),
         "fair_ready": names.fair_ready(MODEL),
         "fair": names.fair(MODEL, "interactive", "waiting"),
-        "tenant_weights": names.tenant_weights,
         "dead_letter_exchange": names.dead_letter_exchange,
         "dead_letter_queue": names.dead_letter_queue,
         "tokens_channel": names.tokens_channel(JOB_ID),
