@@ -34,6 +34,7 @@ Redis away, session managers publish to the model's shared queue, first in first
 import asyncio
 import contextlib
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -108,12 +109,24 @@ redis.call('PUBLISH', ARGV[4], '1')
 return n
 """)
 
-# KEYS: waiting, backlog, vtime. ARGV: ttl_s. Returns the tenant picked, or nil.
+# KEYS: waiting, backlog, vtime. ARGV: ttl_s, then tenants not to pick. Returns the tenant picked, or nil.
 _CLAIM = PipeScript("""
-local least = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-if #least == 0 then return false end
-local tenant = least[1]
-redis.call('SET', KEYS[3], least[2], 'EX', ARGV[1])
+local excluded = {}
+for i = 2, #ARGV do excluded[ARGV[i]] = true end
+local tenant, score
+local first = 0
+while tenant == nil do
+  local least = redis.call('ZRANGE', KEYS[2], first, first + 31, 'WITHSCORES')
+  if #least == 0 then return false end
+  for i = 1, #least, 2 do
+    if not excluded[least[i]] then
+      tenant, score = least[i], least[i + 1]
+      break
+    end
+  end
+  first = first + 32
+end
+redis.call('SET', KEYS[3], score, 'EX', ARGV[1])
 local n = redis.call('HINCRBY', KEYS[1], tenant, -1)
 if n <= 0 then
   redis.call('HDEL', KEYS[1], tenant)
@@ -184,10 +197,11 @@ class FairShare:
             await self._pipe.evalsha(_ENQUEUED, keys, [tenant, count, FAIR_TTL_S, self._names.fair_ready(model)])
         )
 
-    async def claim(self, model: str, *, band: Band) -> str | None:
-        """The tenant whose job a free sequence takes next (its count taken down), or None."""
+    async def claim(self, model: str, *, band: Band, excluded: Collection[str] = ()) -> str | None:
+        """The tenant whose job a free sequence takes next (its count taken down), or None;
+        never one of `excluded`."""
         keys = self._keys(model, band, "waiting", "backlog", "vtime")
-        tenant = await self._pipe.evalsha(_CLAIM, keys, [FAIR_TTL_S])
+        tenant = await self._pipe.evalsha(_CLAIM, keys, [FAIR_TTL_S, *excluded])
         return tenant.decode() if isinstance(tenant, bytes) else tenant
 
     async def state(self, model: str, *, band: Band) -> BandState:

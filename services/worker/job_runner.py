@@ -8,7 +8,7 @@ any more (no subscriber on its channel, no chunk log) is stopped within a step.
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -143,6 +143,8 @@ class JobRunner:
         self._preempted: set[asyncio.Task[None]] = set()
         self._freed = asyncio.Event()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
+        # How many jobs of each tenant run here (the fair share's headroom is for the others).
+        self._tenants: Counter[str] = Counter()
         self.generating = 0
 
     @property
@@ -163,6 +165,15 @@ class JobRunner:
     def has_room_for_interactive(self) -> bool:
         """Whether an interactive job may start: a free sequence, or a batch line's to take."""
         return len(self._tasks) < self._engine.max_seqs or bool(self._batch)
+
+    @property
+    def max_seqs(self) -> int:
+        return self._engine.max_seqs
+
+    @property
+    def tenants_running(self) -> frozenset[str]:
+        """The tenants with a job running here."""
+        return frozenset(self._tenants)
 
     @property
     def freed(self) -> asyncio.Event:
@@ -235,11 +246,17 @@ class JobRunner:
         bind_contextvars(
             job_id=job.job_id, tenant=job.tenant, session_id=job.session_id, request_id=headers.get("x-request-id")
         )
-        if self._tracing is None:
-            await self._handle_job(job, message)
-            return
-        with self._job_span(self._tracing, job, message):
-            await self._handle_job(job, message)
+        self._tenants[job.tenant] += 1
+        try:
+            if self._tracing is None:
+                await self._handle_job(job, message)
+                return
+            with self._job_span(self._tracing, job, message):
+                await self._handle_job(job, message)
+        finally:
+            self._tenants[job.tenant] -= 1
+            if self._tenants[job.tenant] <= 0:
+                del self._tenants[job.tenant]
 
     def _job_span(self, tracing: Tracing, job: Job, message: AbstractIncomingMessage) -> AbstractContextManager[Any]:
         """The job's span on this worker, a child of the session manager's publish (the job

@@ -291,6 +291,7 @@ class Worker:
                     doorbell=self._doorbell,
                     timeout_s=self.settings.connect_timeout_s,
                     reserved=self.settings.batch_reserved_seqs,
+                    headroom=self.settings.fair_headroom_seqs,
                     max_queued_jobs=self.settings.max_queued_jobs,
                 )
                 async with self._consuming:

@@ -26,6 +26,7 @@ every `RECONCILE_S` while the worker has room and finds nothing to take.
 import asyncio
 import contextlib
 import time
+from collections.abc import Collection
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
 
@@ -63,6 +64,7 @@ class Puller:
         doorbell: asyncio.Event,
         timeout_s: float,
         reserved: int,
+        headroom: int,
         max_queued_jobs: int,
     ) -> None:
         self._runner = runner
@@ -74,6 +76,7 @@ class Puller:
         self._doorbell = doorbell
         self._timeout_s = timeout_s
         self._reserved = reserved
+        self._headroom = headroom
         self._max_queued_jobs = max_queued_jobs
         self._channel: AbstractChannel | None = None
         self._queues: dict[str, AbstractQueue] = {}
@@ -119,6 +122,12 @@ class Puller:
             if message is not None:
                 await runner.on_message(message)
                 return True
+        elif runner.in_flight < runner.max_seqs + self._headroom:
+            # Full: a tenant with no job running here still starts at once, in the headroom.
+            message = await self._take_fair(INTERACTIVE, excluded=runner.tenants_running)
+            if message is not None:
+                runner.start(message)
+                return True
         if runner.has_free_sequence(self._reserved):
             message = await self._batch_queue.get(no_ack=False, fail=False, timeout=self._timeout_s)
             if message is None:
@@ -134,10 +143,11 @@ class Puller:
             await self.reconcile()
         return False
 
-    async def _take_fair(self, band: Band) -> AbstractIncomingMessage | None:
-        """One job of the tenant the fair share picks, or None when no tenant has one waiting."""
+    async def _take_fair(self, band: Band, excluded: Collection[str] = ()) -> AbstractIncomingMessage | None:
+        """One job of the tenant the fair share picks (not one of `excluded`), or None when no
+        tenant has one waiting."""
         for _ in range(_MAX_MISSES):
-            tenant = await self._fair.claim(self._model, band=band)
+            tenant = await self._fair.claim(self._model, band=band, excluded=excluded)
             if tenant is None:
                 return None
             queue = await self._queue(tenant, band)
@@ -152,6 +162,7 @@ class Puller:
         died between the broker's confirm and its count, or a job was redelivered there)."""
         self._reconciled = time.monotonic()
         for band in (INTERACTIVE, BATCH):
+            self._queues = {}  # declared again: a fresh count
             state = await self._fair.state(self._model, band=band)
             for tenant in state.served:
                 waiting = (await self._queue(tenant, band)).declaration_result.message_count or 0
@@ -159,8 +170,6 @@ class Puller:
                 if missing > 0:
                     log.info("fair_reconciled", tenant=tenant, band=band, jobs=missing)
                     await self._fair.enqueued(self._model, tenant, band=band, count=missing)
-            # Declared again next time, for a fresh count.
-            self._queues = {}
 
     async def _queue(self, tenant: str, band: Band) -> AbstractQueue:
         name = self._names.tenant_queue(self._model, tenant, batch=band == BATCH)

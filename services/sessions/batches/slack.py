@@ -2,12 +2,13 @@
 
 A batch line's job waits in its tenant's batch queue of the model (with the fair share off, the
 model's batch queue: `shared/topology.py`) until a worker has a sequence nothing else wants and
-the fair share picks the tenant; the workers take from it themselves (`services/worker/pulling.py`).
-So the owners only keep that queue stocked: a tenant's lines of a model are released while fewer
-than `AXON_BATCH_QUEUE_AHEAD` wait in it, enough for every free sequence to find one at once, few enough that a cancel or a window's
-end has little to call back. RabbitMQ reports a queue's ready messages in the answer to a passive
-declare, the queue-depth poller's way (`queue_depth.py`); an answer is reused for `FRESH_S`, less
-the lines released since, so the batches one process owns share one question per model.
+the fair share picks the tenant; the workers take from it themselves
+(`services/worker/pulling.py`). So the owners only keep that queue stocked: a tenant's lines of a
+model are released while fewer than `AXON_BATCH_QUEUE_AHEAD` wait in it, enough for every free
+sequence to find one at once, few enough that a cancel or a window's end has little to call back.
+RabbitMQ reports a queue's ready messages in the answer to a passive declare, the queue-depth
+poller's way (`queue_depth.py`); an answer is reused for `FRESH_S`, less the lines released
+since, so the batches one process owns share one question per queue.
 """
 
 import contextlib

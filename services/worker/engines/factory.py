@@ -65,6 +65,7 @@ def _vllm_engine(settings: WorkerSettings) -> Engine:
         model_name=settings.model,
         model_path=model_path,
         max_seqs=settings.max_seqs or None,
+        headroom_seqs=settings.fair_headroom_seqs,
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,
         distributed_executor=settings.distributed_executor,

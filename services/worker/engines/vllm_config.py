@@ -30,6 +30,9 @@ class VllmOptions:
     # A model directory or a hub id (a GGUF file is converted into a directory first).
     model_path: str
     max_seqs: int | None = None  # None: vLLM's default for its platform
+    # Sequences vLLM may run beyond `max_seqs`, for tenants with no job running on the worker
+    # (`AXON_FAIR_HEADROOM_SEQS`): vLLM's max_num_seqs is their sum.
+    headroom_seqs: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor: str | None = None
@@ -65,7 +68,7 @@ def engine_kwargs(options: VllmOptions, *, on_cpu: bool) -> dict[str, Any]:
         "pipeline_parallel_size": options.pipeline_parallel_size,
         # None (left out): vLLM picks mp when the devices are on this node.
         "distributed_executor_backend": options.distributed_executor,
-        "max_num_seqs": options.max_seqs,
+        "max_num_seqs": options.max_seqs + options.headroom_seqs if options.max_seqs else None,
         "max_model_len": options.max_model_len,
         "dtype": options.dtype,
         "gpu_memory_utilization": options.gpu_memory_utilization,

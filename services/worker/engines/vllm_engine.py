@@ -356,7 +356,8 @@ class VllmEngine(Engine):
         engine = self._engine
         self._tokenizer = await _result(engine.get_tokenizer())
         self.context_tokens = int(engine.model_config.max_model_len)
-        self.max_seqs = int(engine.vllm_config.scheduler_config.max_num_seqs)
+        # The worker fills max_num_seqs less the headroom kept for tenants with no job running here.
+        self.max_seqs = max(1, int(engine.vllm_config.scheduler_config.max_num_seqs) - self._options.headroom_seqs)
         self._defaults = dict(engine.model_config.get_diff_sampling_param() or {})
         self._renders_tools = template_renders_tools(self._tokenizer)
         self.reports_kv_cache = True
