@@ -30,9 +30,7 @@ LIMITS = KeyLimits(rpm=1_000_000, tpm=100_000_000, max_concurrent=10_000)
 
 @pytest.fixture(scope="module")
 def worker(stack: Stack) -> Iterator[Service]:
-    worker = sim_worker(
-        stack, "fair", MODEL, AXON_SIM_MAX_SEQS=str(SEQS), AXON_SIM_TTFT_MS="20", AXON_SIM_ITL_MS="10"
-    )
+    worker = sim_worker(stack, "fair", MODEL, AXON_SIM_MAX_SEQS=str(SEQS), AXON_SIM_TTFT_MS="20", AXON_SIM_ITL_MS="10")
     try:
         yield worker
     finally:

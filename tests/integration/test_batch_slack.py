@@ -61,7 +61,8 @@ async def test_room_is_ahead_less_the_lines_waiting(
     assert not await queue_slack.take("m", "anonymous")  # two wait: none
     assert await queue_slack.take("m", "another") == fair  # another tenant's lines wait apart
     channel = await connection.channel()
-    queue = await channel.get_queue(names.tenant_queue("m", "anonymous", batch=True) if fair else names.batch_queue("m"))
+    name = names.tenant_queue("m", "anonymous", batch=True) if fair else names.batch_queue("m")
+    queue = await channel.get_queue(name)
     message = await queue.get(timeout=5)  # a worker took one into a free sequence
     await message.ack()
     assert await queue_slack.take("m", "anonymous")
