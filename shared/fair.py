@@ -11,7 +11,8 @@ among themselves) Redis holds:
   long answer counts while it runs;
 - `waiting`: tenant -> its jobs waiting in its own queue (`Names.tenant_queue`);
 - `backlog`: the tenants with jobs waiting, scored by `served`;
-- `vtime`: the score of the tenant picked last.
+- `vtime`: the score of the tenant picked last;
+- `active`: tenant -> when it was last served or queued a job (Redis' clock, ms).
 
 The jobs themselves wait in RabbitMQ, one durable queue per tenant, so nothing a session manager
 or a worker holds is lost when it dies. The steps:
@@ -21,8 +22,9 @@ or a worker holds is lost when it dies. The steps:
    is refused), and a session's job may go to its home worker only while nothing waits at all
    (affinity never jumps a queue).
 2. Once the broker confirmed the job in the tenant's queue, `enqueued`: the tenant's count goes
-   up; a tenant that had nothing waiting starts at the least score of those waiting (or at the
-   last pick's when none waits): idle time earns no credit. The workers' doorbell rings.
+   up; a tenant that had nothing waiting and was neither served nor queued anything for
+   `IDLE_AFTER_MS` starts at the least score of those waiting (or at the last pick's when none
+   waits): idle time earns no credit. The workers' doorbell rings.
 3. A worker with a free sequence `claim`s the waiting tenant with the least score and takes one
    job from its queue (`services/worker/pulling.py`).
 
@@ -53,6 +55,10 @@ BATCH: Band = "batch"
 FAIR_TTL_S = 7 * 24 * 3600
 # How often a worker adds the tokens it served to the tenants' counters.
 SETTLE_INTERVAL_S = 0.1
+# A tenant neither served nor queuing for this long is idle: its next job lifts its counter. A
+# tenant whose clients send the next request as the last answer ends is not: its jobs in flight
+# keep it active while none waits for a moment.
+IDLE_AFTER_MS = 1000
 
 # A tenant's weight, 1 where none is set or it is not a positive number.
 _WEIGHT = """
@@ -89,22 +95,27 @@ return {within, idle, allowance}
 """
 )
 
-# KEYS: waiting, backlog, served, vtime. ARGV: tenant, how many, ttl_s, doorbell channel.
+# KEYS: waiting, backlog, served, vtime, active. ARGV: tenant, how many, ttl_s, doorbell channel, idle_ms.
 _ENQUEUED = PipeScript("""
 local tenant = ARGV[1]
 local n = redis.call('HINCRBY', KEYS[1], tenant, tonumber(ARGV[2]))
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local last = tonumber(redis.call('HGET', KEYS[5], tenant) or '0')
+local idle = now_ms - last > tonumber(ARGV[5])
 if not redis.call('ZSCORE', KEYS[2], tenant) then
   local score = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
   local floor
   local least = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
   if #least > 0 then floor = tonumber(least[2]) else floor = tonumber(redis.call('GET', KEYS[4]) or '0') end
-  if floor > score then
+  if idle and floor > score then
     score = floor
     redis.call('HSET', KEYS[3], tenant, tostring(score))
   end
   redis.call('ZADD', KEYS[2], score, tenant)
 end
-for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
+redis.call('HSET', KEYS[5], tenant, now_ms)
+for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
 redis.call('PUBLISH', ARGV[4], '1')
 return n
 """)
@@ -135,16 +146,20 @@ end
 return tenant
 """)
 
-# KEYS: served, backlog, weights. ARGV: ttl_s, then tenant and tokens pairs.
+# KEYS: served, backlog, weights, active. ARGV: ttl_s, then tenant and tokens pairs.
 _SETTLE = PipeScript(
     _WEIGHT
     + """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 for i = 2, #ARGV, 2 do
   local tenant = ARGV[i]
   local score = redis.call('HINCRBYFLOAT', KEYS[1], tenant, tonumber(ARGV[i + 1]) / weight(KEYS[3], tenant))
   if redis.call('ZSCORE', KEYS[2], tenant) then redis.call('ZADD', KEYS[2], score, tenant) end
+  redis.call('HSET', KEYS[4], tenant, now_ms)
 end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[4], ARGV[1])
 return 1
 """
 )
@@ -192,10 +207,9 @@ class FairShare:
 
     async def enqueued(self, model: str, tenant: str, *, band: Band, count: int = 1) -> int:
         """`count` more jobs of `tenant` wait in its queue; returns how many wait now."""
-        keys = self._keys(model, band, "waiting", "backlog", "served", "vtime")
-        return int(
-            await self._pipe.evalsha(_ENQUEUED, keys, [tenant, count, FAIR_TTL_S, self._names.fair_ready(model)])
-        )
+        keys = self._keys(model, band, "waiting", "backlog", "served", "vtime", "active")
+        args = [tenant, count, FAIR_TTL_S, self._names.fair_ready(model), IDLE_AFTER_MS]
+        return int(await self._pipe.evalsha(_ENQUEUED, keys, args))
 
     async def claim(self, model: str, *, band: Band, excluded: Collection[str] = ()) -> str | None:
         """The tenant whose job a free sequence takes next (its count taken down), or None;
@@ -218,6 +232,7 @@ class FairShare:
     def settle(self, model: str, band: Band, served: dict[str, float]) -> "asyncio.Future[object]":
         """Add `served` (tenant -> tokens at their cost, before weighting) to the counters."""
         keys = [*self._keys(model, band, "served", "backlog"), self._names.tenant_weights]
+        keys.append(self._names.fair(model, band, "active"))
         args: list[str | int] = [FAIR_TTL_S]
         for tenant, tokens in served.items():
             args += [tenant, repr(tokens)]

@@ -37,6 +37,9 @@ DEAD_REASON_HEADER = "x-axon-dead-reason"
 # id of the worker that gave it up: its progress is read back, and this is not a redelivery that
 # counts against it (no worker died with it).
 HANDED_BACK_HEADER = "x-axon-handed-back"
+# Session manager -> worker: when the job was published (Unix time in ms, an integer: AMQP carries
+# a float header as single precision), for the queue wait the worker reports per tenant.
+ENQUEUED_AT_HEADER = "x-axon-enqueued-at"
 
 # The most characters a tenant, a key id and a lease id may have.
 MAX_TENANT = 128

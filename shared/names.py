@@ -86,8 +86,8 @@ class Names:
         """The fair share's state of one model and band (`interactive` or `batch`), `part` one of
         `waiting` (hash: tenant -> its jobs waiting), `backlog` (sorted set: the tenants with jobs
         waiting, scored by their weighted served tokens), `served` (hash: tenant -> weighted served
-        tokens) and `vtime` (the score of the tenant picked last). Each expires a week after its
-        last write (`shared/fair.py`)."""
+        tokens), `vtime` (the score of the tenant picked last) and `active` (hash: tenant -> when it
+        was last served or queued a job). Each expires a week after its last write (`shared/fair.py`)."""
         return f"{self.namespace}:fair:{model}:{band}:{part}"
 
     def job_progress(self, job_id: str) -> str:

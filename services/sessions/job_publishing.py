@@ -20,6 +20,7 @@ from prometheus_client import Counter
 
 from shared.errors import RateLimited, Unavailable
 from shared.fair import BATCH, INTERACTIVE, FairShare
+from shared.internal_headers import ENQUEUED_AT_HEADER
 from shared.logging import get_logger
 from shared.names import Names
 from shared.outages import Outage
@@ -243,7 +244,7 @@ def _properties(
         delivery_mode=2,  # persistent
         message_id=job.job_id,
         priority=max(0, min(priority, MAX_JOB_PRIORITY)),
-        headers={"x-request-id": request_id, **headers} if headers else {"x-request-id": request_id},
+        headers={"x-request-id": request_id, ENQUEUED_AT_HEADER: int(time.time() * 1000), **(headers or {})},
         expiration=str(expiration_ms),
     )
 

@@ -183,6 +183,21 @@ class SessionsMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.tenant_waiting = Gauge(
+            "axon_sessions_tenant_waiting_jobs",
+            "Jobs waiting in each tenant's queue of the model, by band (interactive, batch), as the"
+            " fair share counts them in Redis.",
+            ["model", "tenant", "band"],
+            registry=self.registry,
+        )
+        self.fairness = Gauge(
+            "axon_sessions_fairness_index",
+            "Jain's index (1: equal; 1/n: one of n took all) of the weighted tokens served in the last"
+            " poll interval to the tenants that had jobs waiting at both its ends, by model and band;"
+            " 1 with fewer than two such tenants.",
+            ["model", "band"],
+            registry=self.registry,
+        )
         self.queue_poll_errors = Counter(
             "axon_sessions_queue_poll_errors_total",
             "Queue depth polls that failed (RabbitMQ or Redis unreachable).",

@@ -1,5 +1,7 @@
 """Polls, every few seconds, how many jobs wait in each model's queue and how many workers serve it
-(and exports each model's cold-start wait beside them, for alerts on pools that may be at zero).
+(and exports each model's cold-start wait beside them, for alerts on pools that may be at zero),
+and, from the fair share's state in Redis, each tenant's waiting jobs and Jain's fairness index of
+what the tenants with jobs waiting were served since the last poll (`shared/fair.py`).
 
 RabbitMQ reports a queue's ready messages and consumers in the answer to a passive declare,
 which needs no management plugin (Amazon MQ has no Prometheus endpoint). Every session manager
@@ -15,6 +17,7 @@ from aiormq.exceptions import ChannelNotFoundEntity
 
 from services.sessions.catalog import ModelCatalog
 from services.sessions.metrics import SessionsMetrics
+from shared.fair import BATCH, INTERACTIVE, Band, BandState, FairShare
 from shared.logging import get_logger
 from shared.names import Names
 from shared.outages import Outage
@@ -40,8 +43,13 @@ class QueueDepthPoller:
         client: redis.Redis,
         names: Names,
         metrics: SessionsMetrics,
+        fair: FairShare | None = None,
         interval_s: float = POLL_INTERVAL_S,
     ) -> None:
+        self._fair = fair
+        # The fair share's state at the last poll, per model and band; the tenants reported waiting.
+        self._fair_states: dict[tuple[str, Band], BandState] = {}
+        self._waiting_reported: set[tuple[str, str, Band]] = set()
         self._connection = connection
         self._catalog = catalog
         self._redis = client
@@ -80,6 +88,9 @@ class QueueDepthPoller:
             self._metrics.cold_start_wait.labels(model).set(self._catalog.cold_start_wait(model))
         for model in sorted(models):
             await self._poll_queue(model)
+            if self._fair is not None:
+                for band in (INTERACTIVE, BATCH):
+                    await self._poll_fair_share(model, band)
         for gone in self._reported - models:
             self._forget(gone)
         self._reported = models
@@ -102,6 +113,20 @@ class QueueDepthPoller:
         self._metrics.queue_depth.labels(model).set(result.message_count or 0)
         self._metrics.queue_consumers.labels(model).set(result.consumer_count or 0)
 
+    async def _poll_fair_share(self, model: str, band: Band) -> None:
+        assert self._fair is not None
+        state = await self._fair.state(model, band=band)
+        waiting = {(model, tenant, band) for tenant in state.waiting}
+        for gone in {w for w in self._waiting_reported if w[:1] == (model,) and w[2] == band} - waiting:
+            self._metrics.tenant_waiting.labels(*gone).set(0)
+        for tenant, count in state.waiting.items():
+            self._metrics.tenant_waiting.labels(model, tenant, band).set(count)
+        self._waiting_reported |= waiting
+        before = self._fair_states.get((model, band))
+        self._fair_states[(model, band)] = state
+        if before is not None:
+            self._metrics.fairness.labels(model, band).set(jain_index(before, state))
+
     def _forget(self, model: str) -> None:
         gauges = (
             self._metrics.queue_depth,
@@ -123,3 +148,17 @@ class QueueDepthPoller:
         if channel is not None and not channel.is_closed:
             with contextlib.suppress(Exception):
                 await channel.close()
+
+
+def jain_index(before: BandState, after: BandState) -> float:
+    """Jain's fairness index, (sum x)^2 / (n sum x^2), of the weighted tokens served between two
+    states to the tenants with jobs waiting in both (backlogged all along); 1 with fewer than two."""
+    served = [
+        after.served.get(tenant, 0.0) - before.served.get(tenant, 0.0)
+        for tenant in after.waiting
+        if tenant in before.waiting
+    ]
+    served = [max(0.0, x) for x in served]
+    if len(served) < 2 or not any(served):
+        return 1.0
+    return sum(served) ** 2 / (len(served) * sum(x * x for x in served))

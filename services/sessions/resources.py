@@ -146,7 +146,14 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
             cold_start_waits=settings.cold_start_waits,
             cold_start_adapters=settings.cold_start_adapters,
         )
-        poller = QueueDepthPoller(connection=connection, catalog=catalog, client=client, names=names, metrics=metrics)
+        poller = QueueDepthPoller(
+            connection=connection,
+            catalog=catalog,
+            client=client,
+            names=names,
+            metrics=metrics,
+            fair=FairShare(pipe, names) if settings.fair_share else None,
+        )
         polling = asyncio.create_task(poller.run())
         async with open_file_store(settings, db) as files:
             yield SessionsResources(

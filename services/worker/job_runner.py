@@ -37,7 +37,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.redis_gate import RedisGate
 from services.worker.tool_parsers import answer_finish_reason
 from shared.fair import BATCH, INTERACTIVE, ServiceMeter
-from shared.internal_headers import HANDED_BACK_HEADER
+from shared.internal_headers import ENQUEUED_AT_HEADER, HANDED_BACK_HEADER
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
 from shared.names import Names
 from shared.outages import Outage, redis_unreachable
@@ -247,6 +247,8 @@ class JobRunner:
             job_id=job.job_id, tenant=job.tenant, session_id=job.session_id, request_id=headers.get("x-request-id")
         )
         self._tenants[job.tenant] += 1
+        self._metrics.tenant_sequences.labels(job.model, job.tenant).set(self._tenants[job.tenant])
+        self._observe_wait(job, message)
         try:
             if self._tracing is None:
                 await self._handle_job(job, message)
@@ -255,8 +257,19 @@ class JobRunner:
                 await self._handle_job(job, message)
         finally:
             self._tenants[job.tenant] -= 1
+            self._metrics.tenant_sequences.labels(job.model, job.tenant).set(self._tenants[job.tenant])
             if self._tenants[job.tenant] <= 0:
                 del self._tenants[job.tenant]
+
+    def _observe_wait(self, job: Job, message: AbstractIncomingMessage) -> None:
+        """The job's wait from its publish to now, for its tenant: first attempts only (a job handed
+        back or redelivered has run before)."""
+        published = (message.headers or {}).get(ENQUEUED_AT_HEADER)
+        if isinstance(published, int) and not Attempt.first(message).retried:
+            band = BATCH if job.batch else INTERACTIVE
+            self._metrics.tenant_queue_wait.labels(job.model, job.tenant, band).observe(
+                max(0.0, time.time() - published / 1000)
+            )
 
     def _job_span(self, tracing: Tracing, job: Job, message: AbstractIncomingMessage) -> AbstractContextManager[Any]:
         """The job's span on this worker, a child of the session manager's publish (the job
@@ -534,15 +547,18 @@ class JobRunner:
         job_id, model, tenant = job.job_id, job.model, job.tenant
         band = BATCH if job.batch else INTERACTIVE
         meter = self._meter
+        served = self._metrics.tenant_tokens.labels(model, tenant, band, "output")
         reason: FinishReason | None = None
         first_ns: int | None = None
         aborted = False
         while (out := await outputs.take()) is not None:
+            served.inc(out.n_tokens)
             if meter is not None:
                 meter.output(model, band, tenant, out.n_tokens)
             if first_ns is None:
                 first_ns = time.time_ns()
                 self._metrics.ttft.labels(model).observe(time.perf_counter() - started, exemplar())
+                self._metrics.tenant_tokens.labels(model, tenant, band, "prompt").inc(out.prompt_tokens)
                 if meter is not None:
                     meter.prompt(model, band, tenant, out.prompt_tokens)
             if out.finish_reason is not None:

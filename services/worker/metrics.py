@@ -49,6 +49,27 @@ class WorkerMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.tenant_queue_wait = Histogram(
+            "axon_worker_tenant_queue_wait_seconds",
+            "From a job's publish (the session manager's clock) to a worker taking it, by tenant and"
+            " band (interactive, batch): the wait the fair share decides. First attempts only.",
+            ["model", "tenant", "band"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.tenant_tokens = Counter(
+            "axon_worker_tenant_tokens_total",
+            "Tokens served per tenant and band, by kind (prompt, output): what the fair share counts,"
+            " at AXON_FAIR_PROMPT_TOKEN_COST and AXON_FAIR_OUTPUT_TOKEN_COST, divided by the tenant's weight.",
+            ["model", "tenant", "band", "kind"],
+            registry=self.registry,
+        )
+        self.tenant_sequences = Gauge(
+            "axon_worker_tenant_sequences",
+            "Jobs of each tenant running on this worker (its share of the worker's sequences).",
+            ["model", "tenant"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "axon_worker_time_to_first_token_seconds",
             "From taking a job to publishing its first token.",

@@ -150,6 +150,24 @@ def test_backlogged_tenants_share_tokens_not_requests(gateway: Service, tenants:
     assert 0.35 <= long_share <= 0.65, long_share
 
 
+def test_each_tenants_wait_and_tokens_are_metrics(worker: Service, tenants: dict[str, str]) -> None:
+    # After the tests above: the worker counted each tenant's tokens and waits.
+    for tenant in ("fair-long", "fair-short"):
+        for kind in ("output", "prompt"):
+            tokens = metric(
+                worker, "axon_worker_tenant_tokens_total", band="interactive", kind=kind, model=MODEL, tenant=tenant
+            )
+            assert tokens > 0, (tenant, kind)
+        waits = metric(
+            worker, "axon_worker_tenant_queue_wait_seconds_count", band="interactive", model=MODEL, tenant=tenant
+        )
+        assert waits > 0
+        wait_s = metric(
+            worker, "axon_worker_tenant_queue_wait_seconds_sum", band="interactive", model=MODEL, tenant=tenant
+        )
+        assert 0 < wait_s / waits < 5  # a few answers' time at most, on the same clock
+
+
 def test_tenants_share_by_weight(gateway: Service, tenants: dict[str, str]) -> None:
     set_weight(gateway, "fair-three", 3)
     three_share = shares(gateway, "fair-three", "fair-one", a_tokens=16, b_tokens=16, seconds=5)

@@ -123,3 +123,14 @@ async def test_every_key_expires(fair) -> None:
     await share.enqueued(MODEL, "a", band=INTERACTIVE)
     for key in await pipe.execute("KEYS", f"{names.namespace}:fair:*"):
         assert await pipe.execute("TTL", key) > 0, key
+
+
+async def test_a_tenant_served_a_moment_ago_keeps_its_deficit(fair) -> None:
+    share, _pipe, _names = fair
+    await share.enqueued(MODEL, "ahead", band=INTERACTIVE)
+    await share.settle(MODEL, INTERACTIVE, {"ahead": 800.0, "behind": 100.0})
+    # "behind" was served just now (its clients send the next request as an answer ends): it is
+    # not idle, so nothing waiting for a moment does not lift it to the others' counters.
+    await share.enqueued(MODEL, "behind", band=INTERACTIVE)
+    assert (await served(share))["behind"] == 100.0
+    assert await share.claim(MODEL, band=INTERACTIVE) == "behind"
