@@ -23,7 +23,7 @@ async def _with_store(action: Callable[[BatchStore], Awaitable[T]]) -> T:
     settings = CommonSettings()
     pool = await asyncpg.create_pool(settings.database_url, min_size=1, max_size=1)
     try:
-        return await action(BatchStore(pool))
+        return await action(BatchStore(pool, namespace=settings.namespace))
     finally:
         await pool.close()
 

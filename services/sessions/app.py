@@ -180,7 +180,7 @@ def _batches(
     """The Batch API's service: its own leases (`<ns>:batches:*`) and its lines' admission."""
     return BatchService(
         settings=settings,
-        store=BatchStore(opened.db),
+        store=BatchStore(opened.db, namespace=settings.namespace),
         files=opened.files,
         completions=responses.completions,
         chat=chat,

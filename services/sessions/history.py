@@ -3,7 +3,9 @@
 Session rows are written to PostgreSQL at once (they are rare); messages go to Redis
 and, through the outbox, to PostgreSQL in batches. Reads take the recent history from
 Redis and fall back to PostgreSQL (then re-cache). Sessions belong to a tenant: another
-tenant gets 404, exactly as for a session that does not exist.
+tenant gets 404, exactly as for a session that does not exist; and to a deployment
+(`AXON_NAMESPACE`, the `namespace` of their row): deployments sharing the database never read or
+list each other's sessions.
 """
 
 import datetime as dt
@@ -202,14 +204,15 @@ class SessionStore:
         metadata: dict[str, str] | None = None,
     ) -> SessionInfo:
         row = await self._db.fetchrow(
-            "INSERT INTO conversations (id, tenant, title, system_prompt, model, metadata)"
-            f" VALUES ($1, $2, $3, $4, $5, $6::jsonb) RETURNING {_COLUMNS}",
+            "INSERT INTO conversations (id, tenant, title, system_prompt, model, metadata, namespace)"
+            f" VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7) RETURNING {_COLUMNS}",
             uuid.uuid4(),
             tenant,
             title,
             system_prompt,
             model,
             orjson.dumps(metadata or {}).decode(),
+            self._names.namespace,
         )
         assert row is not None  # INSERT ... RETURNING always returns the row it inserted
         info = _info(row)
@@ -232,7 +235,11 @@ class SessionStore:
         elif raw is not None:
             info = SessionInfo.model_validate_json(raw)
         else:
-            row = await self._db.fetchrow(f"SELECT {_COLUMNS} FROM conversations WHERE id = $1", uuid.UUID(session_id))
+            row = await self._db.fetchrow(
+                f"SELECT {_COLUMNS} FROM conversations WHERE id = $1 AND namespace = $2",
+                uuid.UUID(session_id),
+                self._names.namespace,
+            )
             info = _info(row) if row else None
             if info is not None:
                 await self._redis.set(self._names.session(session_id), info.model_dump_json(), ex=self._ttl_s)
@@ -241,16 +248,18 @@ class SessionStore:
         return info
 
     async def list_sessions(self, tenant: str, *, limit: int, after: str | None) -> tuple[list[SessionInfo], bool]:
-        """The tenant's sessions, newest first, `limit` at a time after the session `after`."""
+        """The tenant's sessions of this deployment, newest first, `limit` at a time after the session
+        `after`."""
         cursor = await self.get(tenant, after) if after else None
         rows = await self._db.fetch(
-            f"SELECT {_COLUMNS} FROM conversations WHERE tenant = $1"
+            f"SELECT {_COLUMNS} FROM conversations WHERE namespace = $5 AND tenant = $1"
             " AND ($2::timestamptz IS NULL OR (created_at, id) < ($2, $3))"
             " ORDER BY created_at DESC, id DESC LIMIT $4",
             tenant,
             cursor.created_at if cursor else None,
             uuid.UUID(cursor.id) if cursor else None,
             limit + 1,
+            self._names.namespace,
         )
         return [_info(r) for r in rows[:limit]], len(rows) > limit
 

@@ -1,9 +1,11 @@
 """Batches and their lines on a real PostgreSQL: each line answered and counted once whoever
 answers it, statuses moved only from the statuses named, a failed validation storing nothing,
-a key's batch queue limit, and an ended batch's lines deleted, its row after the retention."""
+a key's batch queue limit, an ended batch's lines deleted, its row after the retention, and each
+deployment (namespace) seeing only its own batches."""
 
 import asyncio
 import datetime as dt
+import secrets
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -18,7 +20,7 @@ from services.sessions.batches.validation import BatchLine
 @pytest.fixture
 async def store(database_url) -> AsyncIterator[BatchStore]:
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=6)
-    yield BatchStore(pool)
+    yield BatchStore(pool, namespace="axon")
     await pool.close()
 
 
@@ -157,3 +159,38 @@ async def test_an_ended_batchs_lines_are_deleted_and_its_row_after_the_retention
         pass
     assert await store.load(ended) is None
     assert await store.load(running) is not None and await _line_count(database_url, running) == 3
+
+
+async def test_a_deployment_sees_leases_lists_and_sweeps_only_its_own_batches(database_url) -> None:
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=6)
+    try:
+        ours = BatchStore(pool, namespace="ours-" + secrets.token_hex(4))
+        theirs = BatchStore(pool, namespace="theirs-" + secrets.token_hex(4))
+        mine, other = await _batch(ours), await _batch(theirs)
+        for store, batch_id in ((ours, mine), (theirs, other)):
+            await store.validated(batch_id, _lines(2), key_id="key_ns", queue_tokens=0)
+            await store.transition(batch_id, "in_progress", from_=("validating",))
+        assert await ours.unfinished() == [mine] and await theirs.unfinished() == [other]
+        assert await ours.load(other) is None and await ours.get("store-tests", other) is None
+        assert [r.id for r in (await ours.page("store-tests", after=None, limit=100))[0]] == [mine]
+        assert [r.id for r in await ours.recent(tenant=None, limit=100)] == [mine]
+        # Another deployment's batch can be neither moved nor have its lines forgotten from here.
+        assert await ours.transition(other, "cancelling", from_=("in_progress",)) is None
+        assert await theirs.transition(other, "failed", from_=("in_progress",)) is not None
+        while await ours.sweep(retention_days=0):
+            pass
+        assert await pool.fetchval("SELECT count(*) FROM batch_lines WHERE batch_id = $1", other) == 2
+        assert await ours.forget_lines(other) == 0
+        assert [model for model, _, _ in await ours.waiting()] == ["m"]
+        assert await theirs.waiting() == []
+        assert await theirs.forget_lines(other) == 2
+    finally:
+        await pool.close()
+
+
+async def test_an_answer_holding_u0000_is_stored_with_u_fffd_in_its_place(store: BatchStore) -> None:
+    batch_id = await _batch(store)
+    await store.validated(batch_id, _lines(1), key_id=None, queue_tokens=0)
+    assert await store.answer(batch_id, 1, ok=False, result={"custom_id": "c-1", "error": {"message": "a\x00b"}})
+    [raw] = b"".join([piece async for piece in store.results(batch_id, ok=False)]).splitlines()
+    assert orjson.loads(raw)["error"]["message"] == "a\ufffdb"

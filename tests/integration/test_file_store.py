@@ -1,6 +1,7 @@
 """The file store against a real PostgreSQL: bytes in and out in pieces and in order, by tenant,
 nothing left of an upload that failed (too large, empty, the client gone), pages of the list,
-deletion and the sweep of expired files and abandoned uploads."""
+deletion and the sweep of expired files and abandoned uploads, each deployment (namespace) seeing
+and sweeping only its own files."""
 
 import asyncio
 import time
@@ -35,7 +36,7 @@ def content(pool):
 
 @pytest.fixture
 def store(pool, content):
-    return DatabaseFileStore(pool, content)
+    return DatabaseFileStore(pool, content, namespace="axon")
 
 
 @pytest.fixture
@@ -109,6 +110,19 @@ async def test_another_tenants_file_is_absent(store, tenant):
     assert await store.get(tenant, record.id) == record
     assert await store.get(tenant, "file-unknown") is None
     assert await store.get(tenant, "not-a-file-id") is None
+
+
+async def test_another_deployments_file_is_absent_and_left_to_its_sweep(store, pool, content, tenant):
+    theirs = DatabaseFileStore(pool, content, namespace=f"theirs-{uuid.uuid4().hex[:8]}")
+    record = await theirs.create(tenant=tenant, purpose="batch", filename="f", chunks=_chunks(b"x" * 25), max_bytes=100)
+    assert await store.get(tenant, record.id) is None
+    assert await store.list(tenant, purpose=None, after=None, limit=10, order="desc") == ([], False)
+    assert await store.delete(tenant, record.id) is False
+    await pool.execute("UPDATE files SET expires_at = now() - interval '1 second' WHERE id = $1", record.id)
+    await store.sweep()
+    assert await _rows(pool, tenant) == (1, 3)
+    assert await theirs.sweep() == 1
+    assert await _rows(pool, tenant) == (0, 0)
 
 
 @pytest.mark.parametrize("max_bytes", [24, 1])

@@ -46,7 +46,7 @@ async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
 
 @pytest.fixture
 def store(pool: asyncpg.Pool, content: S3Content) -> DatabaseFileStore:
-    return DatabaseFileStore(pool, content)
+    return DatabaseFileStore(pool, content, namespace="axon")
 
 
 async def _chunks(data: bytes, size: int = 256 * 1024) -> AsyncIterator[bytes]:

@@ -1,4 +1,5 @@
-"""The outbox persister against real Redis and PostgreSQL: idempotent, ordered, reclaiming."""
+"""The outbox persister against real Redis and PostgreSQL: idempotent, ordered, reclaiming; and the
+session store reading only its own deployment's sessions."""
 
 import asyncio
 import datetime as dt
@@ -12,6 +13,7 @@ from services.sessions.history import SessionInfo, SessionStore, StoredMessage
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import MessageRow, Outbox
 from services.sessions.persister import Persister
+from shared.errors import NotFound
 from shared.names import Names
 from shared.schemas import FunctionCall, Message, ToolCall
 from shared.usage import UsageRow
@@ -259,3 +261,30 @@ async def test_a_session_counter_expires_with_its_history_and_continues_after_th
     await redis_client.delete(counter, names.history(info.id))  # both expired: PostgreSQL has the messages
     assert (await store.append(info, said, status="complete", job_id=None)).seq == 4
     await redis_client.delete(counter, names.history(info.id), names.session(info.id))
+
+
+async def test_a_deployment_reads_and_lists_only_its_own_sessions(setup, redis_client) -> None:
+    """Two deployments (namespaces) on one database: a session of one, its Redis copy gone, is
+    neither read nor listed by the other."""
+    pool, names, _ = setup
+    theirs = Names(f"{names.namespace}-theirs")
+
+    def store(of: Names) -> SessionStore:
+        return SessionStore(
+            client=redis_client,
+            db=pool,
+            names=of,
+            outbox=Outbox(redis_client, of),
+            metrics=SessionsMetrics(),
+            history_max_messages=10,
+            cache_ttl_s=60,
+        )
+
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    info = await store(theirs).create(tenant, title=None, system_prompt=None, model=None)
+    await redis_client.delete(theirs.session(info.id))
+    assert await store(names).list_sessions(tenant, limit=10, after=None) == ([], False)
+    with pytest.raises(NotFound):
+        await store(names).get(tenant, info.id)
+    assert (await store(theirs).get(tenant, info.id)).id == info.id
+    assert [s.id for s in (await store(theirs).list_sessions(tenant, limit=10, after=None))[0]] == [info.id]

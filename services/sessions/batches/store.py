@@ -5,6 +5,10 @@ statuses named), so a cancel and its owner's progress never overwrite each other
 is set only while it has none, in the statement that counts it (`answer`), so each line is answered
 and counted exactly once whichever session manager answers it.
 
+Every batch belongs to the deployment (`AXON_NAMESPACE`) that created it: deployments sharing the
+database never see, lease, list or sweep each other's batches (migration 0012); a batch's lines are
+reached only through their batch.
+
 An ended batch's lines (their request bodies and answers) are deleted once it ends: its output and
 error files hold the answers (`forget_lines`, and `sweep` for a batch whose owner died before it
 could); an ended batch's row is deleted `AXON_BATCH_RETENTION_DAYS` after it was created.
@@ -21,6 +25,7 @@ import asyncpg
 import orjson
 
 from services.sessions.batches.validation import BatchLine
+from shared.postgres_text import postgres_text
 
 # Statuses a batch ends in.
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
@@ -65,11 +70,12 @@ class BatchRecord:
         return self.status in TERMINAL
 
 
-# A model for which a key's unanswered lines (of its batches in progress, and `mine`) count more
-# than (`op`) $2 tokens. $1: the key.
+# A model for which a key's unanswered lines (of its batches in progress in namespace $3, and
+# `mine`) count more than (`op`) $2 tokens. $1: the key.
 _OVER_QUEUE = (
     "SELECT l.model, sum(l.tokens) AS tokens FROM batch_lines l JOIN batches b ON b.id = l.batch_id"
-    " WHERE b.key_id = $1 AND l.result IS NULL AND (b.status IN ('in_progress', 'cancelling') {mine})"
+    " WHERE b.key_id = $1 AND b.namespace = $3 AND l.result IS NULL"
+    " AND (b.status IN ('in_progress', 'cancelling') {mine})"
     " GROUP BY l.model HAVING sum(l.tokens) {op} $2 ORDER BY l.model LIMIT 1"
 )
 
@@ -117,15 +123,16 @@ _COLUMNS = ", ".join(BatchRecord.__dataclass_fields__)
 
 
 class BatchStore:
-    """Batches and their lines (see the module's docstring)."""
+    """The batches of deployment `namespace`, and their lines (see the module's docstring)."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, namespace: str) -> None:
         self._pool = pool
+        self._namespace = namespace
 
     async def create(self, record: BatchRecord) -> None:
         await self._pool.execute(
             "INSERT INTO batches (id, tenant, key_id, endpoint, input_file_id, completion_window, status, metadata,"
-            " created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10)",
+            " created_at, expires_at, namespace) VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, $11)",
             record.id,
             record.tenant,
             record.key_id,
@@ -136,17 +143,23 @@ class BatchStore:
             orjson.dumps(record.metadata).decode() if record.metadata is not None else None,
             record.created_at,
             record.expires_at,
+            self._namespace,
         )
 
     async def load(self, batch_id: str) -> BatchRecord | None:
-        """Any tenant's batch (its owner's view)."""
-        row = await self._pool.fetchrow(f"SELECT {_COLUMNS} FROM batches WHERE id = $1", batch_id)
+        """Any tenant's batch of this deployment (its owner's view)."""
+        row = await self._pool.fetchrow(
+            f"SELECT {_COLUMNS} FROM batches WHERE id = $1 AND namespace = $2", batch_id, self._namespace
+        )
         return _record(row) if row is not None else None
 
     async def get(self, tenant: str, batch_id: str) -> BatchRecord | None:
         """The tenant's batch, or None (unknown, or another tenant's)."""
         row = await self._pool.fetchrow(
-            f"SELECT {_COLUMNS} FROM batches WHERE id = $1 AND tenant = $2", batch_id, tenant
+            f"SELECT {_COLUMNS} FROM batches WHERE id = $1 AND tenant = $2 AND namespace = $3",
+            batch_id,
+            tenant,
+            self._namespace,
         )
         return _record(row) if row is not None else None
 
@@ -155,28 +168,32 @@ class BatchStore:
         whether more follow."""
         if after is None:
             rows = await self._pool.fetch(
-                f"SELECT {_COLUMNS} FROM batches WHERE tenant = $1 ORDER BY created_at DESC, id DESC LIMIT $2",
+                f"SELECT {_COLUMNS} FROM batches WHERE namespace = $3 AND tenant = $1"
+                " ORDER BY created_at DESC, id DESC LIMIT $2",
                 tenant,
                 limit + 1,
+                self._namespace,
             )
         else:
             rows = await self._pool.fetch(
-                f"SELECT {_COLUMNS} FROM batches b WHERE tenant = $1 AND (created_at, id) < ("
-                " SELECT created_at, id FROM batches WHERE id = $2 AND tenant = $1)"
+                f"SELECT {_COLUMNS} FROM batches b WHERE namespace = $4 AND tenant = $1 AND (created_at, id) < ("
+                " SELECT created_at, id FROM batches WHERE id = $2 AND tenant = $1 AND namespace = $4)"
                 " ORDER BY created_at DESC, id DESC LIMIT $3",
                 tenant,
                 after,
                 limit + 1,
+                self._namespace,
             )
         return [_record(r) for r in rows[:limit]], len(rows) > limit
 
     async def recent(self, *, tenant: str | None, limit: int) -> "list[BatchRecord]":
         """The newest batches (of `tenant`, or of every tenant), newest first."""
         rows = await self._pool.fetch(
-            f"SELECT {_COLUMNS} FROM batches WHERE $1::text IS NULL OR tenant = $1"
+            f"SELECT {_COLUMNS} FROM batches WHERE namespace = $3 AND ($1::text IS NULL OR tenant = $1)"
             " ORDER BY created_at DESC, id DESC LIMIT $2",
             tenant,
             limit,
+            self._namespace,
         )
         return [_record(r) for r in rows]
 
@@ -190,11 +207,13 @@ class BatchStore:
             f"{name} = ${i}" + ("::jsonb" if name == "errors" else "") for i, name in enumerate(values, start=4)
         )
         row = await self._pool.fetchrow(
-            f"UPDATE batches SET status = $2, {sets} WHERE id = $1 AND status = ANY($3::text[]) RETURNING {_COLUMNS}",
+            f"UPDATE batches SET status = $2, {sets} WHERE id = $1 AND status = ANY($3::text[])"
+            f" AND namespace = ${len(values) + 4} RETURNING {_COLUMNS}",
             batch_id,
             to,
             list(from_),
             *values.values(),
+            self._namespace,
         )
         return _record(row) if row is not None else None
 
@@ -232,7 +251,7 @@ class BatchStore:
                 # One batch of a key checked at a time: each sees the lines of those committed before.
                 await conn.execute("SELECT pg_advisory_xact_lock(hashtext('axon-batch-queue:' || $1))", key_id)
                 over = await conn.fetchrow(
-                    _OVER_QUEUE.format(mine="OR b.id = $3", op=">"), key_id, queue_tokens, batch_id
+                    _OVER_QUEUE.format(mine="OR b.id = $4", op=">"), key_id, queue_tokens, self._namespace, batch_id
                 )
                 if over is not None:
                     raise QueueFull(over["model"], int(over["tokens"]), queue_tokens)
@@ -241,7 +260,7 @@ class BatchStore:
 
     async def queue_full(self, key_id: str, queue_tokens: int) -> "QueueFull | None":
         """Whether key `key_id` has `queue_tokens` or more tokens enqueued for a model already."""
-        over = await self._pool.fetchrow(_OVER_QUEUE.format(mine="", op=">="), key_id, queue_tokens)
+        over = await self._pool.fetchrow(_OVER_QUEUE.format(mine="", op=">="), key_id, queue_tokens, self._namespace)
         return QueueFull(over["model"], int(over["tokens"]), queue_tokens) if over is not None else None
 
     async def unanswered(self, batch_id: str, *, after_line: int, limit: int) -> list[PendingLine]:
@@ -267,7 +286,7 @@ class BatchStore:
             batch_id,
             line,
             ok,
-            orjson.dumps(result).decode(),
+            _jsonb(result),
         )
         return bool(answered)
 
@@ -317,52 +336,76 @@ class BatchStore:
         rows = await self._pool.fetch(
             "SELECT l.model, count(*) AS lines, min(b.in_progress_at) AS since FROM batch_lines l"
             " JOIN batches b ON b.id = l.batch_id WHERE l.result IS NULL AND b.status = 'in_progress'"
-            " GROUP BY l.model"
+            " AND b.namespace = $1 GROUP BY l.model",
+            self._namespace,
         )
         return [(r["model"], r["lines"], r["since"]) for r in rows]
 
     async def unfinished(self) -> list[str]:
-        """Every batch some session manager must still run to its end."""
-        rows = await self._pool.fetch("SELECT id FROM batches WHERE status = ANY($1::text[])", list(UNFINISHED))
+        """Every batch of this deployment that one of its session managers must still run to its end."""
+        rows = await self._pool.fetch(
+            "SELECT id FROM batches WHERE namespace = $2 AND status = ANY($1::text[])",
+            list(UNFINISHED),
+            self._namespace,
+        )
         return [r["id"] for r in rows]
 
     async def forget_lines(self, batch_id: str) -> int:
         """Delete the lines of `batch_id` if it has ended (its files hold their answers); how many."""
         status = await self._pool.execute(
             "DELETE FROM batch_lines WHERE batch_id = $1"
-            " AND EXISTS (SELECT 1 FROM batches WHERE id = $1 AND status = ANY($2::text[]))",
+            " AND EXISTS (SELECT 1 FROM batches WHERE id = $1 AND status = ANY($2::text[]) AND namespace = $3)",
             batch_id,
             list(TERMINAL),
+            self._namespace,
         )
         return _count(status)
 
     async def sweep(self, *, retention_days: int) -> int:
-        """Delete the lines of up to `_SWEEP_BATCHES` ended batches that still have some (their owner
+        """Delete the lines of up to `_SWEEP_BATCHES` ended batches of this deployment that still have some (their owner
         died before it deleted them), and up to as many ended batches created more than
         `retention_days` ago (with their lines); how many batches it touched (0: nothing left)."""
         ended = list(TERMINAL)
         async with self._pool.acquire() as conn:
-            with_lines = await conn.fetch(_ENDED_WITH_LINES, ended, _SWEEP_BATCHES)
+            with_lines = await conn.fetch(_ENDED_WITH_LINES, ended, _SWEEP_BATCHES, self._namespace)
             if with_lines:
                 await conn.execute(
                     "DELETE FROM batch_lines WHERE batch_id = ANY($1::text[])", [r["id"] for r in with_lines]
                 )
-            old = _count(await conn.execute(_DELETE_OLD, ended, retention_days, _SWEEP_BATCHES))
+            old = _count(await conn.execute(_DELETE_OLD, ended, retention_days, _SWEEP_BATCHES, self._namespace))
         return len(with_lines) + old
 
 
 _ENDED_WITH_LINES = """
 SELECT b.id FROM batches b
-WHERE b.status = ANY($1::text[]) AND EXISTS (SELECT 1 FROM batch_lines l WHERE l.batch_id = b.id)
+WHERE b.namespace = $3 AND b.status = ANY($1::text[]) AND EXISTS (SELECT 1 FROM batch_lines l WHERE l.batch_id = b.id)
 LIMIT $2
 """
 _DELETE_OLD = """
 DELETE FROM batches WHERE id IN (
     SELECT id FROM batches
-    WHERE status = ANY($1::text[]) AND created_at < now() - make_interval(days => $2)
+    WHERE namespace = $4 AND status = ANY($1::text[]) AND created_at < now() - make_interval(days => $2)
     LIMIT $3
 )
 """
+
+
+def _jsonb(value: dict[str, Any]) -> str:
+    """`value` as JSON PostgreSQL's jsonb takes: U+0000 (an answer or an error may echo it) becomes
+    U+FFFD, as in every text the platform stores (`shared/postgres_text.py`); refused, the line's
+    answer would be retried for ever."""
+    text = orjson.dumps(value).decode()
+    return text if "\\u0000" not in text else orjson.dumps(_storable(value)).decode()
+
+
+def _storable(value: Any) -> Any:
+    if isinstance(value, str):
+        return postgres_text(value)
+    if isinstance(value, dict):
+        return {postgres_text(str(k)): _storable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_storable(v) for v in value]
+    return value
 
 
 def _count(status: str) -> int:

@@ -32,7 +32,7 @@ async def _sweep(store: DatabaseFileStore, *, every_s: float) -> None:
 async def open_file_store(settings: SessionsSettings, db: asyncpg.Pool) -> AsyncIterator[DatabaseFileStore]:
     """The file store on `db` (records) and its bytes where AXON_FILE_STORE says."""
     async with _open_content(settings, db) as content:
-        store = DatabaseFileStore(db, content)
+        store = DatabaseFileStore(db, content, namespace=settings.namespace)
         sweeping = asyncio.create_task(_sweep(store, every_s=SWEEP_EVERY_S))
         try:
             yield store

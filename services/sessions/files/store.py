@@ -12,6 +12,9 @@ no `lo_unlink` (a large object whose reference is lost stays forever, and asyncp
 API for them: they would be SQL calls per piece all the same). Each piece is one short statement
 on a pooled connection, so a slow client holds no connection (or transaction) between pieces.
 
+Every file belongs to the deployment (`AXON_NAMESPACE`) that stored it: deployments sharing the
+database never see, list or sweep each other's files (migration 0012).
+
 Nothing is half-stored: a file is `uploading` (seen by no one) until its last piece is written;
 one that fails (too large, empty, the client gone, an error) is deleted with its pieces before
 the error is raised, and one whose process died mid-upload is removed by `sweep` once its
@@ -217,10 +220,13 @@ def _record(row: asyncpg.Record) -> FileRecord:
 
 
 class DatabaseFileStore:
-    """`FileStore` with records in PostgreSQL's `files` and bytes in `content`."""
+    """`FileStore` of deployment `namespace`, with records in PostgreSQL's `files` and bytes in `content`."""
 
-    def __init__(self, db: asyncpg.Pool, content: FileContent, *, stale_upload_s: int = STALE_UPLOAD_S) -> None:
+    def __init__(
+        self, db: asyncpg.Pool, content: FileContent, *, namespace: str, stale_upload_s: int = STALE_UPLOAD_S
+    ) -> None:
         self._db = db
+        self._namespace = namespace
         self._content = content
         self._stale_upload_s = stale_upload_s
 
@@ -240,7 +246,7 @@ class DatabaseFileStore:
         expires = None if expiry_s is None else created + dt.timedelta(seconds=expiry_s)
         await self._db.execute(
             _BEGIN_UPLOAD, file_id, postgres_text(tenant), postgres_text(purpose), postgres_text(filename),
-            created, expires,
+            created, expires, self._namespace,
         )  # fmt: skip
         total = [0]
         try:
@@ -274,7 +280,7 @@ class DatabaseFileStore:
     async def get(self, tenant: str, file_id: str) -> FileRecord | None:
         if not file_id.startswith(FILE_PREFIX) or len(file_id) > 64:
             return None
-        row = await self._db.fetchrow(_GET, postgres_text(file_id), postgres_text(tenant))
+        row = await self._db.fetchrow(_GET, postgres_text(file_id), postgres_text(tenant), self._namespace)
         return None if row is None else _record(row)
 
     async def read(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
@@ -287,7 +293,7 @@ class DatabaseFileStore:
     async def delete(self, tenant: str, file_id: str) -> bool:
         if not file_id.startswith(FILE_PREFIX) or len(file_id) > 64:
             return False
-        deleted = await self._db.fetchval(_HIDE, postgres_text(file_id), postgres_text(tenant))
+        deleted = await self._db.fetchval(_HIDE, postgres_text(file_id), postgres_text(tenant), self._namespace)
         if deleted is None:
             return False
         await self._discard([file_id])
@@ -299,13 +305,13 @@ class DatabaseFileStore:
         query = _LIST_DESC if order == "desc" else _LIST_ASC
         # Any text may come from a query string: PostgreSQL's cannot hold U+0000 (`postgres_text`).
         rows = await self._db.fetch(
-            query, postgres_text(tenant), postgres_text(purpose), postgres_text(after), limit + 1
+            query, postgres_text(tenant), postgres_text(purpose), postgres_text(after), limit + 1, self._namespace
         )
         return [_record(row) for row in rows[:limit]], len(rows) > limit
 
     async def sweep(self) -> int:
-        """Remove expired files and uploads abandoned by a dead process; how many."""
-        ids = [row["id"] for row in await self._db.fetch(_SWEEPABLE, self._stale_upload_s)]
+        """Remove this deployment's expired files and uploads abandoned by a dead process; how many."""
+        ids = [row["id"] for row in await self._db.fetch(_SWEEPABLE, self._stale_upload_s, self._namespace)]
         if ids:
             await self._content.delete(ids)
             await self._db.execute(_DELETE_FILES, ids)
@@ -315,32 +321,34 @@ class DatabaseFileStore:
 
 _COLUMNS = "id, tenant, bytes, created_at, expires_at, filename, purpose, status"
 _BEGIN_UPLOAD = """
-INSERT INTO files (id, tenant, purpose, filename, status, created_at, expires_at)
-VALUES ($1, $2, $3, $4, 'uploading', $5, $6)
+INSERT INTO files (id, tenant, purpose, filename, status, created_at, expires_at, namespace)
+VALUES ($1, $2, $3, $4, 'uploading', $5, $6, $7)
 """
 _WRITE_PART = "INSERT INTO file_parts (file_id, seq, data) VALUES ($1, $2, $3)"
 _TOUCH = "UPDATE files SET touched_at = now() WHERE id = $1"
 _READ_PART = "SELECT data FROM file_parts WHERE file_id = $1 AND seq = $2"
 _FINISH_UPLOAD = f"UPDATE files SET status = 'processed', bytes = $2 WHERE id = $1 RETURNING {_COLUMNS}"
 _VISIBLE = "status = 'processed' AND (expires_at IS NULL OR expires_at > now())"
-_GET = f"SELECT {_COLUMNS} FROM files WHERE id = $1 AND tenant = $2 AND {_VISIBLE}"
+_GET = f"SELECT {_COLUMNS} FROM files WHERE id = $1 AND tenant = $2 AND namespace = $3 AND {_VISIBLE}"
 # A deleted file is hidden at once (as if being uploaded, long stale), then removed with its bytes.
 _HIDE = f"""
 UPDATE files SET status = 'uploading', touched_at = '-infinity'
-WHERE id = $1 AND tenant = $2 AND {_VISIBLE} RETURNING id
+WHERE id = $1 AND tenant = $2 AND namespace = $3 AND {_VISIBLE} RETURNING id
 """
 _DELETE_FILES = "DELETE FROM files WHERE id = ANY($1::text[])"
 _LIST = f"""
 SELECT {_COLUMNS} FROM files
-WHERE tenant = $1 AND {_VISIBLE} AND ($2::text IS NULL OR purpose = $2)
-  AND ($3::text IS NULL OR (created_at, id) {{op}} (SELECT created_at, id FROM files WHERE id = $3 AND tenant = $1))
+WHERE namespace = $5 AND tenant = $1 AND {_VISIBLE} AND ($2::text IS NULL OR purpose = $2)
+  AND ($3::text IS NULL OR (created_at, id) {{op}} (
+      SELECT created_at, id FROM files WHERE id = $3 AND tenant = $1 AND namespace = $5))
 ORDER BY created_at {{direction}}, id {{direction}} LIMIT $4
 """
 _LIST_ASC = _LIST.format(op=">", direction="ASC")
 _LIST_DESC = _LIST.format(op="<", direction="DESC")
 _SWEEPABLE = """
 SELECT id FROM files
-WHERE (status = 'uploading' AND touched_at < now() - make_interval(secs => $1))
-   OR (expires_at IS NOT NULL AND expires_at <= now())
+WHERE namespace = $2 AND (
+    (status = 'uploading' AND touched_at < now() - make_interval(secs => $1))
+    OR (expires_at IS NOT NULL AND expires_at <= now()))
 LIMIT 1000
 """
