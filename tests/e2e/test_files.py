@@ -250,6 +250,10 @@ _FORM = "multipart/form-data; boundary=XyZ"
     [
         ("application/json", b'{"purpose": "batch"}', "invalid_content_type", None),
         ("multipart/form-data", b"--XyZ--\r\n", "invalid_content_type", None),
+        # Boundaries longer than RFC 2046's 70 characters (70 is taken: the next test).
+        (f"multipart/form-data; boundary={'b' * 71}", b"--" + b"b" * 71 + b"--\r\n", "invalid_content_type", None),
+        (f"multipart/form-data; boundary={'b' * 257}", b"--" + b"b" * 257 + b"--\r\n", "invalid_content_type", None),
+        (f"multipart/form-data; boundary={'b' * 5000}", b"--" + b"b" * 5000 + b"--\r\n", "invalid_content_type", None),
         (_FORM, b"this is not multipart at all", "invalid_multipart", None),
         # The body ends before its closing boundary.
         (
@@ -300,6 +304,18 @@ def test_malformed_uploads_are_400(
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == code and error["param"] == param
     assert asyncio.run(_stored_files(database_url, "tests")) == before
+
+
+def test_a_boundary_of_rfc_2046s_70_characters_is_taken(gateway: Service, api_key: str) -> None:
+    dashes = b"--" + b"b" * 70
+    body = (
+        dashes + b'\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        + dashes + b'\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{}\n\r\n'
+        + dashes + b"--\r\n"
+    )  # fmt: skip
+    response = _post(gateway, api_key, body, f"multipart/form-data; boundary={'b' * 70}")
+    assert response.status_code == 200, response.text
+    assert response.json()["bytes"] == 3
 
 
 def test_over_the_limit_is_413_and_keeps_nothing(small_gateway: Service, api_key: str, database_url: str) -> None:

@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # a TypedDict python-multipart declares for type checkers onl
     from python_multipart.multipart import MultipartCallbacks
 
 MALFORMED = "The request body is not valid multipart/form-data."
+# RFC 2046 section 5.1.1: a boundary has 1 to 70 characters.
+MAX_BOUNDARY = 70
 
 
 def malformed(reason: str = "") -> InvalidRequest:
@@ -26,13 +28,18 @@ def boundary_of(content_type: str | None) -> bytes:
     """The boundary of a `multipart/form-data` Content-Type.
 
     Raises:
-        InvalidRequest: another type, or no boundary.
+        InvalidRequest: another type, or no boundary, or one longer than RFC 2046 allows.
     """
     kind, options = parse_options_header(content_type)
     boundary = options.get(b"boundary")
     if kind != b"multipart/form-data" or not boundary:
         raise InvalidRequest(
             "The request body must be multipart/form-data (with a boundary).", code="invalid_content_type"
+        )
+    if len(boundary) > MAX_BOUNDARY:
+        raise InvalidRequest(
+            f"The multipart boundary has {len(boundary)} characters; RFC 2046 allows at most {MAX_BOUNDARY}.",
+            code="invalid_content_type",
         )
     return boundary
 
