@@ -6,6 +6,8 @@ from starlette.types import Scope
 
 from shared.tracing import exemplar
 
+# The methods a label names; any other a client sends is `other` (label values never grow without bound).
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # Seconds; LLM requests run from milliseconds (errors, listings) to minutes (long answers).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -31,5 +33,6 @@ class HttpMetrics:
     def observe(self, scope: Scope, status: int, duration_s: float) -> None:
         route = scope.get("route")
         template = getattr(route, "path", "unmatched")
-        self.requests.labels(template, scope["method"], str(status)).inc()
-        self.duration.labels(template, scope["method"]).observe(duration_s, exemplar())
+        method = scope["method"] if scope["method"] in _METHODS else "other"
+        self.requests.labels(template, method, str(status)).inc()
+        self.duration.labels(template, method).observe(duration_s, exemplar())

@@ -3,6 +3,7 @@ support; and how long a request may wait for a worker of a model that has none (
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import Mapping
 from typing import Any, get_args
@@ -155,6 +156,21 @@ class ModelCatalog:
             raise no_worker(model)
         model, live = await self.require(name)
         return model, live, 0.0
+
+    def label(self, name: str) -> str:
+        """`name` as a metric label's value: the model it refers to if a live worker served it at the
+        last refresh, else `unknown` (a client's string would grow /metrics without bound). No I/O."""
+        model = self._aliases.get(name, name)
+        return model if model in self._live else "unknown"
+
+    async def served_name(self, name: str) -> str | None:
+        """The model `name` refers to if this deployment serves it, live now or not (a request for
+        it may wait for a worker: `require_or_wait`); None if it does not exist here."""
+        try:
+            model, _, _ = await self.require_or_wait(name, wait_s=math.inf)
+        except ModelNotFound:
+            return None
+        return model
 
     async def listing(self) -> list[dict[str, Any]]:
         """OpenAI `/v1/models` entries: live models and the aliases that point at them."""

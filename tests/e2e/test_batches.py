@@ -1,7 +1,8 @@
 """OpenAI's Batch API through the official `openai` client, on the shared stack: a batch's file
 uploaded, validated, its lines run on the sim worker and their answers in its output file exactly
 once; a bad file fails at validation with its lines named; a line the key may not run is a 4xx
-in the error file while the others complete; cancel; tenancy; list paging."""
+in the error file while the others complete, a line naming no served model a 404 at once; cancel;
+tenancy; list paging; two deployments sharing one database, each running only its own batches."""
 
 import asyncio
 import datetime as dt
@@ -9,6 +10,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -27,7 +29,7 @@ from shared.ratelimit import budget_window
 from shared.tokens import estimate_tokens
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
-from tests.e2e.stack import ADMIN_TOKEN, Stack
+from tests.e2e.stack import ADMIN_TOKEN, INTERNAL_AUTH, Stack
 from tests.e2e.test_workers import client_for, holder, metric, sim_worker, wait_listed
 
 pytestmark = pytest.mark.e2e
@@ -152,6 +154,14 @@ async def _lines_left(database_url: str, batch_id: str) -> int:
         (orjson.dumps(_line("req-0")), "duplicate_custom_id"),
         (orjson.dumps(_line("req-x", url="/v1/completions")), "invalid_url"),
         (orjson.dumps({**_line("req-y"), "method": "GET"}), "invalid_method"),
+        # PostgreSQL's text cannot hold U+0000, nor orjson write back a body nested 300 deep: such
+        # lines once left their batch `validating` for ever.
+        (orjson.dumps(_line("req\x00z")), "invalid_custom_id"),
+        (orjson.dumps(_line("req-z", model="sim\x00model")), "invalid_model"),
+        (
+            orjson.dumps(_line("req-deep"))[:-2] + b', "deep": ' + b"[" * 300 + b"]" * 300 + b"}}",
+            "invalid_body",
+        ),
     ],
 )
 def test_a_bad_file_fails_at_validation_naming_its_line(client: OpenAI, bad: bytes, code: str) -> None:
@@ -163,6 +173,83 @@ def test_a_bad_file_fails_at_validation_naming_its_line(client: OpenAI, bad: byt
     assert failed.errors is not None and failed.errors.data
     assert [(e.code, e.line) for e in failed.errors.data] == [(code, 3)]
     assert failed.output_file_id is None
+
+
+def test_a_line_naming_no_served_model_is_404_at_once_and_the_batch_completes(
+    client: OpenAI, sessions: Service
+) -> None:
+    """Each line naming a model that does not exist gets, in the error file at once, what the same
+    request gets online (404 `model_not_found`; 400 for a name longer than a model's may be); no
+    metric label takes the client's string."""
+    unknown = ["m" * 300, "no-such-model!", "café"]
+    online = {}
+    for model in unknown:
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(**_line("online", model=model)["body"])
+        online[model] = (refused.value.status_code, refused.value.body["code"])  # type: ignore[index]
+    assert online["no-such-model!"] == online["café"] == (404, "model_not_found")
+    lines = [_line("ok"), *(_line(f"unknown-{i}", model=model) for i, model in enumerate(unknown))]
+    started = time.monotonic()
+    batch = _create(client, lines)
+    done = wait_status(client, batch.id, {"completed", "failed", "expired"}, timeout_s=20)
+    assert done.status == "completed" and time.monotonic() - started < 20
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 3)
+    assert done.error_file_id is not None
+    errors = {line["custom_id"]: line["response"] for line in content_lines(client, done.error_file_id)}
+    for i, model in enumerate(unknown):
+        response = errors[f"unknown-{i}"]
+        assert (response["status_code"], response["body"]["error"]["code"]) == online[model]
+    text = httpx.get(f"{sessions.url}/metrics", headers=INTERNAL_AUTH, timeout=10).text
+    labelled = [line for line in text.splitlines() if line.startswith("axon_sessions_batch_lines_total{")]
+    assert labelled and not any(f'model="{model}"' in line for line in labelled for model in unknown)
+    assert metric(sessions, "axon_sessions_batch_lines_total", model="unknown", outcome="failed") >= 3
+
+
+def test_two_deployments_sharing_a_database_each_run_their_own_batches(
+    stack: Stack, api_key: str, log_dir: Path
+) -> None:
+    """A second deployment (its own namespace and model, the same PostgreSQL, Redis and broker)
+    started while the first runs a batch: each batch has every line answered once, none failed by
+    the other deployment (which once leased every unfinished batch and failed the lines of models
+    it did not serve)."""
+    model_a, model_b = "isolation-a-sim", "isolation-b-sim"
+    sim_worker(stack, "isolation-a", model_a, AXON_SIM_ITL_MS="300")
+    first = client_for(stack.start("gateway:isolation-a", env={"AXON_SESSIONS_URL": _sessions_of(stack).url}), api_key)
+    wait_listed(first, model_a)
+    batch_a = _create(first, [_line(f"a-{i}", model=model_a, max_tokens=16) for i in range(4)])
+    wait_status(first, batch_a.id, {"in_progress"})
+    other = Stack(
+        namespace=f"{stack.namespace}-other",
+        database_url=stack.database_url,
+        redis_url=stack.redis_url,
+        amqp_url=stack.amqp_url,
+        log_dir=log_dir,
+    )
+    try:
+        sim_worker(other, "isolation-b", model_b, AXON_SIM_ITL_MS="5")
+        second = client_for(other.start("gateway", env={"AXON_SESSIONS_URL": other.start("sessions").url}), api_key)
+        wait_listed(second, model_b)
+        batch_b = _create(second, [_line(f"b-{i}", model=model_b) for i in range(4)])
+        for client, batch, prefix in ((first, batch_a, "a"), (second, batch_b, "b")):
+            done = wait_status(client, batch.id, {"completed", "failed", "expired", "cancelled"})
+            assert done.request_counts is not None
+            counts = (done.status, done.request_counts.completed, done.request_counts.failed)
+            assert counts == ("completed", 4, 0), done
+            assert done.output_file_id is not None and done.error_file_id is None
+            output = content_lines(client, done.output_file_id)
+            assert sorted(line["custom_id"] for line in output) == [f"{prefix}-{i}" for i in range(4)]
+        # Neither deployment sees the other's batch.
+        with pytest.raises(NotFoundError):
+            second.batches.retrieve(batch_a.id)
+        with pytest.raises(NotFoundError):
+            first.batches.retrieve(batch_b.id)
+    finally:
+        other.close()
+
+
+def _sessions_of(stack: Stack) -> Service:
+    return next(s for s in stack.services if s.name == "sessions")
 
 
 def test_bad_batch_requests_are_clear_errors(client: OpenAI, limited: OpenAI) -> None:

@@ -9,7 +9,9 @@ Each line goes through the online endpoint's own path (`CompletionService`, `Cha
 `ResponsesService.create`) after the key's admission (`admission.py`): a body it refuses, a model
 the key may not use, a spent budget are that line's 4xx in the error file. A line that finds no
 capacity (503: no worker yet, a full queue) is tried again until the window ends; one that fails
-on the server's side (5xx) up to `AXON_BATCH_LINE_ATTEMPTS` times.
+on the server's side (5xx) up to `AXON_BATCH_LINE_ATTEMPTS` times. A line naming a model that
+does not exist in this deployment is released at once, whatever the slack, and so answered at
+once with the 404 `model_not_found` an online request gets.
 """
 
 import asyncio
@@ -337,11 +339,16 @@ class BatchService:
     async def _release(
         self, record: BatchRecord, lines: list[PendingLine], running: dict[int, "asyncio.Task[None]"], free: int
     ) -> list[PendingLine]:
-        """Start up to `free` of `lines` whose model has slack; the others, held."""
+        """Start up to `free` of `lines` whose model has slack or does not exist (answered 404 at
+        once); the others, held."""
         held: list[PendingLine] = []
         for line in lines:
-            if free > 0 and await self._slack.take(line.model, record.tenant):
-                running[line.line] = asyncio.create_task(self._line(record, line))
+            if free <= 0:
+                held.append(line)
+                continue
+            served = await self._catalog.served_name(line.model)
+            if served is None or await self._slack.take(served, record.tenant):
+                running[line.line] = asyncio.create_task(self._line(record, line, served=served))
                 free -= 1
             else:
                 held.append(line)
@@ -382,15 +389,16 @@ class BatchService:
 
     # One line.
 
-    async def _line(self, record: BatchRecord, line: PendingLine) -> None:
-        """Answer one line (trying again what capacity or the server refused) and record it once."""
+    async def _line(self, record: BatchRecord, line: PendingLine, *, served: str | None) -> None:
+        """Answer one line (trying again what capacity or the server refused) and record it once;
+        `served`: the model its `model` refers to, None if it does not exist here."""
         self._metrics.batch_lines_running.inc()
         try:
-            await self._answer_line(record, line)
+            await self._answer_line(record, line, served=served)
         finally:
             self._metrics.batch_lines_running.dec()
 
-    async def _answer_line(self, record: BatchRecord, line: PendingLine) -> None:
+    async def _answer_line(self, record: BatchRecord, line: PendingLine, *, served: str | None) -> None:
         request_id = line_request_id(record.id, line.line)
         attempts = 0
         while True:
@@ -413,13 +421,13 @@ class BatchService:
                 continue
             break
         result = output_line(request_id, line.custom_id, status, body)
-        # Model label values come from clients: a model no worker ever served is `unknown`.
-        model = "unknown" if status == 404 else line.model
-        self._metrics.batch_lines.labels(model, "completed" if status == 200 else "failed").inc()
+        # A label's value is the model served, never a client's string (that would grow /metrics).
+        self._metrics.batch_lines.labels(served or "unknown", "completed" if status == 200 else "failed").inc()
         outage = Outage("batch_line_record")
         while True:
             try:
-                await self.store.answer(record.id, line.line, ok=status == 200, result=result)
+                if not await self.store.answer(record.id, line.line, ok=status == 200, result=result):
+                    log.warning("batch_line_answered_twice", line=line.line, status=status)
                 return
             except Exception as exc:  # noqa: BLE001 - PostgreSQL away: the answer waits for it
                 await asyncio.sleep(outage.failed(exc))

@@ -202,7 +202,7 @@ class BatchStore:
         `from_`; the batch as it is then, or None if it was not."""
         values: dict[str, Any] = {f"{to}_at": dt.datetime.now(dt.UTC), **fields}
         if "errors" in values:
-            values["errors"] = orjson.dumps(values["errors"]).decode()
+            values["errors"] = _jsonb(values["errors"])
         sets = ", ".join(
             f"{name} = ${i}" + ("::jsonb" if name == "errors" else "") for i, name in enumerate(values, start=4)
         )
@@ -390,10 +390,11 @@ DELETE FROM batches WHERE id IN (
 """
 
 
-def _jsonb(value: dict[str, Any]) -> str:
-    """`value` as JSON PostgreSQL's jsonb takes: U+0000 (an answer or an error may echo it) becomes
-    U+FFFD, as in every text the platform stores (`shared/postgres_text.py`); refused, the line's
-    answer would be retried for ever."""
+def _jsonb(value: Any) -> str:
+    """`value` as JSON PostgreSQL's jsonb takes: U+0000 (an answer or an error may echo it, as a
+    validation error names a line's unknown field) becomes U+FFFD, as in every text the platform
+    stores (`shared/postgres_text.py`); refused, a line's answer or a batch's errors would be
+    retried for ever."""
     text = orjson.dumps(value).decode()
     return text if "\\u0000" not in text else orjson.dumps(_storable(value)).decode()
 

@@ -1,6 +1,7 @@
 """A batch's input file checked as OpenAI checks it, read in pieces (never whole): each line a
 JSON object `{"custom_id", "method": "POST", "url": <the batch's endpoint>, "body": {..., "model"}}`,
-every `custom_id` distinct. A file that breaks a rule fails its batch with `errors` naming each
+every `custom_id` distinct, and neither it nor the model holding U+0000 (PostgreSQL's text cannot).
+A file that breaks a rule fails its batch with `errors` naming each
 line; what each body asks is judged when its line runs (the online endpoint's checks).
 """
 
@@ -20,6 +21,9 @@ MAX_LINE_BYTES = 64 * 1024 * 1024
 MAX_CUSTOM_ID = 512
 # The errors a failed batch lists at most (validation stops at this many).
 MAX_ERRORS = 100
+# The deepest a body may nest arrays and objects: what orjson writes back (the line is stored as
+# its body written again).
+MAX_BODY_DEPTH = 254
 # What one line may count at most (an integer column).
 _MAX_LINE_TOKENS = 2**31 - 1
 _LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
@@ -120,8 +124,8 @@ class Validator:
         if unknown := sorted(parsed.keys() - _LINE_KEYS):
             return None, LineError("invalid_request", f"Unknown field '{unknown[0]}' in the line.", number, unknown[0])
         custom_id = parsed.get("custom_id")
-        if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID:
-            message = f"custom_id must be a string of 1 to {MAX_CUSTOM_ID} characters."
+        if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID or "\x00" in custom_id:
+            message = f"custom_id must be a string of 1 to {MAX_CUSTOM_ID} characters, none of them U+0000."
             return None, LineError("invalid_custom_id", message, number, "custom_id")
         if parsed.get("method") != "POST":
             return None, LineError("invalid_method", "The method of each request must be POST.", number, "method")
@@ -134,12 +138,18 @@ class Validator:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             return None, LineError("missing_model", "The body must name a model.", number, "body.model")
+        if "\x00" in model:
+            return None, LineError("invalid_model", "The model's name cannot hold U+0000.", number, "body.model")
         digest = hashlib.blake2b(custom_id.encode(), digest_size=16).digest()
         first = self._seen.setdefault(digest, number)
         if first != number:
             message = f"The custom_id '{custom_id}' is also the one of line {first}; each must be unique."
             return None, LineError("duplicate_custom_id", message, number, "custom_id")
-        text = orjson.dumps(body).decode()
+        try:
+            text = orjson.dumps(body).decode()
+        except orjson.JSONEncodeError:
+            message = f"body nests arrays and objects more than {MAX_BODY_DEPTH} levels deep."
+            return None, LineError("invalid_body", message, number, "body")
         return BatchLine(number, custom_id, model, text, self._most_tokens(body, len(text))), None
 
     def _most_tokens(self, body: dict[str, Any], chars: int) -> int:

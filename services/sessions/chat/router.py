@@ -17,7 +17,7 @@ from services.sessions.chat.resume import open_chat_stream
 from services.sessions.deps import MAX_BODY_BYTES, CallerDep, ServicesDep, SessionServices, caller_from, services_of
 from services.sessions.sse import SSE_HEADERS, StreamKeepAlive, sse_error
 from shared.disconnects import DisconnectWatch
-from shared.errors import AxonError, ModelNotFound
+from shared.errors import AxonError
 from shared.hot_routes import HotRoute, read_body, send_json
 from shared.http_responses import SSE_END
 from shared.internal_headers import Caller
@@ -36,19 +36,17 @@ def _hot_completion(kind: Kind) -> HotRoute:
         metrics = services.metrics
         caller = caller_from(scope)
         body = parse_request(kind, await read_body(scope, receive, max_bytes=MAX_BODY_BYTES), services.request_limits)
-        status, model = 500, body.model
+        status = 500
         try:
             status = await _complete(services, body, kind=kind, caller=caller, scope=scope, receive=receive, send=send)
         except AxonError as exc:
             status = exc.status_code
-            model = "unknown" if isinstance(exc, ModelNotFound) else model
             raise
         except asyncio.CancelledError:
             status = 499  # the client went away (or the process is stopping)
             raise
         finally:
-            # Model label values come from clients: a model no worker ever served is `unknown`.
-            metrics.completion_requests.labels(path, model, str(status)).inc()
+            metrics.completion_requests.labels(path, services.catalog.label(body.model), str(status)).inc()
 
     return HotRoute("POST", path, handler)
 

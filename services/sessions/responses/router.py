@@ -23,7 +23,7 @@ from services.sessions.responses.service import ResponsesService
 from services.sessions.responses.store import StoredResponse
 from services.sessions.sse import SSE_HEADERS, StreamKeepAlive
 from shared.disconnects import DisconnectWatch
-from shared.errors import AxonError, InvalidRequest, ModelNotFound, invalid_request
+from shared.errors import AxonError, InvalidRequest, invalid_request
 from shared.hot_routes import HotRoute, read_body, send_json
 from shared.internal_headers import Caller
 from shared.logging import bind_contextvars
@@ -53,18 +53,17 @@ async def _create(scope: Scope, receive: Receive, send: Send) -> None:
     body = parse_response_create(await read_body(scope, receive, max_bytes=MAX_BODY_BYTES))
     if body.user is not None:
         bind_contextvars(user=body.user)
-    status, model = 500, body.model
+    status = 500
     try:
         status = await _respond(service, body, caller=caller, scope=scope, receive=receive, send=send)
     except AxonError as exc:
         status = exc.status_code
-        model = "unknown" if isinstance(exc, ModelNotFound) else model
         raise
     except asyncio.CancelledError:
         status = 499  # the client went away (or the process is stopping)
         raise
     finally:
-        metrics.completion_requests.labels(PATH, model, str(status)).inc()
+        metrics.completion_requests.labels(PATH, services.catalog.label(body.model), str(status)).inc()
 
 
 async def _respond(

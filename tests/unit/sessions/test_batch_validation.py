@@ -37,6 +37,16 @@ def _line(custom_id: str = "a", **fields: object) -> bytes:
     return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": CHAT, "body": body, **fields})
 
 
+def _nested_line(depth: int, custom_id: str = "deep") -> bytes:
+    """A line whose body nests arrays `depth` levels deep (the body itself the first)."""
+    nested = "[" * (depth - 1) + "]" * (depth - 1)
+    return b'{"custom_id": "%s", "method": "POST", "url": "%s", "body": {"model": "m", "x": %s}}' % (
+        custom_id.encode(),
+        CHAT.encode(),
+        nested.encode(),
+    )
+
+
 def _check(*raw: bytes, max_lines: int = 100) -> Validator:
     validator = Validator(endpoint=CHAT, max_lines=max_lines, default_max_tokens=256)
     for number, line in enumerate(raw, 1):
@@ -65,11 +75,19 @@ def test_a_valid_line_keeps_its_body_model_and_most_tokens() -> None:
         (_line(url="/v1/completions"), "invalid_url", "url"),
         (_line(body=[]), "invalid_body", "body"),
         (_line(body={"messages": []}), "missing_model", "body.model"),
+        (_line("a\x00b"), "invalid_custom_id", "custom_id"),
+        (_line(body={"model": "m\x00"}), "invalid_model", "body.model"),
+        (_nested_line(300), "invalid_body", "body"),
     ],
 )
 def test_each_broken_rule_names_its_line(raw: bytes, code: str, param: str | None) -> None:
     errors = _check(_line("a"), raw).errors
     assert [(e.code, e.line, e.param) for e in errors] == [(code, 2, param)]
+
+
+def test_a_body_as_deep_as_the_limit_is_valid() -> None:
+    assert _check(_nested_line(validation.MAX_BODY_DEPTH)).errors == []
+    assert [e.code for e in _check(_nested_line(validation.MAX_BODY_DEPTH + 1)).errors] == ["invalid_body"]
 
 
 def test_a_duplicate_custom_id_names_both_lines_and_blank_lines_count() -> None:

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from services.sessions.app import create_app
-from services.sessions.catalog import require_supported
+from services.sessions.catalog import ModelCatalog, require_supported
 from services.sessions.deps import SessionServices
 from services.sessions.job_building import JobBuilder
 from services.sessions.metrics import SessionsMetrics
@@ -47,7 +47,8 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         chat=None,  # type: ignore[arg-type]
         responses=None,  # type: ignore[arg-type]
         run_on=None,  # type: ignore[arg-type]
-        catalog=None,  # type: ignore[arg-type]
+        # Read only for a metric's label (`ModelCatalog.label`: its cache, empty here; no registry call).
+        catalog=ModelCatalog(None, cache_ttl_s=1.0),  # type: ignore[arg-type]
         sessions=None,  # type: ignore[arg-type]
         chunk_log=None,  # type: ignore[arg-type]
         metrics=SessionsMetrics(),
