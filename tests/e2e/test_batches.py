@@ -1,7 +1,8 @@
 """OpenAI's Batch API through the official `openai` client, on the shared stack: a batch's file
 uploaded, validated, its lines run on the sim worker and their answers in its output file exactly
 once; a bad file fails at validation with its lines named; a line the key may not run is a 4xx
-in the error file while the others complete, a line naming no served model a 404 at once; cancel;
+in the error file while the others complete, a line naming no served model a 404 at once, one of
+a served model with no live worker waiting for one; cancel;
 tenancy; list paging; two deployments sharing one database, each running only its own batches."""
 
 import asyncio
@@ -246,6 +247,32 @@ def test_two_deployments_sharing_a_database_each_run_their_own_batches(
             first.batches.retrieve(batch_b.id)
     finally:
         other.close()
+
+
+def test_a_line_of_a_served_model_with_no_live_worker_waits_for_one(stack: Stack, client: OpenAI, api_key: str) -> None:
+    """A model the deployment serves, its only worker gone: its lines wait (never fail for that)
+    and are answered once a worker of it is back."""
+    model = "isolation-waiting-sim"
+    gone = sim_worker(stack, "isolation-waiting", model)
+    wait_listed(client, model)
+    gone.kill()
+    deadline = time.monotonic() + 30
+    while model in [m.id for m in client.models.list().data]:
+        assert time.monotonic() < deadline, f"{model} still listed"
+        time.sleep(0.2)
+    batch = _create(client, [_line(f"w-{i}", model=model) for i in range(2)])
+    wait_status(client, batch.id, {"in_progress"})
+    # For 3 s (a refusal for want of a worker, 503, comes at once), no line ends.
+    watched_until = time.monotonic() + 3
+    while time.monotonic() < watched_until:
+        waiting = client.batches.retrieve(batch.id)
+        assert waiting.status == "in_progress" and waiting.request_counts is not None
+        assert (waiting.request_counts.completed, waiting.request_counts.failed) == (0, 0)
+        time.sleep(0.3)
+    sim_worker(stack, "isolation-back", model)
+    done = wait_status(client, batch.id, {"completed", "failed", "expired"})
+    assert done.request_counts is not None
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 2, 0)
 
 
 def _sessions_of(stack: Stack) -> Service:
