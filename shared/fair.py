@@ -208,7 +208,7 @@ class FairShare:
     async def enqueued(self, model: str, tenant: str, *, band: Band, count: int = 1) -> int:
         """`count` more jobs of `tenant` wait in its queue; returns how many wait now."""
         keys = self._keys(model, band, "waiting", "backlog", "served", "vtime", "active")
-        args = [tenant, count, FAIR_TTL_S, self._names.fair_ready(model), IDLE_AFTER_MS]
+        args: list[str | int] = [tenant, count, FAIR_TTL_S, self._names.fair_ready(model), IDLE_AFTER_MS]
         return int(await self._pipe.evalsha(_ENQUEUED, keys, args))
 
     async def claim(self, model: str, *, band: Band, excluded: Collection[str] = ()) -> str | None:
