@@ -8,10 +8,13 @@ import pytest
 
 from services.sessions.job_publishing import JobPublisher
 from shared.clients import connect_amqp
-from shared.errors import Unavailable
+from shared.errors import RateLimited, Unavailable
+from shared.fair import INTERACTIVE, FairShare
+from shared.internal_headers import ENQUEUED_AT_HEADER
 from shared.names import Names
+from shared.redis_pipe import RedisPipe
 from shared.schemas import Job
-from shared.topology import declare_job_queue
+from shared.topology import declare_job_queue, declare_tenant_queue
 
 
 @pytest.fixture
@@ -103,3 +106,65 @@ async def test_a_job_whose_queue_vanished_is_refused_and_the_queue_comes_back(br
     message = await queue.get(timeout=5)
     assert message.message_id == job.job_id
     await message.ack()
+
+
+@pytest.fixture
+async def fair_publisher(broker, service_urls):
+    """A publisher with the fair share on (the real Redis); the tenant queue deleted after."""
+    connection, names = broker
+    pipe = RedisPipe(service_urls.redis, timeout_s=5)
+    publisher = JobPublisher(connection, names, max_queued_jobs=4, publish_timeout_s=5, fair=FairShare(pipe, names))
+    await publisher.start()
+    yield publisher, pipe
+    channel = await connection.channel()
+    await channel.queue_delete(names.tenant_queue("m", "t1"))
+    keys = await pipe.execute("KEYS", f"{names.namespace}:*")
+    if keys:
+        await pipe.execute("DEL", *keys)
+    await pipe.aclose()
+
+
+async def test_with_the_fair_share_a_job_waits_in_its_tenants_queue_counted_once(broker, fair_publisher) -> None:
+    connection, names = broker
+    publisher, pipe = fair_publisher
+    job = _job(names).model_copy(update={"tenant": "t1"})
+    await publisher.publish(job, priority=3, request_id="req-1")
+    channel = await connection.channel()
+    queue = await declare_tenant_queue(channel, names, "m", "t1", batch=False, max_queued_jobs=4)
+    message = await queue.get(timeout=5)
+    assert Job.model_validate_json(message.body) == job
+    assert isinstance(message.headers[ENQUEUED_AT_HEADER], int)
+    await message.ack()
+    state = await FairShare(pipe, names).state("m", band=INTERACTIVE)
+    assert state.waiting == {"t1": 1}
+
+
+async def test_a_tenant_past_its_share_of_the_queue_is_refused_with_429(broker, fair_publisher) -> None:
+    _connection, names = broker
+    publisher, _pipe = fair_publisher
+    for _ in range(4):  # alone, the tenant may fill the queue's length
+        await publisher.publish(_job(names).model_copy(update={"tenant": "t1"}), priority=1, request_id="r")
+    with pytest.raises(RateLimited) as refused:
+        await publisher.publish(_job(names).model_copy(update={"tenant": "t1"}), priority=1, request_id="r")
+    assert refused.value.code == "tenant_queue_full"
+    assert refused.value.headers["Retry-After"] == "1"
+
+
+async def test_redis_away_the_job_goes_first_in_first_out_said_once(broker, capsys) -> None:
+    connection, names = broker
+    # Nothing listens on that port: every fair-share call fails at once.
+    pipe = RedisPipe("redis://127.0.0.1:1/0", timeout_s=1)
+    publisher = JobPublisher(connection, names, max_queued_jobs=10, publish_timeout_s=5, fair=FairShare(pipe, names))
+    await publisher.start()
+    jobs = [_job(names) for _ in range(3)]
+    for job in jobs:
+        await publisher.publish(job, priority=1, request_id="r")
+    channel = await connection.channel()
+    queue = await declare_job_queue(channel, names, "m", max_queued_jobs=10)
+    got = []
+    while (message := await queue.get(timeout=5, fail=False)) is not None:
+        got.append(Job.model_validate_json(message.body).job_id)
+        await message.ack()
+    assert got == [job.job_id for job in jobs]  # each once, in order
+    assert capsys.readouterr().out.count("fair_share_failed") == 1
+    await pipe.aclose()
