@@ -235,3 +235,9 @@ def test_a_killed_session_managers_resumable_turn_and_stored_response_run_on(out
     )
     assert done.status == "incomplete" and done.usage is not None and done.usage.output_tokens == 100
     assert metric(worker, "axon_worker_jobs_total", model=ONE_SEQ_MODEL, outcome="unheard") == unheard_before
+    # The stored response's job waited in its tenant's queue (the fair share) when its session
+    # manager died, and ran once all the same.
+    waited = metric(
+        worker, "axon_worker_tenant_queue_wait_seconds_count", band="interactive", model=ONE_SEQ_MODEL, tenant="tests"
+    )
+    assert waited >= 2

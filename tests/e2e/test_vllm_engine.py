@@ -17,8 +17,10 @@ Requests are short, greedy where an exact answer is compared. (Tensor parallelis
 core killed alone and a failed start: tests/e2e/test_vllm_parallel.py.)
 """
 
+import asyncio
 import json
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -30,13 +32,15 @@ import instructor
 import openai
 import pytest
 from langchain_openai import ChatOpenAI
-from openai import OpenAI
+from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel, Field
 
 from services.cli import launcher
 from services.cli.launcher import Service
 from services.worker.engines.gguf import bundled_gguf_path, converted_model
+from shared.keys import KeyLimits
 from shared.settings import DEFAULT_MODEL
+from tests.conftest import create_key
 from tests.contract.transport import ContractTransport
 from tests.e2e.hostile_schemas import ADMITTED, NOWHERE, REFUSED, TOO_COMPLEX, Sender, check, health_watched
 from tests.e2e.load import report
@@ -477,6 +481,52 @@ def test_a_small_batch_answers_each_line_as_the_same_request_online(sdk: OpenAI,
 
 
 # --- failing and stopping workers (last: they kill workers) -----------------------------------
+
+
+def test_a_quiet_tenants_first_token_beside_a_burst_four_times_the_worker(
+    sdk: OpenAI, vllm_worker: Service, gateway: Service, database_url: str
+) -> None:
+    """Fair share on the real vLLM (issue 36): a quiet tenant's time to first token beside another
+    tenant's burst of 4 x the worker's sequences stays within 1.5 x its time beside a burst that
+    just fills them (the engine's own cost of a full batch: no queue), in the same run."""
+    limits = KeyLimits(rpm=1_000_000, tpm=100_000_000, max_concurrent=10_000)
+    quiet_key, noisy_key = (
+        asyncio.run(create_key(database_url, name=t, limits=limits, tenant=t)) for t in ("vllm-quiet", "vllm-noisy")
+    )
+    seqs = int(metric(vllm_worker, "axon_worker_max_sequences", model=MODEL))
+
+    async def quiet_ttft_beside(streams: int) -> float:
+        noisy = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=noisy_key, max_retries=0, timeout=120)
+        quiet = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=quiet_key, max_retries=0, timeout=120)
+        stop = asyncio.Event()
+
+        async def first_token(client: AsyncOpenAI, max_tokens: int) -> float:
+            started = time.perf_counter()
+            ttft = 0.0
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=STORY, max_tokens=max_tokens, stream=True, temperature=0
+            )
+            async for chunk in stream:
+                if not ttft and chunk.choices and chunk.choices[0].delta.content:
+                    ttft = time.perf_counter() - started
+            return ttft
+
+        async def keep_going() -> None:
+            while not stop.is_set():
+                await first_token(noisy, 32)
+
+        burst = [asyncio.create_task(keep_going()) for _ in range(streams)]
+        await asyncio.sleep(3)  # the burst runs (and, at 4 x, queues)
+        ttfts = [await first_token(quiet, 4) for _ in range(7)]
+        stop.set()
+        await asyncio.gather(*burst)
+        return statistics.median(ttfts)
+
+    full = asyncio.run(quiet_ttft_beside(seqs - 1))
+    four_times = asyncio.run(quiet_ttft_beside(4 * seqs))
+    report("quiet tenant's TTFT p50 on vLLM", seqs=seqs, beside_full_s=round(full, 3), beside_4x_s=round(four_times, 3))
+    assert four_times <= 1.5 * full + 0.05, (full, four_times)
+
 
 CITY = {
     "type": "json_schema",
