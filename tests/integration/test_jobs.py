@@ -168,3 +168,15 @@ async def test_redis_away_the_job_goes_first_in_first_out_said_once(broker, caps
     assert got == [job.job_id for job in jobs]  # each once, in order
     assert capsys.readouterr().out.count("fair_share_failed") == 1
     await pipe.aclose()
+
+
+async def test_a_broker_that_confirms_too_late_while_up_is_named_overload(broker) -> None:
+    connection, names = broker
+    # No broker confirms within a microsecond: the publish times out with the connection up.
+    publisher = JobPublisher(connection, names, max_queued_jobs=10, publish_timeout_s=1e-6)
+    await publisher.start()
+    with pytest.raises(Unavailable) as refused:
+        await publisher.publish(_job(names), priority=1, request_id="r")
+    assert refused.value.code == "overloaded"
+    assert "overloaded" in refused.value.message and "unavailable" not in refused.value.message
+    assert refused.value.headers["Retry-After"] == "2"
