@@ -35,6 +35,7 @@ Redis away, session managers publish to the model's shared queue, first in first
 
 import asyncio
 import contextlib
+import dataclasses
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -183,6 +184,8 @@ class BandState:
 
     waiting: dict[str, int]
     served: dict[str, float]
+    # Every tenant that queued a job or was served in the last week.
+    known: frozenset[str] = frozenset()
 
 
 class FairShare:
@@ -219,15 +222,19 @@ class FairShare:
         return tenant.decode() if isinstance(tenant, bytes) else tenant
 
     async def state(self, model: str, *, band: Band) -> BandState:
-        """How many jobs each tenant has waiting, and what each was served (weighted)."""
-        waiting, served = await asyncio.gather(
+        """How many jobs each tenant has waiting, what each was served (weighted), and who queued
+        or was served lately."""
+        waiting, served, active = await asyncio.gather(
             self._pipe.execute("HGETALL", self._names.fair(model, band, "waiting")),
             self._pipe.execute("HGETALL", self._names.fair(model, band, "served")),
+            self._pipe.execute("HKEYS", self._names.fair(model, band, "active")),
         )
-        return BandState(
+        state = BandState(
             waiting={tenant: int(n) for tenant, n in _pairs(waiting).items()},
             served={tenant: float(v) for tenant, v in _pairs(served).items()},
         )
+        known = frozenset(state.waiting) | frozenset(state.served) | {t.decode() for t in active}
+        return dataclasses.replace(state, known=known)
 
     def settle(self, model: str, band: Band, served: dict[str, float]) -> "asyncio.Future[object]":
         """Add `served` (tenant -> tokens at their cost, before weighting) to the counters."""

@@ -19,12 +19,16 @@ is stopped and handed back, and resumes later from its published tokens
 (`JobRunner.on_message`).
 
 A tenant's count in Redis may disagree with its queue (a process died between the broker and
-Redis, a job was redelivered): too high costs an empty take; too low is mended by `reconcile`,
-every `RECONCILE_S` while the worker has room and finds nothing to take.
+Redis; a worker died with jobs it had taken, which the broker puts back at the head of their
+queues): too high costs an empty take; too low is mended by `reconcile`, at a worker's first look
+and then every `RECONCILE_S` while the worker has room and finds nothing to take. (A job put back
+at the head of its tenant's queue is the next one taken for that tenant anyway: only the
+tenant's last waiting job can be left uncounted.)
 """
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Collection
 
@@ -43,8 +47,10 @@ log = get_logger(__name__)
 
 # How often a worker with a free sequence looks again when nothing rang.
 POLL_S = 0.25
-# How often a worker with room and nothing to take checks the tenants' queues against their counts.
-RECONCILE_S = 5.0
+# How often a worker with room and nothing to take checks the tenants' queues against their counts
+# (a worker that just started does at once: it may be taking over a dead worker's jobs, which the
+# broker put back in their queues while Redis had counted them taken).
+RECONCILE_S = 2.0
 # Empty takes in a row (counts too high) before a look waits for the next ring or poll.
 _MAX_MISSES = 8
 
@@ -82,7 +88,7 @@ class Puller:
         self._queues: dict[str, AbstractQueue] = {}
         self._paused = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._reconciled = time.monotonic()
+        self._reconciled = -math.inf
 
     def resume(self) -> None:
         """Start taking jobs (again)."""
@@ -164,7 +170,7 @@ class Puller:
         for band in (INTERACTIVE, BATCH):
             self._queues = {}  # declared again: a fresh count
             state = await self._fair.state(self._model, band=band)
-            for tenant in state.served:
+            for tenant in state.known:
                 waiting = (await self._queue(tenant, band)).declaration_result.message_count or 0
                 missing = waiting - state.waiting.get(tenant, 0)
                 if missing > 0:

@@ -237,7 +237,8 @@ def test_queue_cap_refuses_at_once_with_503(stack: Stack, api_key: str) -> None:
     responses = asyncio.run(burst())
     statuses = sorted(r.status_code for r in responses)
     refused = [r for r in responses if r.status_code == 503]
-    assert statuses.count(200) >= 3 and refused, statuses
+    # The queue holds 2; the worker may have taken one before the last publishes arrived.
+    assert statuses.count(200) >= 2 and refused, statuses
     assert refused[0].json()["error"]["code"] == "queue_full" and refused[0].headers["retry-after"]
     assert refused[0].elapsed.total_seconds() < 1
 
