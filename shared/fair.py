@@ -12,7 +12,11 @@ among themselves) Redis holds:
 - `waiting`: tenant -> its jobs waiting in its own queue (`Names.tenant_queue`);
 - `backlog`: the tenants with jobs waiting, scored by `served`;
 - `vtime`: the score of the tenant picked last;
-- `active`: tenant -> when it was last served or queued a job (Redis' clock, ms).
+- `active`: tenant -> when it was last served or queued a job (Redis' clock, ms);
+- `free` (interactive band only): worker -> its sequences free of interactive jobs, and until
+  when that figure holds. While nothing waits, `admit` reserves one and the job goes straight to
+  the model's shared queue, pushed to a worker as before the fair share: a lone tenant's job below
+  the workers' capacity never waits for a pull.
 
 The jobs themselves wait in RabbitMQ, one durable queue per tenant, so nothing a session manager
 or a worker holds is lost when it dies. The steps:
@@ -70,9 +74,18 @@ local function weight(key, tenant)
 end
 """
 
-# KEYS: waiting, weights. ARGV: tenant, limit. Returns {within its share (1/0), nothing waits (1/0), its allowance}.
+# The current time in ms by Redis' clock (every replica reads the same one).
+_NOW_MS = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+"""
+
+# KEYS: waiting, weights, free. ARGV: tenant, limit, whether the job may go straight to a free
+# sequence (1/0). Returns {within its share (1/0), nothing waits (1/0), its allowance, a free
+# sequence reserved for it (1/0)}.
 _ADMIT = PipeScript(
     _WEIGHT
+    + _NOW_MS
     + """
 local waiting = redis.call('HGETALL', KEYS[1])
 local tenant = ARGV[1]
@@ -92,7 +105,21 @@ local within = 0
 if mine < allowance then within = 1 end
 local idle = 0
 if total == 0 then idle = 1 end
-return {within, idle, allowance}
+local reserved = 0
+if idle == 1 and ARGV[3] == '1' then
+  local free = redis.call('HGETALL', KEYS[3])
+  local best, most, expires = nil, 0, 0
+  for i = 1, #free, 2 do
+    local n, until_ms = string.match(free[i + 1], '^(%d+):(%d+)$')
+    n, until_ms = tonumber(n), tonumber(until_ms)
+    if n and until_ms and until_ms > now_ms and n > most then best, most, expires = free[i], n, until_ms end
+  end
+  if best then
+    redis.call('HSET', KEYS[3], best, string.format('%d:%d', most - 1, expires))
+    reserved = 1
+  end
+end
+return {within, idle, allowance, reserved}
 """
 )
 
@@ -121,15 +148,27 @@ redis.call('PUBLISH', ARGV[4], '1')
 return n
 """)
 
-# KEYS: waiting, backlog, vtime. ARGV: ttl_s, then tenants not to pick. Returns the tenant picked, or nil.
+# KEYS: free. ARGV: worker id, its free sequences, how long the figure holds (ms).
+_FREE = PipeScript(
+    _NOW_MS
+    + """
+redis.call('HSET', KEYS[1], ARGV[1], string.format('%d:%d', tonumber(ARGV[2]), now_ms + tonumber(ARGV[3])))
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: waiting, backlog, vtime. ARGV: ttl_s, whether only a tenant as little served as the least
+# may be picked (1/0), then tenants not to pick. Returns the tenant picked, or nil.
 _CLAIM = PipeScript("""
 local excluded = {}
-for i = 2, #ARGV do excluded[ARGV[i]] = true end
-local tenant, score
+for i = 3, #ARGV do excluded[ARGV[i]] = true end
+local tenant, score, lowest
 local first = 0
 while tenant == nil do
   local least = redis.call('ZRANGE', KEYS[2], first, first + 31, 'WITHSCORES')
   if #least == 0 then return false end
+  lowest = lowest or tonumber(least[2])
   for i = 1, #least, 2 do
     if not excluded[least[i]] then
       tenant, score = least[i], least[i + 1]
@@ -138,6 +177,7 @@ while tenant == nil do
   end
   first = first + 32
 end
+if ARGV[2] == '1' and tonumber(score) > lowest then return false end
 redis.call('SET', KEYS[3], score, 'EX', ARGV[1])
 local n = redis.call('HINCRBY', KEYS[1], tenant, -1)
 if n <= 0 then
@@ -176,6 +216,9 @@ class Admission:
     idle: bool
     # How many of the tenant's jobs may wait (its share).
     allowance: int
+    # Nothing waits and a worker had a free sequence, now reserved: the job goes straight to the
+    # model's shared queue, whose consumers are pushed it at once.
+    reserved: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,14 +242,28 @@ class FairShare:
         return [self._names.fair(model, band, part) for part in parts]
 
     async def admit(self, model: str, tenant: str, *, band: Band, limit: int) -> Admission:
-        """Whether a job of `tenant` may wait for `model` (at most `limit` x its weight's share).
+        """Whether a job of `tenant` may wait for `model` (at most `limit` x its weight's share),
+        and, for an interactive job while nothing waits, a free sequence reserved for it.
 
         Raises:
             redis errors: Redis is unreachable (the caller falls back to first in, first out).
         """
-        keys = [self._names.fair(model, band, "waiting"), self._names.tenant_weights]
-        within, idle, allowance = await self._pipe.evalsha(_ADMIT, keys, [tenant, limit])
-        return Admission(within_share=bool(within), idle=bool(idle), allowance=int(allowance))
+        keys = [self._names.fair(model, band, "waiting"), self._names.tenant_weights, self._free_key(model)]
+        within, idle, allowance, reserved = await self._pipe.evalsha(
+            _ADMIT, keys, [tenant, limit, int(band == INTERACTIVE)]
+        )
+        return Admission(within_share=bool(within), idle=bool(idle), allowance=int(allowance), reserved=bool(reserved))
+
+    def _free_key(self, model: str) -> str:
+        return self._names.fair(model, INTERACTIVE, "free")
+
+    def report_free(self, model: str, worker_id: str, free: int, *, valid_ms: int) -> "asyncio.Future[object]":
+        """A worker's sequences free of interactive jobs, valid for `valid_ms` unless said again."""
+        return self._pipe.submit_script(_FREE, [self._free_key(model)], [worker_id, free, valid_ms])
+
+    async def withdraw(self, model: str, worker_id: str) -> None:
+        """The worker takes no more jobs pushed to it (it drains)."""
+        await self._pipe.execute("HDEL", self._free_key(model), worker_id)
 
     async def enqueued(self, model: str, tenant: str, *, band: Band, count: int = 1) -> int:
         """`count` more jobs of `tenant` wait in its queue; returns how many wait now."""
@@ -214,11 +271,14 @@ class FairShare:
         args: list[str | int] = [tenant, count, FAIR_TTL_S, self._names.fair_ready(model), IDLE_AFTER_MS]
         return int(await self._pipe.evalsha(_ENQUEUED, keys, args))
 
-    async def claim(self, model: str, *, band: Band, excluded: Collection[str] = ()) -> str | None:
+    async def claim(
+        self, model: str, *, band: Band, excluded: Collection[str] = (), least_only: bool = False
+    ) -> str | None:
         """The tenant whose job a free sequence takes next (its count taken down), or None;
-        never one of `excluded`."""
+        never one of `excluded`, and with `least_only` only one served no more than the least
+        served of all waiting (a worker's headroom: it never takes a tenant out of turn)."""
         keys = self._keys(model, band, "waiting", "backlog", "vtime")
-        tenant = await self._pipe.evalsha(_CLAIM, keys, [FAIR_TTL_S, *excluded])
+        tenant = await self._pipe.evalsha(_CLAIM, keys, [FAIR_TTL_S, int(least_only), *excluded])
         return tenant.decode() if isinstance(tenant, bytes) else tenant
 
     async def state(self, model: str, *, band: Band) -> BandState:

@@ -19,7 +19,7 @@ from aiormq.exceptions import ChannelInvalidStateError
 from prometheus_client import Counter
 
 from shared.errors import RateLimited, Unavailable
-from shared.fair import BATCH, INTERACTIVE, FairShare
+from shared.fair import BATCH, INTERACTIVE, Admission, FairShare
 from shared.internal_headers import ENQUEUED_AT_HEADER
 from shared.logging import get_logger
 from shared.names import Names
@@ -86,10 +86,11 @@ class JobPublisher:
                 self._declared.add(key)
         return key
 
-    async def _admit(self, job: Job) -> bool | None:
+    async def _admit(self, job: Job) -> Admission | None:
         """Ask the fair share whether `job` may wait (`shared/fair.py`): None when it is off or
-        Redis did not answer (the job goes first in, first out: said once per outage), else
-        whether nothing waits for the model (a session's job may go to its home worker).
+        Redis did not answer (the job goes first in, first out: said once per outage), else its
+        admission (nothing waits for the model: a session's job may go to its home worker, and a
+        free sequence may have been reserved for it).
 
         Raises:
             RateLimited: the job's tenant has its share of the model's queue waiting already.
@@ -112,7 +113,7 @@ class JobPublisher:
                 code="tenant_queue_full",
                 headers={"Retry-After": "1"},
             )
-        return admission.idle
+        return admission
 
     async def _enqueued(self, job: Job) -> None:
         """Count a job the broker confirmed in its tenant's queue (a failure is left to the
@@ -139,12 +140,14 @@ class JobPublisher:
     ) -> None:
         """Publish `job` persistently; the broker drops it unread once its deadline passes.
 
-        A batch line's job (`job.batch`) goes to the model's batch queue. With `home` (a live
-        worker that served the session's last turn, and affinity on), the job
-        goes to that worker's own queue with a per-message TTL of `affinity_wait_ms` (or what is
-        left to its deadline, if less); expired there, RabbitMQ dead-letters it to the model's
-        queue. That queue gone (its worker died a while ago), the broker returns the job and it is
-        published to the model's queue instead.
+        A job goes to its tenant's queue (a batch line's to its tenant's batch queue), unless
+        nothing waits for the model and a worker had a free sequence (reserved for it): then to
+        the model's queue, pushed to a worker at once. With `home` (a live worker that served the
+        session's last turn, affinity on, and nothing waiting), the job goes to that worker's own
+        queue with a per-message TTL of `affinity_wait_ms` (or what is left to its deadline, if
+        less); expired there, RabbitMQ dead-letters it to the model's queue. That queue gone (its
+        worker died a while ago), the broker returns the job and it is published to the model's
+        queue instead.
 
         `headers`: more message headers (the trace context, `shared/tracing.py`).
 
@@ -160,8 +163,9 @@ class JobPublisher:
             # Refused at once while the robust connection reconnects: its channel would make the
             # request wait for the broker's return, however long that takes.
             raise Unavailable("The job broker is unavailable; try again shortly.", retry_after_s=2)
-        idle = await self._admit(job)
-        fair = idle is not None
+        admission = await self._admit(job)
+        # Waits in its tenant's queue: admitted, and no free sequence reserved for it.
+        fair = admission is not None and not admission.reserved
         left_ms = max(1, int((job.deadline - time.time()) * 1000))
         properties = _properties(job, priority=priority, request_id=request_id, expiration_ms=left_ms, headers=headers)
         body = job.model_dump_json().encode()
@@ -170,7 +174,7 @@ class JobPublisher:
                 self._channel, job.model, batch=job.batch, tenant=job.tenant if fair else None
             )
             channel = await self._channel.get_underlay_channel()
-            if home is not None and self.affinity and not job.batch and idle is not False:
+            if home is not None and self.affinity and not job.batch and (admission is None or admission.idle):
                 wait_ms = min(left_ms, self._affinity_wait_ms)
                 confirmation = await channel.basic_publish(
                     body,

@@ -171,6 +171,11 @@ class JobRunner:
         return self._engine.max_seqs
 
     @property
+    def free_sequences(self) -> int:
+        """Sequences no interactive job holds (a batch line's may be taken)."""
+        return max(0, self._engine.max_seqs - (len(self._tasks) - len(self._batch)))
+
+    @property
     def tenants_running(self) -> frozenset[str]:
         """The tenants with a job running here."""
         return frozenset(self._tenants)

@@ -286,6 +286,7 @@ class Worker:
                     self._connection,
                     self.names,
                     model=self.engine.model_name,
+                    worker_id=self.settings.worker_id,
                     fair=self.fair,
                     batch_queue=batch_queue,
                     doorbell=self._doorbell,

@@ -8,7 +8,9 @@ others wait in their tenant's queue (`shared/topology.py`), which no worker cons
 asks the fair share which tenant's job comes next (`FairShare.claim`, `shared/fair.py`) and takes
 one from that tenant's queue (`basic.get`) whenever the worker has a free sequence (or a batch
 line's to take), and again at once while that lasts. It looks when a job ends here, when a
-session manager rings the model's doorbell (`Names.fair_ready`), and every `POLL_S`.
+session manager rings the model's doorbell (`Names.fair_ready`), and every `POLL_S`. While the
+worker is full it takes the fair share's next pick ahead, to start the moment a sequence frees:
+the pull's round trips then cost no sequence any time.
 
 Batch lines are taken the same way from the tenants' batch queues, but only while the worker runs
 fewer jobs than its engine has sequences less `AXON_BATCH_RESERVED_SEQS`, so a batch line only
@@ -21,7 +23,8 @@ is stopped and handed back, and resumes later from its published tokens
 A tenant's count in Redis may disagree with its queue (a process died between the broker and
 Redis; a worker died with jobs it had taken, which the broker puts back at the head of their
 queues): too high costs an empty take; too low is mended by `reconcile`, at a worker's first look
-and then every `RECONCILE_S` while the worker has room and finds nothing to take. (A job put back
+and then every `RECONCILE_S` while the worker has room and finds nothing to take (what two
+reconciles in a row found missing). (A job put back
 at the head of its tenant's queue is the next one taken for that tenant anyway: only the
 tenant's last waiting job can be left uncounted.)
 """
@@ -41,6 +44,7 @@ from shared.logging import get_logger
 from shared.names import Names
 from shared.outages import Outage
 from shared.redis_pipe import RedisSubscriber
+from shared.schemas import Job
 from shared.topology import declare_tenant_queue
 
 log = get_logger(__name__)
@@ -51,8 +55,14 @@ POLL_S = 0.25
 # (a worker that just started does at once: it may be taking over a dead worker's jobs, which the
 # broker put back in their queues while Redis had counted them taken).
 RECONCILE_S = 2.0
+# How soon a reconcile that found a queue holding more than its count looks again to confirm it.
+RECONFIRM_S = 0.5
 # Empty takes in a row (counts too high) before a look waits for the next ring or poll.
-_MAX_MISSES = 8
+_MAX_MISSES = 64
+# How long the free sequences a worker reports hold unless it reports again (it does at every
+# change, and every `FREE_REFRESH_S`): a worker that died stops counting within this.
+FREE_VALID_MS = 3000
+FREE_REFRESH_S = 1.0
 
 
 class Puller:
@@ -65,6 +75,7 @@ class Puller:
         names: Names,
         *,
         model: str,
+        worker_id: str,
         fair: FairShare,
         batch_queue: AbstractQueue,
         doorbell: asyncio.Event,
@@ -77,6 +88,9 @@ class Puller:
         self._connection = connection
         self._names = names
         self._model = model
+        self._worker_id = worker_id
+        # The free sequences last reported, and when.
+        self._reported: tuple[int, float] = (-1, -math.inf)
         self._fair = fair
         self._batch_queue = batch_queue
         self._doorbell = doorbell
@@ -89,6 +103,10 @@ class Puller:
         self._paused = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._reconciled = -math.inf
+        # The job taken to start the moment a sequence frees here (taken while the worker is full).
+        self._next: AbstractIncomingMessage | None = None
+        # What each tenant's queue held beyond its count at the last reconcile.
+        self._missing: dict[tuple[str, Band], int] = {}
 
     def resume(self) -> None:
         """Start taking jobs (again)."""
@@ -97,11 +115,27 @@ class Puller:
             self._task = asyncio.create_task(self._take())
 
     async def pause(self) -> None:
-        """Stop taking jobs: returns once none is being taken (the jobs taken run on)."""
+        """Stop taking jobs: returns once none is being taken (the jobs taken run on), and no
+        session manager counts on this worker's free sequences any more."""
         self._paused.set()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        self._reported = (-1, -math.inf)
+        with contextlib.suppress(Exception):  # Redis away: the figure expires by itself
+            await self._fair.withdraw(self._model, self._worker_id)
+        await self._give_back_next()
+
+    async def _give_back_next(self) -> None:
+        """The job taken to start next goes back to its tenant's queue, first in line, counted again."""
+        message, self._next = self._next, None
+        if message is None:
+            return
+        tenant = Job.model_validate_json(message.body).tenant
+        with contextlib.suppress(Exception):  # the broker is away: it gets the job back with the channel
+            await message.nack(requeue=True)
+        with contextlib.suppress(Exception):  # Redis away: the reconcile counts it
+            await self._fair.enqueued(self._model, tenant, band=INTERACTIVE)
 
     async def _take(self) -> None:
         outage = Outage("worker_pulling")
@@ -117,23 +151,42 @@ class Puller:
                 await asyncio.sleep(min(POLL_S * 4, outage.failed(exc)))
                 continue
             outage.recovered()
+            self._report_free()
             if not took:
                 await self._rung(POLL_S)
+
+    def _report_free(self) -> None:
+        """Tell the session managers how many sequences are free here, when it changed or every
+        `FREE_REFRESH_S`: while nothing waits, they send a job straight to a free sequence."""
+        free, now = self._runner.free_sequences, time.monotonic()
+        if free == self._reported[0] and now - self._reported[1] < FREE_REFRESH_S:
+            return
+        self._reported = (free, now)
+        self._fair.report_free(self._model, self._worker_id, free, valid_ms=FREE_VALID_MS)
 
     async def _take_one(self) -> bool:
         """Start one waiting job if there is room for it; whether one started."""
         runner = self._runner
         if runner.has_room_for_interactive():
-            message = await self._take_fair(INTERACTIVE)
+            message, self._next = self._next, None
+            if message is None:
+                message = await self._take_fair(INTERACTIVE)
             if message is not None:
                 await runner.on_message(message)
                 return True
         elif runner.in_flight < runner.max_seqs + self._headroom:
-            # Full: a tenant with no job running here still starts at once, in the headroom.
-            message = await self._take_fair(INTERACTIVE, excluded=runner.tenants_running)
+            # Full: the least served tenant, if it has no job running here, still starts at once,
+            # in the headroom (jobs that start together end together: it would wait for a wave).
+            message = await self._take_fair(INTERACTIVE, excluded=runner.tenants_running, least_only=True)
             if message is not None:
                 runner.start(message)
                 return True
+        if self._next is None and not runner.has_room_for_interactive():
+            # Full: the fair share's next pick is taken now, to start the moment a sequence frees
+            # (a pull's round trips then cost no sequence any time).
+            self._next = await self._take_fair(INTERACTIVE)
+            if self._next is not None:
+                return False
         if runner.has_free_sequence(self._reserved):
             message = await self._batch_queue.get(no_ack=False, fail=False, timeout=self._timeout_s)
             if message is None:
@@ -149,11 +202,13 @@ class Puller:
             await self.reconcile()
         return False
 
-    async def _take_fair(self, band: Band, excluded: Collection[str] = ()) -> AbstractIncomingMessage | None:
-        """One job of the tenant the fair share picks (not one of `excluded`), or None when no
-        tenant has one waiting."""
+    async def _take_fair(
+        self, band: Band, excluded: Collection[str] = (), *, least_only: bool = False
+    ) -> AbstractIncomingMessage | None:
+        """One job of the tenant the fair share picks (not one of `excluded`; with `least_only`,
+        only the least served), or None when no tenant has one waiting."""
         for _ in range(_MAX_MISSES):
-            tenant = await self._fair.claim(self._model, band=band, excluded=excluded)
+            tenant = await self._fair.claim(self._model, band=band, excluded=excluded, least_only=least_only)
             if tenant is None:
                 return None
             queue = await self._queue(tenant, band)
@@ -165,17 +220,28 @@ class Puller:
 
     async def reconcile(self) -> None:
         """Count what waits in each known tenant's queue that Redis does not (a session manager
-        died between the broker's confirm and its count, or a job was redelivered there)."""
+        died between the broker's confirm and its count, or a job was redelivered there).
+
+        A job is in its queue a moment before it is counted (the session manager counts it once
+        the broker confirmed it), so each queue is read before its count, and only what was
+        missing at two reconciles in a row (the lesser figure) is added: a count added twice
+        would leave a tenant waiting for jobs that are not there."""
         self._reconciled = time.monotonic()
+        missing_before, self._missing = self._missing, {}
         for band in (INTERACTIVE, BATCH):
             self._queues = {}  # declared again: a fresh count
-            state = await self._fair.state(self._model, band=band)
-            for tenant in state.known:
-                waiting = (await self._queue(tenant, band)).declaration_result.message_count or 0
-                missing = waiting - state.waiting.get(tenant, 0)
-                if missing > 0:
-                    log.info("fair_reconciled", tenant=tenant, band=band, jobs=missing)
-                    await self._fair.enqueued(self._model, tenant, band=band, count=missing)
+            for tenant in (await self._fair.state(self._model, band=band)).known:
+                ready = (await self._queue(tenant, band)).declaration_result.message_count or 0
+                counted = (await self._fair.state(self._model, band=band)).waiting.get(tenant, 0)
+                if ready > counted:
+                    self._missing[(tenant, band)] = missing = ready - counted
+                    confirmed = min(missing, missing_before.get((tenant, band), 0))
+                    if confirmed > 0:
+                        log.info("fair_reconciled", tenant=tenant, band=band, jobs=confirmed)
+                        await self._fair.enqueued(self._model, tenant, band=band, count=confirmed)
+                        del self._missing[(tenant, band)]
+        if self._missing:  # look again soon, to confirm
+            self._reconciled -= RECONCILE_S - RECONFIRM_S
 
     async def _queue(self, tenant: str, band: Band) -> AbstractQueue:
         name = self._names.tenant_queue(self._model, tenant, batch=band == BATCH)

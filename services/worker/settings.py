@@ -45,9 +45,10 @@ class WorkerSettings(CommonSettings):
     # its weight (`shared/fair.py`): output tokens cost twice a prompt token's by default, as in VTC.
     fair_prompt_token_cost: float = Field(1.0, ge=0, le=1000)
     fair_output_token_cost: float = Field(2.0, gt=0, le=1000)
-    # Sequences beyond max_seqs a worker runs for tenants with no job running on it, so a quiet
-    # tenant's request starts at once beside another tenant's burst instead of waiting for one of
-    # its answers to end (`pulling.py`); vLLM's max_num_seqs is max_seqs plus these.
+    # Sequences beyond max_seqs a worker runs for the least served waiting tenant when it has no
+    # job running on it, so a quiet tenant's request starts at once beside another tenant's burst
+    # instead of waiting for one of its answers to end (`pulling.py`); vLLM's max_num_seqs is
+    # max_seqs plus these.
     fair_headroom_seqs: int = Field(1, ge=0, le=64)
 
     # transformers engine

@@ -1,6 +1,7 @@
 """The fair share's Redis side (`shared/fair.py`) on the real Redis: admission by share, the lift of a
 newly active tenant, the pick of the least served, weights, and the meter's settlement."""
 
+import asyncio
 import uuid
 
 import pytest
@@ -134,3 +135,37 @@ async def test_a_tenant_served_a_moment_ago_keeps_its_deficit(fair) -> None:
     await share.enqueued(MODEL, "behind", band=INTERACTIVE)
     assert (await served(share))["behind"] == 100.0
     assert await share.claim(MODEL, band=INTERACTIVE) == "behind"
+
+
+async def test_while_nothing_waits_an_interactive_job_reserves_a_reported_free_sequence(fair) -> None:
+    share, _pipe, _names = fair
+    share.report_free(MODEL, "w1", 1, valid_ms=3000)
+    await share.report_free(MODEL, "w2", 2, valid_ms=3000)
+    # Batch lines never go straight to a sequence: they wait for the sequences nobody wants.
+    assert not (await share.admit(MODEL, "a", band=BATCH, limit=10)).reserved
+    reserved = [(await share.admit(MODEL, "a", band=INTERACTIVE, limit=10)).reserved for _ in range(4)]
+    assert reserved == [True, True, True, False]  # the three free sequences, most free worker first
+    await share.report_free(MODEL, "w1", 1, valid_ms=3000)
+    await share.enqueued(MODEL, "b", band=INTERACTIVE)  # now something waits: it goes first
+    assert not (await share.admit(MODEL, "a", band=INTERACTIVE, limit=10)).reserved
+    await share.claim(MODEL, band=INTERACTIVE)
+    await share.withdraw(MODEL, "w1")  # draining
+    assert not (await share.admit(MODEL, "a", band=INTERACTIVE, limit=10)).reserved
+
+
+async def test_a_free_sequence_reported_long_ago_is_not_counted(fair) -> None:
+    share, _pipe, _names = fair
+    await share.report_free(MODEL, "dead", 8, valid_ms=1)
+    await asyncio.sleep(0.01)
+    assert not (await share.admit(MODEL, "a", band=INTERACTIVE, limit=10)).reserved
+
+
+async def test_a_headroom_pick_never_takes_a_tenant_out_of_turn(fair) -> None:
+    share, _pipe, _names = fair
+    for tenant in ("busy", "quiet"):
+        await share.enqueued(MODEL, tenant, band=INTERACTIVE)
+    await share.settle(MODEL, INTERACTIVE, {"busy": 10.0, "quiet": 50.0})
+    # "busy" runs on the worker and is the least served: nobody else may take the headroom.
+    assert await share.claim(MODEL, band=INTERACTIVE, excluded=["busy"], least_only=True) is None
+    await share.settle(MODEL, INTERACTIVE, {"busy": 100.0})
+    assert await share.claim(MODEL, band=INTERACTIVE, excluded=["busy"], least_only=True) == "quiet"
