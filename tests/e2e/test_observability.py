@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import aio_pika
 import httpx
@@ -18,6 +19,7 @@ from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.stack import ADMIN_TOKEN, INTERNAL_AUTH, Stack
+from tests.e2e.test_workers import client_for, wait_listed
 from tests.metric_names import SYNTHETIC_METRICS, Scrape, queried_metric_jobs, queried_metrics
 
 pytestmark = pytest.mark.e2e
@@ -39,6 +41,8 @@ ONLY_ON_FAILURE = frozenset({"axon_gateway_rate_limiter_unavailable_total"})
 ONLY_ON_COLD_START = frozenset({"axon_sessions_cold_start_waiting", "axon_sessions_cold_start_waits_total"})
 
 JOBS = {"gateway": "gateway", "sessions": "sessions", "worker:sim": "worker"}
+# The tenant of the `api_key` fixture's key.
+TENANT = "tests"
 
 
 def _chat(gateway: Service, key: str, *, request_id: str | None = None, **body) -> httpx.Response:
@@ -130,7 +134,32 @@ def _run_batch(gateway: Service, api_key: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def scrapes(traffic: dict, stack: Stack, sessions: Service) -> dict[str, Scrape]:
+def backlog(stack: Stack, gateway: Service, sessions: Service, api_key: str) -> dict:
+    """Three requests of one tenant at once to a model whose only worker runs one sequence, 4 s an
+    answer: two of them wait in the tenant's queue long enough for a queue-depth poll (every 5 s)
+    to count them. Returns the model and the worker's scrape once the three were answered."""
+    model = f"obs-tenant-{uuid.uuid4().hex[:6]}"
+    env = {"AXON_SIM_MAX_SEQS": "1", "AXON_FAIR_HEADROOM_SEQS": "0", "AXON_SIM_ITL_MS": "50"}
+    worker = stack.start(f"worker:{model}", env={"AXON_ENGINE": "sim", "AXON_MODEL": model, **env})
+    try:
+        wait_listed(client_for(gateway, api_key), model)
+
+        def waiting_seen() -> bool:
+            labels = {"model": model, "tenant": TENANT, "band": "interactive"}
+            return (_scrape(sessions).value("axon_sessions_tenant_waiting_jobs", **labels) or 0) > 0
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = [pool.submit(_chat, gateway, api_key, model=model, max_tokens=80) for _ in range(3)]
+            _eventually(waiting_seen, timeout_s=15, message="no poll counted the tenant's waiting jobs")
+            assert [a.result().status_code for a in answers] == [200] * 3
+        return {"model": model, "worker": _scrape(worker)}
+    finally:
+        worker.stop(timeout_s=15)
+        stack.services.remove(worker)
+
+
+@pytest.fixture(scope="module")
+def scrapes(traffic: dict, backlog: dict, stack: Stack, sessions: Service) -> dict[str, Scrape]:
     """One scrape per service (by scrape job), once the polled and written-behind metrics have values."""
 
     def ready() -> bool:
@@ -199,6 +228,26 @@ def test_active_sessions_return_to_zero_after_their_turns(traffic: dict, session
         timeout_s=15,
         message="a finished session turn is still counted as active",
     )
+
+
+def test_a_tenants_waiting_jobs_and_their_wait_are_counted(backlog: dict, sessions: Service) -> None:
+    """The jobs that waited in the tenant's queue (counted while they waited: `backlog`) are not
+    counted once taken, and the worker measured their waits and served tokens under the tenant."""
+    model, worker = backlog["model"], backlog["worker"]
+    labels = {"model": model, "tenant": TENANT}
+    _eventually(
+        lambda: _scrape(sessions).value("axon_sessions_tenant_waiting_jobs", **labels, band="interactive") == 0,
+        timeout_s=15,
+        message="the tenant's jobs were all taken but it is still reported waiting",
+    )
+    assert worker.value("axon_worker_tenant_queue_wait_seconds_count", **labels, band="interactive") == 3
+    # One answer is 80 tokens at 50 ms (4 s): the second waited about one answer, the third two.
+    assert worker.value("axon_worker_tenant_queue_wait_seconds_sum", **labels, band="interactive") >= 8
+    assert worker.value("axon_worker_tenant_tokens_total", **labels, band="interactive", kind="output") == 240
+    assert worker.value("axon_worker_tenant_tokens_total", **labels, band="interactive", kind="prompt") > 0
+    assert worker.value("axon_worker_tenant_sequences", **labels) == 0
+    fairness = _scrape(sessions).value("axon_sessions_fairness_index", model=model, band="interactive")
+    assert fairness == 1  # one tenant is never unfair
 
 
 async def test_queue_depth_and_live_workers_follow_rabbitmq_and_heartbeats(
