@@ -174,6 +174,33 @@ def named(manifests: list[dict], kind: str, name: str) -> dict:
     return found[0]
 
 
+def assert_counts_the_models_queues(trigger: dict, namespace: str, model: str, *, batch: bool) -> None:
+    """A KEDA rabbitmq trigger sums, through the management API, the model's shared queue (`batch`:
+    its batch queue) and its tenants' queues of that band, and no other queue."""
+    from shared.names import Names
+
+    metadata = trigger["metadata"]
+    assert (metadata["protocol"], metadata["useRegex"], metadata["operation"]) == ("http", "true", "sum")
+    pattern = re.compile(metadata["queueName"])
+    names = Names(namespace)
+    shared = names.batch_queue(model) if batch else names.jobs_queue(model)
+    counted = [shared, names.tenant_queue(model, "acme", batch=batch), names.tenant_queue(model, "a b/c", batch=batch)]
+    others = [
+        names.jobs_queue(model) if batch else names.batch_queue(model),
+        names.tenant_queue(model, "acme", batch=not batch),
+        names.worker_queue(model, "worker-1"),
+        names.dead_letter_queue,
+        # A model whose name starts with this one's, one that differs where this one has a dot
+        # (the name is matched literally), and the same model in another namespace.
+        names.jobs_queue(f"{model}-awq"),
+        names.tenant_queue(f"{model}-awq", "acme", batch=batch),
+        names.jobs_queue(model.replace(".", "x")),
+        Names(f"{namespace}x").jobs_queue(model),
+    ]
+    assert [q for q in counted if not pattern.search(q)] == [], metadata["queueName"]
+    assert [q for q in others if pattern.search(q)] == [], metadata["queueName"]
+
+
 def component(manifests: list[dict], kind: str, name: str) -> list[dict]:
     return [m for m in of_kind(manifests, kind) if m["metadata"]["labels"].get("app.kubernetes.io/component") == name]
 

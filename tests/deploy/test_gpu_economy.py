@@ -14,6 +14,7 @@ from tests.deploy.support import (
     CHART,
     KUBERNETES_VERSION,
     REQUIRED_SECRETS,
+    assert_counts_the_models_queues,
     component,
     env_of,
     helm,
@@ -56,8 +57,6 @@ def test_helm_lint_gpu_economy_example(helm_home: Path) -> None:
 
 
 def test_a_pool_scales_to_zero_and_wakes_on_one_queued_job(economy_manifests: list[dict]) -> None:
-    from shared.names import Names
-
     spec = scaled_object(economy_manifests, "qwen-32b")["spec"]
     assert spec["minReplicaCount"] == 0
     assert spec["cooldownPeriod"] == POOLS["qwen-32b"]["keda"]["cooldownPeriod"]
@@ -66,9 +65,9 @@ def test_a_pool_scales_to_zero_and_wakes_on_one_queued_job(economy_manifests: li
     assert (trigger["type"], metadata["mode"]) == ("rabbitmq", "QueueLength")
     # KEDA activates (0 -> 1) while the queue length is above the activation value.
     assert metadata["activationValue"] == "0"
-    assert metadata["queueName"] == Names("axon").jobs_queue(POOLS["qwen-32b"]["model"])
+    assert_counts_the_models_queues(trigger, "axon", POOLS["qwen-32b"]["model"], batch=False)
     # A waiting batch line wakes the pool too (one pod at most: its queue holds a few lines only).
-    assert batch["metadata"]["queueName"] == Names("axon").batch_queue(POOLS["qwen-32b"]["model"])
+    assert_counts_the_models_queues(batch, "axon", POOLS["qwen-32b"]["model"], batch=True)
     assert batch["metadata"]["activationValue"] == "0"
     assert int(batch["metadata"]["value"]) >= 1000 * int(metadata["value"])
     assert batch["authenticationRef"] == trigger["authenticationRef"]

@@ -19,6 +19,7 @@ from tests.deploy.support import (
     DASHBOARDS,
     KUBERNETES_VERSION,
     REQUIRED_SECRETS,
+    assert_counts_the_models_queues,
     axon_names_in_text,
     axon_workloads,
     component,
@@ -478,9 +479,9 @@ def test_keda_scales_each_pool_on_its_own_queue(eks_manifests: list[dict]) -> No
         assert ref["parameter"] == "host" and ref["name"] and ref["key"]
 
 
-def test_queue_name_follows_the_code(eks_manifests: list[dict]) -> None:
-    from shared.names import Names
-
+def test_keda_counts_the_models_queue_and_its_tenants_queues(eks_manifests: list[dict]) -> None:
+    """The fair share keeps a tenant's jobs in its own queue until a worker takes them: a pool
+    scaled on the model's queue alone would never scale out."""
     for worker in worker_deployments(eks_manifests):
         env = env_of(worker["spec"]["template"]["spec"]["containers"][0])
         (scaled,) = [
@@ -488,8 +489,8 @@ def test_queue_name_follows_the_code(eks_manifests: list[dict]) -> None:
             for s in of_kind(eks_manifests, "ScaledObject")
             if s["spec"]["scaleTargetRef"]["name"] == worker["metadata"]["name"]
         ]
-        queue = scaled["spec"]["triggers"][0]["metadata"]["queueName"]
-        assert queue == Names(env["AXON_NAMESPACE"]).jobs_queue(env["AXON_MODEL"])
+        (trigger,) = scaled["spec"]["triggers"]
+        assert_counts_the_models_queues(trigger, str(env["AXON_NAMESPACE"]), str(env["AXON_MODEL"]), batch=False)
 
 
 # --- migrations --------------------------------------------------------------------------------------
