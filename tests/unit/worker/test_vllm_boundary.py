@@ -187,6 +187,7 @@ def test_the_factory_passes_every_vllm_setting(monkeypatch: pytest.MonkeyPatch, 
         "AXON_GRAMMAR_COMPILE_MEMORY_MB": "512",
         "AXON_GRAMMAR_MAX_SCHEMA_BYTES": "4096",
         "AXON_OTLP_ENDPOINT": "http://collector:4318",
+        "AXON_FAIR_HEADROOM_SEQS": "2",
     }
     for name, value in settings.items():
         monkeypatch.setenv(name, value)
@@ -195,6 +196,7 @@ def test_the_factory_passes_every_vllm_setting(monkeypatch: pytest.MonkeyPatch, 
     assert engine._grammar_limits == GrammarLimits(compile_timeout_s=2.5, compile_memory_mb=512, max_schema_bytes=4096)
     assert engine._options == options(
         max_seqs=12,
+        headroom_seqs=2,
         tensor_parallel_size=4,
         pipeline_parallel_size=3,
         distributed_executor="mp",
