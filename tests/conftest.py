@@ -18,6 +18,7 @@ import pytest
 
 from shared.keys import KeyLimits, KeyRepository
 from shared.migrations import drop_database, migrate, split_database_url
+from tests.machine import missing
 from tests.services import (
     Choice,
     ServicesUnavailable,
@@ -31,14 +32,27 @@ from tests.services import (
 _CHOICE = pytest.StashKey[Choice]()
 
 # The tests of the vLLM engine run vLLM itself. Where it does not install (`make install` installs
-# its CPU build on Linux x86-64 only), the worker falls back to the transformers engine and they
-# are not collected; on the machines CI runs on, all of them run.
-if importlib.util.find_spec("vllm") is None:
-    collect_ignore = [
-        "unit/worker/test_vllm_boundary.py",
-        "e2e/test_vllm_engine.py",
-        "e2e/test_vllm_parallel.py",
-    ]
+# its CPU build on Linux x86-64 only), the worker falls back to the transformers engine and these
+# modules skip, saying so; in CI on Linux x86-64 a missing vLLM fails the run (tests/machine.py).
+NEEDS_VLLM = ("unit/worker/test_vllm_boundary.py", "e2e/test_vllm_engine.py", "e2e/test_vllm_parallel.py")
+
+
+class _NeedsMissing(pytest.File):
+    """A test module that needs what this machine lacks: collecting it skips or fails, never imports it."""
+
+    what: str
+
+    def collect(self) -> Iterator[pytest.Item]:
+        missing(self.what)
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    tests = Path(__file__).parent
+    if importlib.util.find_spec("vllm") is None and module_path in {tests / name for name in NEEDS_VLLM}:
+        module = _NeedsMissing.from_parent(parent, path=module_path)
+        module.what = "vLLM is not installed (its CPU build installs on Linux x86-64 only)"
+        return module
+    return None
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -21,6 +21,7 @@ from tests.conftest import create_key
 from tests.e2e.load import Load, report, steady, stream_request
 from tests.e2e.servers import PrivatePostgres, PrivateRabbitMQ, PrivateRedis, available
 from tests.e2e.stack import Stack
+from tests.machine import missing
 from tests.services import ServiceUrls
 
 pytestmark = pytest.mark.e2e
@@ -33,7 +34,7 @@ UNLIMITED = KeyLimits(rpm=1_000_000, tpm=100_000_000, max_concurrent=10_000)
 
 def _require(server: str) -> None:
     if not available()[server]:
-        pytest.skip(f"no {server} server binaries on this machine")
+        missing(f"no {server} server binaries on this machine")
 
 
 @pytest.fixture
