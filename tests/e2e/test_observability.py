@@ -21,6 +21,7 @@ from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.stack import ADMIN_TOKEN, INTERNAL_AUTH, Stack
 from tests.e2e.test_workers import client_for, wait_listed
 from tests.metric_names import SYNTHETIC_METRICS, Scrape, queried_metric_jobs, queried_metrics
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -292,6 +293,10 @@ def _log_lines(service: Service) -> list[dict]:
     return lines
 
 
+def _logged(service: Service, **fields: str) -> bool:
+    return any(fields.items() <= e.items() for e in _log_lines(service))
+
+
 def _lines_of(service: Service, **fields: str) -> list[dict]:
     deadline = time.monotonic() + 5
     while True:
@@ -322,7 +327,7 @@ def test_session_turns_log_their_session_id(traffic: dict, sessions: Service) ->
 
 
 def test_logs_never_contain_an_api_key_or_prompt_or_answer_text(
-    traffic: dict, stack: Stack, gateway: Service, api_key: str
+    traffic: dict, stack: Stack, gateway: Service, sessions: Service, api_key: str
 ) -> None:
     created = httpx.post(
         f"{gateway.url}/admin/keys",
@@ -333,14 +338,32 @@ def test_logs_never_contain_an_api_key_or_prompt_or_answer_text(
     assert created.status_code == 201
     admin_key = created.json()["key"]
     secret_prompt = f"prompt-marker-{uuid.uuid4().hex}"
-    answered = _chat(gateway, admin_key, messages=[{"role": "user", "content": secret_prompt}], max_tokens=12)
+    ids = {what: f"obs-secrets-{what}-{uuid.uuid4().hex[:8]}" for what in ("answered", "refused", "invalid")}
+    answered = _chat(
+        gateway,
+        admin_key,
+        request_id=ids["answered"],
+        messages=[{"role": "user", "content": secret_prompt}],
+        max_tokens=12,
+    )
     assert answered.status_code == 200
     answer = answered.json()["choices"][0]["message"]["content"]
     assert len(answer.split()) == 12
     bad_key = f"axk_{uuid.uuid4().hex}{uuid.uuid4().hex}"
-    assert _chat(gateway, bad_key).status_code == 401
-    assert _chat(gateway, admin_key, max_tokens=10**9).status_code == 400  # an error path logs too
-    time.sleep(0.5)  # let the last lines reach the files
+    assert _chat(gateway, bad_key, request_id=ids["refused"]).status_code == 401
+    # an error path logs too
+    assert _chat(gateway, admin_key, request_id=ids["invalid"], max_tokens=10**9).status_code == 400
+    # The scan is only worth something once the lines of these requests are in the files: each
+    # service logs its access line last, the worker its job's end.
+    wait_for(
+        lambda: (
+            all(_logged(gateway, request_id=rid, event="http_request") for rid in ids.values())
+            and _logged(sessions, request_id=ids["answered"], event="http_request")
+            and any(_logged(s, request_id=ids["answered"], event="job_finished") for s in stack.services)
+        ),
+        timeout_s=10,
+        what="the log lines of the requests scanned for secrets",
+    )
     secrets = {
         "test API key": api_key,
         "rate-limited key": traffic["limited_key"],
