@@ -16,6 +16,8 @@ from openai import OpenAI
 from services.cli.launcher import Service
 from shared.names import Names
 from tests.e2e.stack import INTERNAL_AUTH, INTERNAL_TOKEN, Stack
+from tests.e2e.test_workers import metric
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -154,11 +156,18 @@ def test_prefix_affinity_keeps_a_client_kept_conversation_on_one_worker(stack: S
     manager.stop()
 
 
-def test_a_turn_whose_home_is_busy_spills_to_another_worker(sessions: Sessions) -> None:
+def generating(worker: Service) -> None:
+    """Until `worker` runs a sequence: the long turn started on its home."""
+    wait_for(
+        lambda: metric(worker, "axon_worker_running_sequences", model=MODEL) >= 1, timeout_s=10, what="the long turn"
+    )
+
+
+def test_a_turn_whose_home_is_busy_spills_to_another_worker(sessions: Sessions, workers: dict[str, Service]) -> None:
     long_one, waiting, home = homed_pair(sessions, {"aff-0", "aff-1", "aff-2"})
     busy = threading.Thread(target=sessions.turn, args=(long_one,), kwargs={"max_tokens": 400})  # ~2 s on its home
     busy.start()
-    time.sleep(0.3)
+    generating(workers[home])
     started = time.monotonic()
     answer = sessions.turn(waiting)
     took = time.monotonic() - started
@@ -192,7 +201,7 @@ def test_a_draining_homes_sessions_move_on(sessions: Sessions, workers: dict[str
     long_one, waiting, home = homed_pair(sessions, live)
     busy = threading.Thread(target=sessions.turn, args=(long_one,), kwargs={"max_tokens": 400})
     busy.start()
-    time.sleep(0.3)
+    generating(workers[home])
     workers[home].process.send_signal(signal.SIGTERM)  # drains: its in-flight answer finishes
     answer = sessions.turn(waiting)
     assert answer["choices"][0]["finish_reason"] == "length"

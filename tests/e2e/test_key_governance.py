@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 import openai
@@ -21,6 +22,7 @@ from services.cli.launcher import Service
 from shared.names import Names
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.stack import ADMIN_TOKEN, Stack
+from tests.waiting import until, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -37,13 +39,31 @@ def gateways(stack: Stack, sessions: Service, gateway: Service) -> list[Service]
 
 
 @pytest.fixture(scope="module")
-def alias(gateway: Service):
-    """An alias of the sim model, removed afterwards."""
+def alias(gateway: Service, gateways: list[Service], api_key: str):
+    """An alias of the sim model, answered through every gateway (their services see a new alias
+    within AXON_MODELS_CACHE_TTL_S), removed afterwards."""
     put = httpx.put(f"{gateway.url}/admin/models/aliases/{ALIAS}", json={"target": SIM_MODEL}, headers=ADMIN)
     assert put.status_code == 200, put.text
-    time.sleep(1.1)  # services see a new alias within AXON_MODELS_CACHE_TTL_S
+    wait_for(
+        lambda: all(_chat(gw, api_key, ALIAS).status_code == 200 for gw in gateways),
+        timeout_s=5,
+        what=f"{ALIAS} answered through every gateway",
+    )
     yield ALIAS
     httpx.delete(f"{gateway.url}/admin/models/aliases/{ALIAS}", headers=ADMIN)
+
+
+# A key change reaches every gateway within a second (their key caches), here with a margin.
+CHANGE_SEEN_S = 1.5
+
+
+def everywhere(check: Callable[[Service], bool], gateways: list[Service], *, what: str) -> None:
+    """Until `check` holds on every gateway, at most CHANGE_SEEN_S after the change."""
+    wait_for(lambda: all(check(gw) for gw in gateways), timeout_s=CHANGE_SEEN_S, what=f"{what} on every gateway")
+
+
+async def _all_answered(request: Callable[[int], Awaitable[bool]]) -> bool:
+    return all([await request(i) for i in range(3)])
 
 
 def _create(gateway: Service, **fields) -> dict:
@@ -87,8 +107,7 @@ def test_a_key_expires_on_every_gateway_at_its_instant(gateways: list[Service]) 
     later = (dt.datetime.now(dt.UTC) + dt.timedelta(days=1)).isoformat()
     patched = httpx.patch(f"{gateways[2].url}/admin/keys/{created['id']}", json={"expires_at": later}, headers=ADMIN)
     assert patched.status_code == 200, patched.text
-    time.sleep(1.0)
-    assert all(_chat(gw, created["key"]).status_code == 200 for gw in gateways)
+    everywhere(lambda gw: _chat(gw, created["key"]).status_code == 200, gateways, what="the key valid again")
 
 
 def test_an_allowlist_resolves_aliases_both_ways_and_changes_apply_everywhere(
@@ -119,12 +138,13 @@ def test_an_allowlist_resolves_aliases_both_ways_and_changes_apply_everywhere(
     key_url = f"{gateways[2].url}/admin/keys/{by_model['id']}"
     patched = httpx.patch(key_url, json={"allowed_models": ["another-model"]}, headers=ADMIN)
     assert patched.status_code == 200 and patched.json()["allowed_models"] == ["another-model"]
-    time.sleep(1.0)
-    for gw in gateways:
-        assert _chat(gw, by_model["key"], alias).json()["error"]["code"] == "model_not_allowed"
+    everywhere(
+        lambda gw: _chat(gw, by_model["key"], alias).json().get("error", {}).get("code") == "model_not_allowed",
+        gateways,
+        what="the narrowed allowlist",
+    )
     assert httpx.patch(key_url, json={"allowed_models": None}, headers=ADMIN).json()["allowed_models"] is None
-    time.sleep(1.0)
-    assert all(_chat(gw, by_model["key"], "sim-model").status_code == 200 for gw in gateways)
+    everywhere(lambda gw: _chat(gw, by_model["key"], "sim-model").status_code == 200, gateways, what="every model")
 
 
 async def test_a_budget_holds_across_three_gateways_under_concurrent_requests(gateways: list[Service]) -> None:
@@ -178,8 +198,7 @@ async def test_a_budget_holds_across_three_gateways_under_concurrent_requests(ga
     # A raised budget applies at once on every gateway.
     key_url = f"{gateways[1].url}/admin/keys/{created['id']}"
     assert httpx.patch(key_url, json={"token_budget": budget * 2}, headers=ADMIN).status_code == 200
-    await asyncio.sleep(1.0)
-    assert all([await request(i) for i in range(3)])
+    await until(lambda: _all_answered(request), timeout_s=CHANGE_SEEN_S, what="the raised budget on every gateway")
 
 
 def test_admin_patch_validates_and_names_the_bad_field(gateway: Service) -> None:
@@ -229,8 +248,7 @@ def test_cli_creates_updates_and_lists_governed_keys(stack: Stack, gateways: lis
     updated = axon("update", key_id, "--all-models", "--budget", "none", "--no-expiry", "--rpm", "77")
     assert "budget=none" in updated and "models=all" in updated and "expires=never" in updated
     assert "rpm=77" in updated
-    time.sleep(1.0)
-    assert all(_chat(gw, key).status_code == 200 for gw in gateways)
+    everywhere(lambda gw: _chat(gw, key).status_code == 200, gateways, what="the updated key")
     row = next(line for line in axon("list").splitlines() if line.startswith(key_id))
     assert re.search(r"\s77\s", row) and row.rstrip().endswith("all") and " active " in row
     bad = subprocess.run(

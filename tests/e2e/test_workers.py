@@ -17,6 +17,7 @@ from openai import OpenAI
 from services.cli.launcher import Service
 from shared.names import Names
 from tests.e2e.stack import ADMIN_TOKEN, INTERNAL_AUTH, Stack
+from tests.waiting import until, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -118,9 +119,12 @@ def test_sigterm_drains_in_flight_jobs_then_exits_0(stack: Stack, gateway: Servi
         t.start()
     holder([worker], model)
     worker.process.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    ready = httpx.get(f"{worker.url}/ready", timeout=5)
-    assert ready.status_code == 503 and "shutting down" in ready.json()["reason"]
+    ready = wait_for(
+        lambda: (r := httpx.get(f"{worker.url}/ready", timeout=5)).status_code == 503 and r,
+        timeout_s=5,
+        what="the draining worker not ready",
+    )
+    assert "shutting down" in ready.json()["reason"]
     assert worker.process.wait(timeout=20) == 0
     for t in threads:
         t.join(timeout=20)
@@ -293,11 +297,23 @@ def test_alias_switch_is_atomic_and_refuses_a_target_without_workers(
     threads = [threading.Thread(target=load) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
+    wait_for(
+        lambda: metric(blue, "axon_worker_jobs_total", model="model-blue", outcome="completed") >= 4,
+        timeout_s=10,
+        what="the load answered by model-blue",
+    )
     assert admin.put("/admin/models/aliases/prod", json={"target": "model-green"}).status_code == 200
-    time.sleep(2.5)
+    # Switched once green answers and blue has nothing left in flight.
+    wait_for(
+        lambda: (
+            metric(green, "axon_worker_jobs_total", model="model-green", outcome="completed") >= 4
+            and metric(blue, "axon_worker_running_sequences", model="model-blue") == 0
+        ),
+        timeout_s=10,
+        what="the load moved to model-green",
+    )
     blue_after_switch = metric(blue, "axon_worker_jobs_total", model="model-blue", outcome="completed")
-    time.sleep(1.0)
+    time.sleep(1.0)  # the point: a second of load during which blue must answer nothing
     done.set()
     for t in threads:
         t.join(timeout=30)
@@ -307,11 +323,20 @@ def test_alias_switch_is_atomic_and_refuses_a_target_without_workers(
     assert admin.delete("/admin/models/aliases/prod").status_code == 200
 
 
+async def _ready_in(stack: Stack, queue: str, count: int) -> bool:
+    """Whether `queue` holds `count` or more messages ready for delivery."""
+    connection = await aio_pika.connect(stack.amqp_url)
+    async with connection:
+        declared = await (await connection.channel()).declare_queue(queue, durable=True, passive=True)
+        return (declared.declaration_result.message_count or 0) >= count
+
+
 def test_higher_priority_keys_jump_the_queue(stack: Stack, database_url: str) -> None:
     from shared.keys import KeyLimits
     from tests.conftest import create_key
 
     own = {"AXON_NAMESPACE": f"{stack.namespace}-prio"}
+    queue = Names(own["AXON_NAMESPACE"]).jobs_queue("prio-sim")
     sim_worker(stack, "prio", "prio-sim", **own, AXON_MAX_SEQS="1", AXON_SIM_ITL_MS="5", AXON_SIM_TTFT_MS="0")
     sessions = stack.start("sessions:prio", env=own)
     gateway = stack.start("gateway:prio", env={**own, "AXON_SESSIONS_URL": sessions.url})
@@ -332,7 +357,7 @@ def test_higher_priority_keys_jump_the_queue(stack: Stack, database_url: str) ->
                 finished.append(label)
 
             lows = [asyncio.create_task(ask(low, f"low{i}")) for i in range(6)]
-            await asyncio.sleep(0.3)  # the lows are queued behind the first one
+            await until(lambda: _ready_in(stack, queue, 5), timeout_s=10, what="the lows queued behind the first")
             await ask(high, "high")
             await asyncio.gather(*lows)
 

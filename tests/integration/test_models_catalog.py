@@ -1,7 +1,6 @@
 """services.sessions.catalog against the real Redis: `/v1/models` entries and `/v1/models/{id}`
 from worker heartbeats (context length, what every live worker supports, LoRA adapters) and aliases."""
 
-import asyncio
 import uuid
 
 import pytest
@@ -10,6 +9,7 @@ from services.sessions.catalog import ModelCatalog
 from shared.errors import ModelNotFound, Unavailable
 from shared.names import Names
 from shared.registry import WorkerRegistry
+from tests.waiting import until
 
 
 async def test_entries_carry_context_length_and_the_capabilities_all_workers_share(redis_client, namespace) -> None:
@@ -108,9 +108,16 @@ async def test_adapters_are_models_of_their_own_routed_to_their_base_models_queu
         with pytest.raises(ModelNotFound) as unknown:
             await catalog.require("sql-v2")
         assert unknown.value.code == "model_not_found"
-        await asyncio.sleep(0.7)  # every worker's heartbeat expires: a known adapter is unavailable, not unknown
-        with pytest.raises(Unavailable) as gone:
-            await catalog.require("sql")
-        assert gone.value.code == "no_worker"
+
+        async def unavailable() -> Unavailable | None:
+            try:
+                await catalog.require("sql")
+            except Unavailable as exc:
+                return exc
+            return None
+
+        # Once every worker's heartbeat expired, a known adapter is unavailable, not unknown.
+        gone = await until(unavailable, timeout_s=5, what="every worker's heartbeat expired")
+        assert gone.code == "no_worker"
     finally:
         await redis_client.delete(names.workers_key, names.models_key, names.adapters_key, names.aliases_key)

@@ -2,12 +2,18 @@
 
 import asyncio
 import uuid
+from collections.abc import Awaitable
 
 import asyncpg
 
 from shared.migrations import drop_database, migrate
 from shared.names import Names
 from shared.registry import LiveModel, WorkerRegistry
+from tests.waiting import until
+
+
+async def _equal(value: Awaitable[object], expected: object) -> bool:
+    return await value == expected
 
 
 async def test_heartbeat_makes_a_model_live_until_it_expires(redis_client, namespace) -> None:
@@ -20,8 +26,8 @@ async def test_heartbeat_makes_a_model_live_until_it_expires(redis_client, names
     assert await registry.live_models() == {
         "m": LiveModel(workers=2, context_tokens=4096, homes=frozenset({"w1", "w2"}))
     }
-    await asyncio.sleep(0.7)
-    assert await registry.live_models() == {"m": LiveModel(workers=1, context_tokens=8192, homes=frozenset({"w2"}))}
+    one_left = {"m": LiveModel(workers=1, context_tokens=8192, homes=frozenset({"w2"}))}
+    await until(lambda: _equal(registry.live_models(), one_left), timeout_s=5, what="w1's heartbeat expired")
     # A draining worker still serves its model, but is no session's home any more.
     await registry.heartbeat(worker_id="w2", model="m", ttl_s=5, max_seqs=4, context_tokens=8192, draining=True)
     assert await registry.live_models() == {"m": LiveModel(workers=1, context_tokens=8192)}
@@ -42,16 +48,24 @@ async def test_dead_workers_and_models_no_live_worker_served_for_long_leave_the_
     await registry.remember_profiles(await registry.live_models())
     await redis_client.sadd(names.models_key, "legacy")  # remembered before last-served times were kept
     await registry.heartbeat(worker_id="live", model="new", ttl_s=30, **beat)
-    await asyncio.sleep(0.5)
-    # The dead worker's entry is swept by the next reader; its models stay known for a while.
-    assert await registry.live_models() == {"new": LiveModel(1, 4096, homes=frozenset({"live"}))}
-    assert set(await redis_client.hkeys(names.workers_key)) == {b"live"}
+
+    # The dead worker's entry is swept by the next reader once it expired (and a grace passed); its
+    # models stay known for a while.
+    async def swept() -> bool:
+        live = await registry.live_models()
+        return live == {"new": LiveModel(1, 4096, homes=frozenset({"live"}))} and set(
+            await redis_client.hkeys(names.workers_key)
+        ) == {b"live"}
+
+    await until(swept, timeout_s=5, what="the dead worker swept")
     assert all([await registry.is_known(m) for m in ("old", "old-lora", "legacy", "new")])
     assert await registry.profile("old") is not None and await registry.adapter_base("old-lora") == "old"
 
-    await asyncio.sleep(0.7)
-    await registry.heartbeat(worker_id="live", model="new", ttl_s=30, **beat)
-    assert [await registry.is_known(m) for m in ("old", "old-lora", "legacy", "new")] == [False, False, False, True]
+    async def forgotten() -> bool:
+        await registry.heartbeat(worker_id="live", model="new", ttl_s=30, **beat)
+        return [await registry.is_known(m) for m in ("old", "old-lora", "legacy", "new")] == [False, False, False, True]
+
+    await until(forgotten, timeout_s=5, what="the models not served for forget_model_after_s forgotten")
     assert await registry.profile("old") is None and await registry.adapter_base("old-lora") is None
     assert await redis_client.zrange(names.models_seen_key, 0, -1) == [b"new"]
     await redis_client.delete(

@@ -7,6 +7,7 @@ import pytest
 from services.sessions.relay import STREAM_LOST, TokenRelay
 from shared.names import Names
 from tests.e2e.tcpproxy import TcpProxy
+from tests.waiting import until
 
 
 def _relay(namespace: str, url: str, *, spares: int = 0) -> TokenRelay:
@@ -27,8 +28,11 @@ async def test_message_published_right_after_open_is_received(relay, redis_clien
     assert await redis_client.publish(stream.channel, b"first") == 1
     assert await stream.next(timeout_s=2) == b"first"
     await stream.close()
-    await asyncio.sleep(0.05)  # the unsubscribe goes out with the next batch
-    assert await redis_client.publish(stream.channel, b"late") == 0
+
+    async def unsubscribed() -> bool:  # the unsubscribe goes out with the next batch
+        return await redis_client.publish(stream.channel, b"late") == 0
+
+    await until(unsubscribed, timeout_s=2, what="the closed stream unsubscribed")
 
 
 async def test_many_streams_receive_only_their_own_chunks(relay, redis_client) -> None:

@@ -21,6 +21,7 @@ from shared.internal_headers import Caller
 from shared.openai_requests import RequestLimits, parse_request
 from shared.registry import LiveModel, WorkerRegistry
 from shared.schemas import Job, TokenChunk
+from tests.waiting import until
 
 MODEL = "cold-model"
 
@@ -123,8 +124,7 @@ async def test_a_client_that_leaves_while_waiting_is_counted_and_stops_waiting()
     metrics = SessionsMetrics()
     active, _ = _active(_job(start_by=time.time() + 10))
     waiter = asyncio.create_task(first_after_cold_start(active, active.chunks(), on_wait=None, metrics=metrics))
-    await asyncio.sleep(0.15)
-    assert _waiting(metrics) == 1
+    await until(lambda: _waiting(metrics) == 1, timeout_s=5, what="the request counted as waiting")
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
