@@ -7,8 +7,10 @@ namespace and database, so it never touches a running stack.
 """
 
 import asyncio
+import contextlib
 import importlib.util
 import os
+import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 from shared.keys import KeyLimits, KeyRepository
 from shared.migrations import drop_database, migrate, split_database_url
 from tests.machine import missing
+from tests.processes import RUN_MARKER, started_by_this_run
 from tests.services import (
     Choice,
     ServicesUnavailable,
@@ -56,6 +59,7 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    os.environ[RUN_MARKER] = str(os.getpid())
     try:
         config.stash[_CHOICE] = choose(os.environ, docker_engine_answers)
     except ServicesUnavailable as exc:
@@ -64,6 +68,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return config.stash[_CHOICE].header()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_outlives_the_run() -> Iterator[None]:
+    """At the end of the run (after every other fixture's teardown), no process the tests started
+    may still run: any left is killed and the run fails naming it (tests/processes.py)."""
+    yield
+    left = started_by_this_run()
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, "processes the tests started still ran at the end of the run (now killed):\n" + "\n".join(
+        f"  {pid}: {command}" for pid, command in sorted(left.items())
+    )
 
 
 @pytest.fixture(scope="session")

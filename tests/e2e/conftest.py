@@ -12,6 +12,9 @@ from tests.e2e.stack import Stack
 from tests.services import ServiceUrls
 
 SIM_MODEL = "sim-model"
+# The shared stack's three services (by id), which live for the session; every other service a
+# module's tests start is stopped when the module ends (`services_stopped_with_the_module`).
+SESSION_SERVICES: set[int] = set()
 SIM_ENV = {"AXON_ENGINE": "sim", "AXON_MODEL": SIM_MODEL, "AXON_SIM_TTFT_MS": "20", "AXON_SIM_ITL_MS": "5"}
 
 
@@ -34,9 +37,21 @@ def stack(namespace: str, database_url: str, service_urls: ServiceUrls, log_dir:
         stack.start("worker:sim", env=SIM_ENV)
         sessions = stack.start("sessions")
         stack.start("gateway", env={"AXON_SESSIONS_URL": sessions.url})
+        SESSION_SERVICES.update(id(service) for service in stack.services)
         yield stack
     finally:
         stack.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def services_stopped_with_the_module() -> Iterator[None]:
+    """Stop what the module's tests started and left running (after its own fixtures' teardown),
+    so no process of one module loads the machine, or takes work, in the next."""
+    first = len(Stack.started)
+    yield
+    for service in reversed(Stack.started[first:]):
+        if id(service) not in SESSION_SERVICES and service.process.poll() is None:
+            service.stop(timeout_s=15)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import redis
 
@@ -26,6 +27,9 @@ class Stack:
     amqp_url: str
     log_dir: Path
     services: list[Service] = field(default_factory=list)
+    # Every service any stack of this test process started, in order: tests/e2e/conftest.py stops
+    # those a module's tests started when the module ends.
+    started: ClassVar[list[Service]] = []
 
     def env(self, extra: dict[str, str]) -> dict[str, str]:
         return launcher.environment_with(
@@ -60,6 +64,7 @@ class Stack:
             log_path=self.log_dir / f"{name.replace(':', '-')}-{port}.log",
         )
         self.services.append(service)
+        Stack.started.append(service)
         launcher.wait_ready([service], timeout_s=ready_timeout_s, path=ready_path)
         return service
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -51,12 +51,17 @@ class Cold:
 
 
 @pytest.fixture(scope="module")
-def cold(stack: Stack, api_key: str) -> Cold:
+def cold(stack: Stack, api_key: str) -> Iterator[Cold]:
+    """A session manager and gateway of a namespace of their own, stopped with the module (a session
+    manager left running shares the run's database with later modules' and offers itself their
+    batches)."""
     namespace = f"{stack.namespace}-cold"
     env = {"AXON_NAMESPACE": namespace, "AXON_COLD_START_WAITS": json.dumps(WAITS)}
     sessions = stack.start("sessions:cold", env=env)
     gateway = stack.start("gateway:cold", env={**env, "AXON_SESSIONS_URL": sessions.url})
-    return Cold(stack, namespace, sessions, gateway, api_key)
+    yield Cold(stack, namespace, sessions, gateway, api_key)
+    gateway.stop()
+    sessions.stop()
 
 
 def _in_thread(target: Callable[[], T]) -> Callable[[], T]:

@@ -1,0 +1,41 @@
+"""The processes a test run started, found by what their environment carries (children inherit it,
+so vLLM's engine core and a worker's other children are found with their parent)."""
+
+import os
+from pathlib import Path
+
+# Set in this run's environment when pytest starts (tests/conftest.py), so every process the tests
+# start carries it (launcher.environment_with passes everything but AXON_* settings on: so not
+# an AXON_ name).
+RUN_MARKER = "PYTEST_AXON_RUN_PID"
+
+
+def processes_whose_environment_has(entry: str) -> list[int]:
+    """Pids of the processes (this user's, Linux) whose environment holds `entry` ("NAME=value")."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    found = []
+    wanted = entry.encode()
+    for path in proc.iterdir():
+        if path.name.isdigit():
+            try:
+                environ = (path / "environ").read_bytes()
+            except OSError:
+                continue
+            if wanted in environ.split(b"\0"):
+                found.append(int(path.name))
+    return found
+
+
+def started_by_this_run() -> dict[int, str]:
+    """The processes this run started that still run (pytest's own process aside), with their command lines."""
+    left = {}
+    for pid in processes_whose_environment_has(f"{RUN_MARKER}={os.getpid()}"):
+        if pid == os.getpid():
+            continue
+        try:
+            left[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+    return left
