@@ -10,15 +10,20 @@ end). First it measures the capacity of that stack, as `capacity.py --workload r
 (16-token streamed answers at 64, 128 and 256 streams in flight; the best level with zero
 errors), because this VM's speed varies by a factor of 2-3 from day to day. Then it drives the
 gateway with `axon bench` (its own process) at `--fraction` (0.7) of that capacity, or at
-`--rate`, in streamed requests per second with Poisson arrivals. Every 5 s it records the
-resident memory (RSS) of the gateway, the session manager and the worker.
+`--rate`, in streamed requests per second with Poisson arrivals, at most 256 in flight (the most
+the capacity measurement held): a capacity measured while the machine was quiet is more than the
+stack sustains once other processes take the cores, and open-loop arrivals would then pile up
+until the gateway refuses them (503 `overloaded` past `AXON_MAX_REQUESTS_IN_FLIGHT`); with the
+bound, a slower stack makes arrivals wait at the client, as a client's connection pool would. Every
+5 s it records the resident memory (RSS) of the gateway, the session manager and the worker.
 
 It fails (exit 1) if any request failed, or if a process's RSS at the end is 10% or more above
 its RSS at the end of the warm-up (the first fifth of the run, at most a minute). With `--json`
 it writes every figure and the memory samples.
 
-With `--expect-overload` (a rate above capacity) errors are expected: it fails instead if any
-error is not a 503 `overloaded` refusal from the gateway, or if memory grows.
+With `--expect-overload` (a rate above capacity, no bound on what is in flight) errors are
+expected: it fails instead if any error is not a 503 `overloaded` refusal from the gateway, or if
+memory grows.
 """
 
 import argparse
@@ -130,6 +135,8 @@ def main() -> int:
                 "--json",
                 out.name,
             ]
+            if not args.expect_overload:
+                argv += ["--max-concurrency", str(max(CAPACITY_STREAMS))]
             sampler.start()
             subprocess.run(argv, env={**os.environ, "OPENAI_API_KEY": key}, stdout=subprocess.DEVNULL, check=False)
             sampler.stopping.set()
