@@ -1,7 +1,7 @@
 """A peft LoRA adapter of the bundled SmolLM2 served end to end by the CPU engine: the test makes a
-tiny adapter (rank 4 on q_proj and v_proj, random non-zero B so it changes the answers), asks peft's
-own `generate` what it and the base model answer (greedy), then serves both from one worker and
-compares through the official client."""
+tiny adapter whose answer starts with a word of its choosing (`tests.models.steering_lora`, so it
+differs from the base model's by construction), asks peft's own `generate` what it and the base
+model answer (greedy), then serves both from one worker and compares through the official client."""
 
 import asyncio
 import json
@@ -16,7 +16,7 @@ from services.cli.launcher import Service
 from services.worker.engines.gguf import bundled_gguf_path
 from tests.e2e.stack import Stack
 from tests.e2e.test_workers import wait_listed
-from tests.models import random_lora
+from tests.models import steering_lora
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(600)]
 
@@ -25,16 +25,18 @@ BASE = "smollm2-lora-base"
 ADAPTER = "smollm2-tiny-lora"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 24
+# The adapter's first answer token (the base model answers "The capital of France is Paris.").
+STEERED = "London"
 
 
 def make_adapter(folder: Path) -> dict[str, str]:
-    """Save a tiny LoRA adapter of the bundled model in `folder` (`tests.models.random_lora`); return
-    the greedy answers to QUESTION of peft's `generate` with the adapter (`adapter`) and without it
-    (`base`)."""
+    """Save a tiny LoRA adapter of the bundled model in `folder` that answers QUESTION starting with
+    STEERED (`tests.models.steering_lora`); return the greedy answers to QUESTION of peft's
+    `generate` with the adapter (`adapter`) and without it (`base`)."""
     import torch
     from transformers import AutoTokenizer
 
-    peft_model = random_lora(folder)
+    peft_model = steering_lora(folder, messages=QUESTION, token=STEERED)
     gguf = bundled_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     encoded = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
@@ -55,7 +57,8 @@ def make_adapter(folder: Path) -> dict[str, str]:
 def expected(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     folder = tmp_path_factory.mktemp("lora") / ADAPTER
     answers = make_adapter(folder)
-    assert answers["adapter"] != answers["base"]  # else the test below could not tell them apart
+    # What the adapter was built to do (the tests below tell the two apart by it).
+    assert answers["adapter"].startswith(STEERED) and not answers["base"].startswith(STEERED), answers
     return folder, answers
 
 

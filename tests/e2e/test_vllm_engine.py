@@ -33,6 +33,7 @@ import openai
 import pytest
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
+from openai.types import Batch
 from pydantic import BaseModel, Field
 
 from services.cli import launcher
@@ -49,15 +50,18 @@ from tests.e2e.stack import INTERNAL_AUTH, Stack
 from tests.e2e.test_workers import holder, metric, wait_listed
 from tests.e2e.vllm import VllmWorkers, no_process_left, stream_killing
 from tests.metric_names import Scrape, queried_metrics
-from tests.models import random_lora
+from tests.models import steering_lora
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(300)]
 
 # Nothing chosen: the default engine serves the default model under its own name.
 MODEL = DEFAULT_MODEL
 ADAPTER = "smollm2-e2e-lora"
+STEERED = "London"  # the first token of the adapter's answer to STORY (tests.models.steering_lora)
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Tell me a story about a dog."}]
+ENDED = {"completed", "failed", "expired", "cancelled"}  # a batch's final statuses
 WEATHER = {
     "type": "function",
     "function": {
@@ -105,16 +109,19 @@ def receiver() -> Iterator[OtlpReceiver]:
 def workers(
     stack: Stack, vllm_model_cache: Path, tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver
 ) -> Iterator[VllmWorkers]:
-    """The module's workers: no engine, model or dtype chosen, and a random LoRA adapter of the model;
+    """The module's workers: no engine, model or dtype chosen, and a LoRA adapter of the model (whose
+    answer to STORY starts with STEERED);
     they trace to `receiver`; stopped with the module (their memory and cores are not the later
     modules' to share)."""
     (converted,) = [p for p in vllm_model_cache.iterdir() if not p.name.startswith(".")]
     adapter = tmp_path_factory.mktemp("lora") / ADAPTER
-    random_lora(adapter, base=converted)
+    steering_lora(adapter, messages=STORY, token=STEERED, base=converted)
     env = {
         "AXON_MODEL_CACHE_DIR": str(vllm_model_cache),
         "AXON_LORA_ADAPTERS": json.dumps({ADAPTER: str(adapter)}),
         "AXON_MAX_SEQS": "16",
+        # Batch lines may fill all 16 (the preemption test), none reserved for interactive jobs.
+        "AXON_BATCH_RESERVED_SEQS": "0",
         "AXON_OTLP_ENDPOINT": receiver.endpoint,
     }
     pool = VllmWorkers(stack, "vllm", env)
@@ -278,7 +285,8 @@ def test_the_lora_adapter_answers_differently_from_its_base(sdk: OpenAI) -> None
     base = sdk.chat.completions.create(model=MODEL, messages=STORY, temperature=0, max_tokens=16)
     adapted = sdk.chat.completions.create(model=ADAPTER, messages=STORY, temperature=0, max_tokens=16)
     assert adapted.model == ADAPTER
-    assert adapted.choices[0].message.content != base.choices[0].message.content
+    assert adapted.choices[0].message.content.startswith(STEERED)
+    assert not base.choices[0].message.content.startswith(STEERED)
 
 
 def test_vllms_refusals_are_400s_naming_the_parameter(sdk: OpenAI) -> None:
@@ -417,6 +425,16 @@ def test_hostile_schemas_are_refused_or_answered_within_max_tokens_while_health_
     )
 
 
+def ended(sdk: OpenAI, batch_id: str, *, timeout_s: float) -> Batch:
+    """The batch once it has ended (completed, failed, expired or cancelled)."""
+    return wait_for(
+        lambda: (batch := sdk.batches.retrieve(batch_id)).status in ENDED and batch,
+        timeout_s=timeout_s,
+        what=f"batch {batch_id} ended",
+        interval_s=0.5,
+    )
+
+
 def test_a_small_batch_answers_each_line_as_the_same_request_online(sdk: OpenAI, checked: ContractTransport) -> None:
     """Issue 28 on the default engine: a batch's lines run on the module's vLLM worker and each
     answer is the one the same greedy request gets online; a line the endpoint refuses is its 400
@@ -445,10 +463,7 @@ def test_a_small_batch_answers_each_line_as_the_same_request_online(sdk: OpenAI,
     online = {custom_id: sdk.chat.completions.create(**body) for custom_id, body in answered.items()}
     with pytest.raises(openai.BadRequestError) as online_refusal:
         sdk.chat.completions.create(**refused)
-    deadline = time.monotonic() + 120
-    while (batch := sdk.batches.retrieve(batch.id)).status not in {"completed", "failed", "expired", "cancelled"}:
-        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
-        time.sleep(0.5)
+    batch = ended(sdk, batch.id, timeout_s=120)
     assert batch.status == "completed", batch.errors
     assert batch.request_counts is not None and batch.error_file_id
     counts = (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed)
@@ -478,6 +493,52 @@ def test_a_small_batch_answers_each_line_as_the_same_request_online(sdk: OpenAI,
     checked.check("ErrorResponse", refusal["body"], "batch line refused")
     assert (refusal["status_code"], refusal["body"]["error"]["param"]) == (400, "tool_choice")
     assert online_refusal.value.param == "tool_choice"
+
+
+def test_an_interactive_request_preempts_a_batch_line_on_vllm(sdk: OpenAI, vllm_worker: Service) -> None:
+    """The worker's sequences all taken, batch lines among them: an interactive request takes one (a
+    line's job is stopped in vLLM and handed back, outcome `preempted`) instead of waiting for a
+    line to end, and every line still completes with its whole answer, resumed from its published
+    tokens. (Word for word is not asked of vLLM here: its CPU answers are not batch-invariant.)
+
+    It waits for no free sequence (running = the worker's maximum, read from its metrics, with a
+    batch line among them), not for a count of batch lines: another job may hold a sequence. The
+    lines (128 tokens, 20 for 16 sequences) run for seconds, so none ends between that reading and
+    the request. The batch is cancelled if the test fails, so it does not hold the worker after."""
+    most = 128
+    body = {"model": MODEL, "messages": STORY, "temperature": 0, "max_tokens": most, "ignore_eos": True}
+    jsonl = "".join(
+        json.dumps({"custom_id": f"story-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
+        for i in range(20)
+    )
+    upload = sdk.files.create(file=("batch.jsonl", jsonl.encode()), purpose="batch")
+    preempted = metric(vllm_worker, "axon_worker_jobs_total", model=MODEL, outcome="preempted")
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    try:
+        full = metric(vllm_worker, "axon_worker_max_sequences", model=MODEL)
+        wait_for(
+            lambda: (
+                metric(vllm_worker, "axon_worker_running_sequences", model=MODEL) >= full
+                and metric(vllm_worker, "axon_worker_batch_sequences", model=MODEL) >= 1
+            ),
+            timeout_s=60,
+            what=f"the worker's {full:.0f} sequences all running, a batch line among them",
+        )
+        answer = sdk.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=4)
+        assert answer.choices[0].message.content
+        assert metric(vllm_worker, "axon_worker_jobs_total", model=MODEL, outcome="preempted") > preempted
+        batch = ended(sdk, batch.id, timeout_s=180)
+    finally:
+        if sdk.batches.retrieve(batch.id).status not in ENDED:
+            sdk.batches.cancel(batch.id)
+    assert batch.status == "completed" and batch.output_file_id, batch.errors
+    output = [json.loads(line) for line in sdk.files.content(batch.output_file_id).text.splitlines() if line]
+    assert sorted(line["custom_id"] for line in output) == sorted(f"story-{i}" for i in range(20))
+    for line in output:
+        answered = line["response"]["body"]
+        assert answered["usage"]["completion_tokens"] == most, line["custom_id"]
+        assert answered["choices"][0]["finish_reason"] == "length"
+        assert len(answered["choices"][0]["message"]["content"].split()) > most // 4
 
 
 # --- failing and stopping workers (last: they kill workers) -----------------------------------
@@ -541,10 +602,17 @@ CITY = {
 }
 
 
+# vLLM's CPU kernels are not batch-invariant: the resume re-prefills the published tokens, and the
+# next tokens' log probabilities come out a little different (up to 0.15 seen) from the
+# uninterrupted run's decoding, so a near-tie after the kill can flip ("the small coastal town"
+# resumed as "the small, coastal town"). The plain answer counts: each of its 48 greedy tokens
+# leads the next choice by 1.0 or more, and from the fourth on by 1.75 or more (top_logprobs=2 on
+# this engine). A constrained answer is generated again from the start (docs/architecture.md), as
+# the reference was, so its near-ties are decided the same way.
 @pytest.mark.parametrize(
     "body",
     [
-        {"messages": [{"role": "user", "content": "Write a short story about a lighthouse keeper."}], "max_tokens": 48},
+        {"messages": [{"role": "user", "content": "Count from 1 to 100."}], "max_tokens": 48},
         {"messages": [{"role": "user", "content": "Describe Paris."}], "max_tokens": 60, "response_format": CITY},
     ],
     ids=["plain", "json_schema"],
@@ -556,11 +624,11 @@ def test_a_worker_killed_mid_answer_is_resumed_word_for_word(workers: VllmWorker
     resumed = {w.port: metric(w, "axon_worker_jobs_total", model=MODEL, outcome="resumed") for w in pair}
     victims: list[Service] = []
 
-    def kill() -> None:
-        victims.append(holder(pair, MODEL))
-        victims[0].kill()
+    def kill(victim: Service) -> None:
+        victims.append(victim)
+        victim.kill()
 
-    assert stream_killing(sdk, kill, model=MODEL, **body) == reference
+    assert stream_killing(sdk, pair, kill, model=MODEL, **body) == reference
     (survivor,) = [w for w in pair if w is not victims[0]]
     assert metric(survivor, "axon_worker_jobs_total", model=MODEL, outcome="resumed") == resumed[survivor.port] + 1
     no_process_left(workers.ids[victims[0].process.pid])

@@ -27,7 +27,7 @@ from openai import OpenAI
 
 from services.cli.launcher import Service, ServiceExited
 from tests.e2e.stack import Stack
-from tests.e2e.test_workers import client_for, holder, metric, wait_listed
+from tests.e2e.test_workers import client_for, metric, wait_listed
 from tests.e2e.vllm import VllmWorkers, engine_core_of, no_process_left, stream_killing
 from tests.models import random_llama
 
@@ -86,11 +86,11 @@ def test_a_dead_engine_core_fails_its_worker_and_the_answer_resumes(
     reference = client.chat.completions.create(temperature=0, extra_body={"ignore_eos": True}, **body)
     victims: list[Service] = []
 
-    def kill_engine_core() -> None:
-        victims.append(holder(pair, MODEL))
-        os.kill(engine_core_of(victims[0]), signal.SIGKILL)
+    def kill_engine_core(victim: Service) -> None:
+        victims.append(victim)
+        os.kill(engine_core_of(victim), signal.SIGKILL)
 
-    text = stream_killing(client, kill_engine_core, extra_body={"ignore_eos": True}, **body)
+    text = stream_killing(client, pair, kill_engine_core, extra_body={"ignore_eos": True}, **body)
     assert text == reference.choices[0].message.content
     victim = victims[0]
     assert victim.process.wait(timeout=60) == 1

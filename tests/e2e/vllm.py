@@ -11,6 +11,8 @@ from openai import OpenAI
 
 from services.cli.launcher import Service
 from tests.e2e.stack import Stack
+from tests.e2e.test_workers import holder, metric
+from tests.processes import processes_whose_environment_has
 
 
 class VllmWorkers:
@@ -55,17 +57,7 @@ class VllmWorkers:
 
 def processes_of(worker_id: str) -> list[int]:
     """Processes whose environment names this worker id: the worker and every process it started."""
-    found = []
-    marker = f"AXON_WORKER_ID={worker_id}".encode()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as environ:
-                    if marker in environ.read().split(b"\0"):
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
+    return processes_whose_environment_has(f"AXON_WORKER_ID={worker_id}")
 
 
 def no_process_left(worker_id: str, *, timeout_s: float = 15) -> None:
@@ -93,20 +85,31 @@ def engine_core_of(worker: Service) -> int:
     raise AssertionError("no engine-core process")
 
 
-def stream_killing(client: OpenAI, kill: Callable[[], None], **body: Any) -> str:
-    """Stream a greedy chat answer, calling `kill()` as soon as its first text arrives; the whole
-    text received.
+def stream_killing(client: OpenAI, workers: list[Service], kill: Callable[[Service], None], **body: Any) -> str:
+    """Stream a greedy chat answer of `body["model"]`, calling `kill(worker)` on the worker generating
+    it as soon as its first text arrives; the whole text received.
 
-    The first text, not the n-th chunk: a loaded worker merges tokens into fewer chunks, so a
-    count of chunks may never be reached, while the first text goes out as soon as it exists.
-    Fails unless the kill landed mid-answer: text must arrive after it."""
+    The first text, not the n-th chunk: a loaded worker merges tokens into fewer chunks, so a count
+    of chunks may never be reached, while the first text goes out as soon as it exists. Fails
+    unless the kill landed mid-answer as the servers count it: the other workers generated tokens
+    of it after the kill. (Text the client reads after the kill proves nothing: the dead worker may
+    have produced all of it before, buffered on the way.)"""
+    model = body["model"]
     pieces: list[str] = []
-    killed_after: int | None = None  # the pieces received when kill() was called
+    victim: Service | None = None
+    generated: dict[int, float] = {}  # the other workers' tokens generated, by port, before the kill
     for chunk in client.chat.completions.create(temperature=0, stream=True, **body):
         pieces.append(chunk.choices[0].delta.content or "")
-        if killed_after is None and pieces[-1]:
-            kill()
-            killed_after = len(pieces)
-    assert killed_after is not None, "the stream ended without any text: kill() was never called"
-    assert any(pieces[killed_after:]), f"no text came after the kill: the answer {''.join(pieces)!r} was complete"
-    return "".join(pieces)
+        if victim is None and pieces[-1]:
+            victim = holder(workers, model)
+            generated = {w.port: tokens_generated(w, model) for w in workers if w is not victim}
+            kill(victim)
+    text = "".join(pieces)
+    assert victim is not None, "the stream ended without any text: kill() was never called"
+    after = sum(tokens_generated(w, model) - generated[w.port] for w in workers if w.port in generated)
+    assert after >= 1, f"no other worker generated any of {text!r} after the kill: the answer was complete before it"
+    return text
+
+
+def tokens_generated(worker: Service, model: str) -> float:
+    return metric(worker, "axon_worker_output_tokens_total", model=model)
