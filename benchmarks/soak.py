@@ -10,11 +10,12 @@ end). First it measures the capacity of that stack, as `capacity.py --workload r
 (16-token streamed answers at 64, 128 and 256 streams in flight; the best level with zero
 errors), because this VM's speed varies by a factor of 2-3 from day to day. Then it drives the
 gateway with `axon bench` (its own process) at `--fraction` (0.7) of that capacity, or at
-`--rate`, in streamed requests per second with Poisson arrivals, at most 256 in flight (the most
-the capacity measurement held): a capacity measured while the machine was quiet is more than the
-stack sustains once other processes take the cores, and open-loop arrivals would then pile up
-until the gateway refuses them (503 `overloaded` past `AXON_MAX_REQUESTS_IN_FLIGHT`); with the
-bound, a slower stack makes arrivals wait at the client, as a client's connection pool would. Every
+`--rate`, in streamed requests per second with Poisson arrivals, with at most as many in flight
+as the best capacity level held without an error: a capacity measured while the machine was quiet
+is more than the stack sustains once other processes take the cores, and open-loop arrivals would
+then pile up until requests are refused (503 `overloaded` past `AXON_MAX_REQUESTS_IN_FLIGHT` at
+the latest); with the bound, a slower stack makes arrivals wait at the client, as a client's
+connection pool would. (With `--rate`, the bound is the most streams the capacity levels use.) Every
 5 s it records the resident memory (RSS) of the gateway, the session manager and the worker.
 
 It fails (exit 1) if any request failed, or if a process's RSS at the end is 10% or more above
@@ -101,12 +102,15 @@ def main() -> int:
         stack = env.start_stack(worker_env)
         key = env.create_key()
         capacity_rps = None
+        in_flight = max(CAPACITY_STREAMS)
         if args.rate is None:
-            capacity_rps = measure_capacity(env, stack["gateway"].url, key, {n: [p.pid] for n, p in stack.items()})
+            capacity_rps, in_flight = measure_capacity(
+                env, stack["gateway"].url, key, {n: [p.pid] for n, p in stack.items()}
+            )
             args.rate = round(args.fraction * capacity_rps, 1)
             print(
                 f"capacity: {capacity_rps:.1f} req/s (best of {', '.join(map(str, CAPACITY_STREAMS))} streams in "
-                f"flight, zero errors); soaking at {args.fraction:g} x that",
+                f"flight, zero errors); soaking at {args.fraction:g} x that, at most {in_flight} in flight",
                 flush=True,
             )
         sampler = MemorySampler({name: process.pid for name, process in stack.items()})
@@ -136,7 +140,7 @@ def main() -> int:
                 out.name,
             ]
             if not args.expect_overload:
-                argv += ["--max-concurrency", str(max(CAPACITY_STREAMS))]
+                argv += ["--max-concurrency", str(in_flight)]
             sampler.start()
             subprocess.run(argv, env={**os.environ, "OPENAI_API_KEY": key}, stdout=subprocess.DEVNULL, check=False)
             sampler.stopping.set()
@@ -184,8 +188,11 @@ def main() -> int:
     return 0 if unexpected == 0 and flat else 1
 
 
-def measure_capacity(env: BenchEnvironment, gateway_url: str, key: str, pids: dict[str, list[int]]) -> float:
-    """The most streamed requests/s the stack completed with zero errors at any of `CAPACITY_STREAMS`.
+def measure_capacity(
+    env: BenchEnvironment, gateway_url: str, key: str, pids: dict[str, list[int]]
+) -> tuple[float, int]:
+    """The most streamed requests/s the stack completed with zero errors at any of `CAPACITY_STREAMS`,
+    and the streams in flight of that level.
 
     Raises:
         RuntimeError: every level had errors.
@@ -214,7 +221,7 @@ def measure_capacity(env: BenchEnvironment, gateway_url: str, key: str, pids: di
     best = best_clean_level(levels, "request_throughput_rps")
     if best is None:
         raise RuntimeError("no capacity level ran without errors")
-    return best["summary"]["request_throughput_rps"]
+    return best["summary"]["request_throughput_rps"], best["concurrency"]
 
 
 if __name__ == "__main__":
