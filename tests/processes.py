@@ -28,14 +28,22 @@ def processes_whose_environment_has(entry: str) -> list[int]:
     return found
 
 
+# Python's own helpers of a process using multiprocessing (torch does, in the test process): they
+# end with pytest's process, after the check.
+_OWN_HELPERS = ("from multiprocessing.resource_tracker import", "from multiprocessing.forkserver import")
+
+
 def started_by_this_run() -> dict[int, str]:
-    """The processes this run started that still run (pytest's own process aside), with their command lines."""
+    """The processes this run started that still run, with their command lines (pytest's own process
+    and its multiprocessing helpers aside)."""
     left = {}
     for pid in processes_whose_environment_has(f"{RUN_MARKER}={os.getpid()}"):
         if pid == os.getpid():
             continue
         try:
-            left[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
+        if not any(helper in command for helper in _OWN_HELPERS):
+            left[pid] = command
     return left
