@@ -100,13 +100,13 @@ class BenchEnvironment:
             }
         )
 
-    def create_key(self, limits: KeyLimits = UNLIMITED) -> str:
-        """A new API key in this run's database (printed nowhere)."""
+    def create_key(self, limits: KeyLimits = UNLIMITED, *, tenant: str = "bench") -> str:
+        """A new API key of `tenant` in this run's database (printed nowhere)."""
 
         async def create() -> str:
             pool = await asyncpg.create_pool(self.database_url, min_size=1, max_size=1)
             try:
-                key, _record = await KeyRepository(pool).create(name="bench", limits=limits, tenant="bench")
+                key, _record = await KeyRepository(pool).create(name=tenant, limits=limits, tenant=tenant)
                 return key
             finally:
                 await pool.close()
