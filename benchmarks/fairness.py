@@ -2,7 +2,7 @@
 tenants' token shares, with the fair share on and off in the same run.
 
     .venv/bin/python benchmarks/fairness.py                         # sim engine, about 5 minutes
-    .venv/bin/python benchmarks/fairness.py --picture docs/fair-share-ttft.svg
+    .venv/bin/python benchmarks/fairness.py --picture docs/images/fair-share-ttft.svg
     .venv/bin/python benchmarks/fairness.py --engine vllm           # burst only, about 5-10 minutes
     .venv/bin/python benchmarks/fairness.py --engine vllm --max-seqs 16 --quiet-requests 10
 
@@ -126,11 +126,10 @@ def _log_ticks(low_ms: float, high_ms: float) -> list[float]:
 
 def ttft_picture(panels: dict[str, dict[str, list[tuple[float, float]]]], *, title: str) -> str:
     """An SVG of each panel's points (panel -> tenant -> (seconds since the burst began, TTFT ms)),
-    panels side by side on one log TTFT axis, one circle per point."""
+    panels side by side on one log TTFT axis, each on a time axis of its own, one circle per point."""
     points = [p for tenants in panels.values() for series in tenants.values() for p in series]
     low = 10 ** math.floor(math.log10(max(1.0, min((ms for _, ms in points), default=10.0))))
     high = 10 ** math.ceil(math.log10(max((ms for _, ms in points), default=1000.0) * 1.05))
-    span_s = max((at for at, _ in points), default=1.0) * 1.05 or 1.0
     width = MARGIN_L + len(panels) * (PANEL_W + GAP)
     height = MARGIN_T + PANEL_H + MARGIN_B + 24
 
@@ -146,8 +145,9 @@ def ttft_picture(panels: dict[str, dict[str, list[tuple[float, float]]]], *, tit
     ]
     for index, (name, tenants) in enumerate(panels.items()):
         left = MARGIN_L + index * (PANEL_W + GAP)
+        span_s = max((at for series in tenants.values() for at, _ in series), default=1.0) * 1.05 or 1.0
 
-        def x(at_s: float, left: float = left) -> float:
+        def x(at_s: float, left: float = left, span_s: float = span_s) -> float:
             return left + PANEL_W * at_s / span_s
 
         out.append(f'<g class="panel" data-name="{escape(name)}">')
@@ -344,9 +344,9 @@ async def burst(
             await load
             seconds = time.perf_counter() - epoch - started_s
             phases[f"{streams}"] = {
+                "started_s": started_s,
                 "quiet": beside,
                 "noisy": list(noisy.answers),
-                "started_s": started_s,
                 "noisy_tok_s": (noisy.tally.total - tokens_before) / seconds,
             }
         return phases
@@ -663,9 +663,8 @@ def main() -> int:
         summary = {
             "burst": {
                 mode: {
-                    phase: {
-                        tenant: [vars(a) for a in figures[tenant]] for tenant in ("quiet", "noisy") if tenant in figures
-                    }
+                    phase: {"started_s": figures.get("started_s", 0.0)}
+                    | {tenant: [vars(a) for a in figures[tenant]] for tenant in ("quiet", "noisy") if tenant in figures}
                     for phase, figures in phases.items()
                 }
                 for mode, phases in results["burst"].items()
