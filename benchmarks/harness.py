@@ -64,6 +64,8 @@ class BenchEnvironment:
     processes: list[Service] = field(default_factory=list)
     # Models whose job queues this run declared (removed with the run).
     models: set[str] = field(default_factory=set)
+    # Tenants of the run's keys: the fair share's queues of each model and tenant are removed too.
+    tenants: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.namespace = f"axon_bench_{self.run_id}"
@@ -81,7 +83,7 @@ class BenchEnvironment:
         print("removing the benchmark's database, Redis keys and queues...", file=sys.stderr, flush=True)
         asyncio.run(drop_database(self.database_url))
         asyncio.run(_delete_namespace(self.redis_url, self.namespace))
-        asyncio.run(_delete_topology(self.amqp_url, self.namespace, self.models))
+        asyncio.run(_delete_topology(self.amqp_url, self.namespace, self.models, self.tenants))
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """The environment of a service of this run (the caller's own AXON_* settings dropped)."""
@@ -102,6 +104,7 @@ class BenchEnvironment:
 
     def create_key(self, limits: KeyLimits = UNLIMITED, *, tenant: str = "bench") -> str:
         """A new API key of `tenant` in this run's database (printed nowhere)."""
+        self.tenants.add(tenant)
 
         async def create() -> str:
             pool = await asyncpg.create_pool(self.database_url, min_size=1, max_size=1)
@@ -201,7 +204,9 @@ async def _delete_namespace(redis_url: str, namespace: str) -> None:
         await client.aclose()
 
 
-async def _delete_topology(amqp_url: str, namespace: str, models: set[str]) -> None:
+async def _delete_topology(
+    amqp_url: str, namespace: str, models: set[str], tenants: frozenset[str] | set[str] = frozenset()
+) -> None:
     import aio_pika
 
     from shared.names import Names
@@ -211,6 +216,12 @@ async def _delete_topology(amqp_url: str, namespace: str, models: set[str]) -> N
     try:
         channel = await connection.channel()
         queues = [*(names.jobs_queue(model) for model in models), *(names.batch_queue(model) for model in models)]
+        queues += [
+            names.tenant_queue(model, tenant, batch=batch)
+            for model in models
+            for tenant in tenants
+            for batch in (False, True)
+        ]
         for queue in [*queues, names.dead_letter_queue]:
             await channel.queue_delete(queue)
         for exchange in (names.jobs_exchange, names.dead_letter_exchange):
