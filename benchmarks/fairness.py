@@ -3,8 +3,8 @@ tenants' token shares, with the fair share on and off in the same run.
 
     .venv/bin/python benchmarks/fairness.py                         # sim engine, about 5 minutes
     .venv/bin/python benchmarks/fairness.py --picture docs/images/fair-share-ttft.svg
-    .venv/bin/python benchmarks/fairness.py --engine vllm           # burst only, about 5-10 minutes
-    .venv/bin/python benchmarks/fairness.py --engine vllm --max-seqs 16 --quiet-requests 10
+    .venv/bin/python benchmarks/fairness.py --engine vllm           # burst only, 32 sequences: long (below)
+    .venv/bin/python benchmarks/fairness.py --engine vllm --max-seqs 8 --quiet-requests 10   # 17 minutes
 
 It starts one worker, and two session managers with a gateway each, with a database and Redis
 namespace of their own (removed at the end): `fair share` (`AXON_FAIR_SHARE=true`, the default) and
@@ -24,7 +24,9 @@ words: one a token).
   1.5 x its p50 beside max_seqs - 1 streams (a full batch, no queue: the engine's own cost).
   The sim worker: `--max-seqs` (8) sequences, AXON_SIM_TTFT_MS=20, AXON_SIM_ITL_MS=10, one burst of
   64 x 64 tokens; the vLLM worker: the bundled SmolLM2, AXON_MAX_SEQS=`--max-seqs` (32), bursts of
-  max_seqs - 1 and 4 x max_seqs streams of 32 tokens (`ignore_eos`).
+  max_seqs - 1 and 4 x max_seqs streams of 32 tokens (`ignore_eos`). On vLLM the FIFO half
+  dominates the run's length (quiet waits behind the whole burst): 17 minutes at 8 sequences on
+  2 loaded cores; at 32, most of an hour.
 - `shares` (sim only): two tenants each keep `--streams` (24) requests in flight for `--warmup-s`
   (5) + `--window-s` (20) seconds: `long` asks 256 tokens, `short` 16 (equal weights), then `heavy`
   (weight 3) and `light` (weight 1) both 64. Printed: each tenant's share of the output tokens that
