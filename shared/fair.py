@@ -28,7 +28,7 @@ or a worker holds is lost when it dies. The steps:
 2. Once the broker confirmed the job in the tenant's queue, `enqueued`: the tenant's count goes
    up; a tenant that had nothing waiting and was neither served nor queued anything for
    `IDLE_AFTER_MS` starts at the least score of those waiting (or at the last pick's when none
-   waits): idle time earns no credit. The workers' doorbell rings.
+   waits): idle time earns no credit. If it had none waiting, the workers' doorbell rings.
 3. A worker with a free sequence `claim`s the waiting tenant with the least score and takes one
    job from its queue (`services/worker/pulling.py`).
 
@@ -144,7 +144,7 @@ if not redis.call('ZSCORE', KEYS[2], tenant) then
 end
 redis.call('HSET', KEYS[5], tenant, now_ms)
 for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
-redis.call('PUBLISH', ARGV[4], '1')
+if n == tonumber(ARGV[2]) then redis.call('PUBLISH', ARGV[4], '1') end
 return n
 """)
 

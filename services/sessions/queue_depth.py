@@ -137,6 +137,14 @@ class QueueDepthPoller:
         for gauge in gauges:
             with contextlib.suppress(KeyError):
                 gauge.remove(model)
+        for band in (INTERACTIVE, BATCH):
+            self._fair_states.pop((model, band), None)
+            with contextlib.suppress(KeyError):
+                self._metrics.fairness.remove(model, band)
+        for waiting in [w for w in self._waiting_reported if w[0] == model]:
+            self._waiting_reported.discard(waiting)
+            with contextlib.suppress(KeyError):
+                self._metrics.tenant_waiting.remove(*waiting)
 
     async def _ensure_channel(self) -> AbstractRobustChannel:
         if self._channel is None or self._channel.is_closed:

@@ -8,7 +8,9 @@ others wait in their tenant's queue (`shared/topology.py`), which no worker cons
 asks the fair share which tenant's job comes next (`FairShare.claim`, `shared/fair.py`) and takes
 one from that tenant's queue (`basic.get`) whenever the worker has a free sequence (or a batch
 line's to take), and again at once while that lasts. It looks when a job ends here, when a
-session manager rings the model's doorbell (`Names.fair_ready`), and every `POLL_S`. While the
+session manager rings the model's doorbell (`Names.fair_ready`: a tenant that had no job waiting
+has one now), and every `POLL_S`; it asks Redis only after a ring or a poll, until a claim finds
+nothing waiting. While the
 worker is full it takes the fair share's next pick ahead, to start the moment a sequence frees:
 the pull's round trips then cost no sequence any time.
 
@@ -63,6 +65,7 @@ _MAX_MISSES = 64
 # change, and every `FREE_REFRESH_S`): a worker that died stops counting within this.
 FREE_VALID_MS = 3000
 FREE_REFRESH_S = 1.0
+FREE_REPORT_S = 0.05
 
 
 class Puller:
@@ -103,6 +106,10 @@ class Puller:
         self._paused = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._reconciled = -math.inf
+        # Whether a band may have jobs waiting (Redis is asked only then): set by the doorbell and
+        # every poll, cleared when a claim finds none.
+        self._waiting: dict[Band, bool] = {INTERACTIVE: True, BATCH: True}
+        self._polled = False
         # The job taken to start the moment a sequence frees here (taken while the worker is full).
         self._next: AbstractIncomingMessage | None = None
         # What each tenant's queue held beyond its count at the last reconcile.
@@ -140,9 +147,13 @@ class Puller:
     async def _take(self) -> None:
         outage = Outage("worker_pulling")
         while not self._paused.is_set():
+            # A ring (a tenant has jobs waiting that had none) or a poll: look in Redis again.
+            if self._doorbell.is_set() or self._polled:
+                self._waiting = {INTERACTIVE: True, BATCH: True}
             # Cleared before looking, so a ring or a freed sequence during the look is not missed.
             self._doorbell.clear()
             self._runner.freed.clear()
+            self._polled = False
             try:
                 took = await self._take_one()
             except Exception as exc:  # noqa: BLE001 - the broker or Redis is away: look again once it is back
@@ -153,13 +164,16 @@ class Puller:
             outage.recovered()
             self._report_free()
             if not took:
-                await self._rung(POLL_S)
+                self._polled = not await self._rung(POLL_S)
 
     def _report_free(self) -> None:
         """Tell the session managers how many sequences are free here, when it changed or every
         `FREE_REFRESH_S`: while nothing waits, they send a job straight to a free sequence."""
         free, now = self._runner.free_sequences, time.monotonic()
-        if free == self._reported[0] and now - self._reported[1] < FREE_REFRESH_S:
+        reported, since = self._reported[0], now - self._reported[1]
+        # At every change between none and some at once; other changes at most every
+        # `FREE_REPORT_S` (the session managers count their reservations down meanwhile).
+        if since < FREE_REFRESH_S and (free == reported or ((free > 0) == (reported > 0) and since < FREE_REPORT_S)):
             return
         self._reported = (free, now)
         self._fair.report_free(self._model, self._worker_id, free, valid_ms=FREE_VALID_MS)
@@ -207,9 +221,13 @@ class Puller:
     ) -> AbstractIncomingMessage | None:
         """One job of the tenant the fair share picks (not one of `excluded`; with `least_only`,
         only the least served), or None when no tenant has one waiting."""
+        if not self._waiting[band]:
+            return None
         for _ in range(_MAX_MISSES):
             tenant = await self._fair.claim(self._model, band=band, excluded=excluded, least_only=least_only)
             if tenant is None:
+                if not excluded:
+                    self._waiting[band] = False  # until the doorbell rings or the next poll
                 return None
             queue = await self._queue(tenant, band)
             message = await queue.get(no_ack=False, fail=False, timeout=self._timeout_s)
@@ -260,14 +278,15 @@ class Puller:
             self._queues[name] = queue
         return queue
 
-    async def _rung(self, timeout_s: float) -> None:
-        """Wait for the doorbell, a freed sequence, or `timeout_s`."""
+    async def _rung(self, timeout_s: float) -> bool:
+        """Wait for the doorbell, a freed sequence, or `timeout_s`; whether one came in time."""
         waits = [asyncio.ensure_future(self._doorbell.wait()), asyncio.ensure_future(self._runner.freed.wait())]
         try:
-            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            done, _pending = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for wait in waits:
                 wait.cancel()
+        return bool(done)
 
 
 async def listen_for_doorbell(
