@@ -76,11 +76,3 @@ async def first_after_cold_start(
         metrics.cold_start_waiting.labels(job.model).dec()
         metrics.cold_start_waits.labels(job.model, outcome).inc()
         log.info("cold_start_wait_ended", outcome=outcome)
-
-
-def _cold_start(job: Job, body: ChatCompletionRequest | CompletionRequest, wait_s: float) -> Job:
-    """`job` queued while its model has no live worker: its requester waits `wait_s` (at most until
-    its deadline) for one to start and take it, and the parameters it uses go with it, since no live
-    worker could be asked whether it honours them (a worker that does not refuses the job)."""
-    start_by = min(job.deadline, time.time() + wait_s)
-    return job.model_copy(update={"start_by": start_by, "requires": sorted(body.capabilities_used())})
