@@ -89,7 +89,7 @@ def run_level(
         ]
         meter = CpuMeter(pids)
         meter.start()
-        client = subprocess.Popen(argv, env={**os.environ, "OPENAI_API_KEY": key}, stdout=subprocess.DEVNULL)
+        client = subprocess.Popen(argv, env={**os.environ, "AXON_API_KEY": key}, stdout=subprocess.DEVNULL)
         _, status, usage = os.wait4(client.pid, 0)
         client.returncode = os.waitstatus_to_exitcode(status)
         cpu = meter.stop()

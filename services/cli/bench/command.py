@@ -7,12 +7,20 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from services.cli.bench.client import CLOSE_TIMEOUT_S, Poster, RunOutcome, make_poster, request_headers, run_requests
+from services.cli.bench.client import (
+    CLOSE_TIMEOUT_S,
+    Poster,
+    RunOutcome,
+    http_error,
+    make_poster,
+    request_headers,
+    run_requests,
+)
 from services.cli.bench.report import ProgressBar, render_summary, write_json
 from services.cli.bench.stats import distinct_errors, summarize
 from services.cli.bench.workload import (
@@ -75,8 +83,8 @@ def add_bench_command(commands: "argparse._SubParsersAction[argparse.ArgumentPar
     )
     target.add_argument(
         "--api-key",
-        default=os.environ.get("OPENAI_API_KEY", "unused"),
-        help="bearer API key (default: $OPENAI_API_KEY, else 'unused')",
+        default=default_api_key(os.environ),
+        help="bearer API key (default: $AXON_API_KEY, else $OPENAI_API_KEY, else 'unused')",
     )
     target.add_argument("--model", help="model name (default: the first model GET /models lists)")
     target.add_argument(
@@ -160,6 +168,12 @@ def add_bench_command(commands: "argparse._SubParsersAction[argparse.ArgumentPar
     return bench
 
 
+def default_api_key(environ: Mapping[str, str]) -> str:
+    """`--api-key` when none is given: `AXON_API_KEY` (the key `axon up` prints), else
+    `OPENAI_API_KEY` (another OpenAI-compatible server's), else `unused` (a server that takes none)."""
+    return environ.get("AXON_API_KEY") or environ.get("OPENAI_API_KEY") or "unused"
+
+
 def bench_command(args: argparse.Namespace) -> int:
     """Run `axon bench` from parsed arguments; returns the exit status."""
     from rich.console import Console
@@ -230,7 +244,11 @@ async def _bench_main(args: argparse.Namespace, entries: list[PromptEntry] | Non
     stop = asyncio.Event()
     with _stop_on_sigint(stop):
         if not config.model:
-            model = await first_model(config.base_url, api_key=args.api_key, timeout_s=min(config.timeout_s, 30.0))
+            try:
+                model = await first_model(config.base_url, api_key=args.api_key, timeout_s=min(config.timeout_s, 30.0))
+            except ModelsRefused as exc:
+                _say(f"{exc} (give the key with --api-key or export AXON_API_KEY)")
+                return 2
             if model is None:
                 _say(f"no --model given and none listed at {config.base_url.rstrip('/')}/models")
                 return 2
@@ -271,13 +289,26 @@ async def _warm_up_and_measure(
         return await run_requests(poster, config, measured, offsets_s=offsets_s, on_done=on_done, stop=stop)
 
 
+class ModelsRefused(Exception):
+    """`GET /models` answered 401 or 403: the key is missing, wrong or not allowed."""
+
+
 async def first_model(base_url: str, *, api_key: str, timeout_s: float) -> str | None:
-    """The first model id that `GET {base_url}/models` lists, or None."""
+    """The first model id that `GET {base_url}/models` lists, or None.
+
+    Raises:
+        ModelsRefused: the server refused the key (401 or 403), with its status and message.
+    """
     import httpx
 
+    url = base_url.rstrip("/") + "/models"
     try:
         async with httpx.AsyncClient(headers=request_headers(api_key), timeout=timeout_s, trust_env=False) as client:
-            response = await client.get(base_url.rstrip("/") + "/models")
+            response = await client.get(url)
+            if response.status_code in (401, 403):
+                raise ModelsRefused(
+                    f"GET {url} refused the API key: {http_error(response.status_code, response.content)}"
+                )
             data = response.json().get("data") or []
     except (httpx.HTTPError, ValueError, AttributeError):
         return None

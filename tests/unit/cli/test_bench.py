@@ -39,10 +39,13 @@ from services.cli.bench import (
     synthetic_prompts,
     tpot_s,
 )
+from services.cli.bench.command import default_api_key
 from services.cli.main import build_parser, main
 
 FAKE_MODEL = "fake-model"
 RATE_LIMIT_MESSAGE = "Rate limit reached for this key."
+# The key the fake server's copy under /locked asks for.
+LOCKED_KEY = "axk_locked"
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,10 +334,20 @@ def test_infinite_rate_sends_everything_at_once() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def build_fake_openai() -> FastAPI:
+def build_fake_openai(*, required_key: str | None = None) -> FastAPI:
     """Streams one word per token; prompts containing a marker trigger 429, a mid-stream error
-    or a slow answer."""
+    or a slow answer. Under /locked, the same server asking for `LOCKED_KEY` (401 otherwise)."""
     app = FastAPI()
+    if required_key is None:
+        app.mount("/locked", build_fake_openai(required_key=LOCKED_KEY))
+    else:
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            if request.headers.get("authorization") != f"Bearer {required_key}":
+                error = {"message": "Incorrect API key provided.", "type": "invalid_request_error"}
+                return JSONResponse({"error": error | {"param": None, "code": "invalid_api_key"}}, status_code=401)
+            return await call_next(request)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -610,6 +623,36 @@ def test_command_succeeds_with_synthetic_prompts(base_url: str, capsys: pytest.C
     )
     assert status == 0
     assert "8 completed, 0 failed" in capsys.readouterr().out
+
+
+def test_api_key_defaults_to_axon_api_key_then_openai_api_key() -> None:
+    assert default_api_key({"AXON_API_KEY": "axk_a", "OPENAI_API_KEY": "sk-b"}) == "axk_a"
+    assert default_api_key({"OPENAI_API_KEY": "sk-b"}) == "sk-b"
+    assert default_api_key({}) == "unused"
+
+
+def test_command_takes_the_key_from_axon_api_key(
+    base_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AXON_API_KEY", LOCKED_KEY)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-another-server")
+    locked = base_url.replace("/v1", "/locked/v1")
+    status = main(["bench", "--base-url", locked, "--num-requests", "2", "--output-len", "3", "--no-progress"])
+    assert status == 0
+    assert "2 completed, 0 failed" in capsys.readouterr().out
+
+
+def test_command_reports_a_refused_key_as_such(
+    base_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AXON_API_KEY", raising=False)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-wrong")
+    locked = base_url.replace("/v1", "/locked/v1")
+    assert main(["bench", "--base-url", locked, "--num-requests", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"GET {locked}/models refused the API key: HTTP 401: Incorrect API key provided." in err
+    assert "provided. (give the key with --api-key or export AXON_API_KEY)" in err
+    assert "none listed" not in err
 
 
 def test_command_rejects_a_bad_prompts_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
