@@ -253,11 +253,13 @@ def _run(
     return 0
 
 
-def _stop_children(children: list[Service], *, stop: _StopRequests, timeout_s: float, say: Say) -> bool:
-    """One SIGTERM to each child still running, then wait for them all (killed after `timeout_s`,
-    or at a third stop signal). Whether every one exited 0."""
+def _stop_children(children: list[Service], *, stop: _StopRequests, drain_timeout_s: float, say: Say) -> bool:
+    """One SIGTERM to each child still running, then wait for them all: the answers in flight get
+    `drain_timeout_s` (`AXON_DRAIN_TIMEOUT_S`), the children are killed once the gateway's own wait
+    has passed too (or at a third stop signal). Whether every one exited 0."""
+    timeout_s = grace_s(drain_timeout_s, hops_behind=2) + _STOP_MARGIN_S
     say(
-        f"stopping: the services finish what they are answering (up to {timeout_s:.0f}s); "
+        f"stopping: the services finish what they are answering (up to {drain_timeout_s:g}s, AXON_DRAIN_TIMEOUT_S); "
         "Ctrl+C twice more stops them at once"
     )
     for child in reversed(children):
@@ -310,7 +312,5 @@ def run_up(*, ready_timeout_s: float, new_key: bool) -> int:
             examples=_examples(env, key, admin_token_generated=admin_token_generated),
         )
     finally:
-        clean = _stop_children(
-            children, stop=stop, timeout_s=grace_s(settings.drain_timeout_s, hops_behind=2) + _STOP_MARGIN_S, say=say
-        )
+        clean = _stop_children(children, stop=stop, drain_timeout_s=settings.drain_timeout_s, say=say)
     return status or (0 if clean else 1)

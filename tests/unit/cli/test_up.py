@@ -15,6 +15,7 @@ import pytest
 from services.cli import up
 from services.cli.launcher import PrefixedConsole, Service, free_port, start_process
 from services.cli.local_key import _write, local_key_path
+from shared.settings import CommonSettings
 
 
 class _Pipe(io.BytesIO):
@@ -121,11 +122,17 @@ def test_stopping_sends_one_sigterm_and_reports_a_clean_exit() -> None:
     children = [Service(f"child{i}", 0, process, None) for i, process in enumerate(processes)]
     said: list[str] = []
     try:
-        assert up._stop_children(children, stop=up._StopRequests(), timeout_s=20, say=said.append)
+        assert up._stop_children(children, stop=up._StopRequests(), drain_timeout_s=7, say=said.append)
     finally:
         for child in children:
             child.kill()
+    assert said[0].startswith("stopping: the services finish what they are answering (up to 7s, AXON_DRAIN_TIMEOUT_S)")
     assert "child0 exited with code 0" in said and "child1 exited with code 0" in said
+
+
+def test_the_readme_gives_the_drain_timeout_the_settings_default() -> None:
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    assert f"up to `AXON_DRAIN_TIMEOUT_S`, {CommonSettings().drain_timeout_s:g} s" in " ".join(readme.split())
 
 
 def test_the_key_file_follows_xdg_state_home_else_home() -> None:
