@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 from services.gateway import playground
 from services.gateway.admission import Admitter, ModelAccess
-from services.gateway.api import admin, docs, routes
+from services.gateway.api import admin, docs, landing, routes
 from services.gateway.api.openapi import TAGS, install_request_schemas, install_tags
 from services.gateway.auth import Authenticator
 from services.gateway.metrics import GatewayMetrics
@@ -145,6 +145,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(admin.router)
     app.include_router(playground.create_router())
     app.include_router(docs.router)
+    app.include_router(landing.router)
     install_request_schemas(app)
 
     install_probes(
