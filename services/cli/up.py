@@ -8,6 +8,7 @@ SIGTERM), a third kills them at once: the stop rule every Axon process keeps (`s
 """
 
 import asyncio
+import ipaddress
 import os
 import secrets
 import signal
@@ -33,6 +34,7 @@ from shared.serving import grace_s
 from shared.settings import DEFAULT_MODEL, CommonSettings
 from shared.stop_signals import StopSignals
 
+LOOPBACK = "127.0.0.1"
 # The order they start in, and the ports they listen on unless AXON_<KIND>_PORT says otherwise.
 _DEFAULT_PORTS = {"worker": 8002, "sessions": 8001, "gateway": 8000}
 # How often `axon up` asks the gateway whether `/v1/models` lists the model yet.
@@ -120,6 +122,8 @@ def _child_environment() -> tuple[dict[str, str], bool]:
     """The children's environment, and whether the admin token was made for this run."""
     env = dict(os.environ)
     env.setdefault("AXON_LOG_FORMAT", "console")
+    # A development platform with a key printed on the console: this machine only, unless asked.
+    env.setdefault("AXON_HOST", LOOPBACK)
     # Their lines reach the console as they are written, not when a pipe's buffer fills.
     env.setdefault("PYTHONUNBUFFERED", "1")
     if env.get("AXON_LOG_LEVEL", "INFO").upper() != "DEBUG":
@@ -134,6 +138,13 @@ def _child_environment() -> tuple[dict[str, str], bool]:
     return env, admin_token_generated
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
 def _examples(env: dict[str, str], key: LocalKey, *, admin_token_generated: bool) -> str:
     port = env.get("AXON_GATEWAY_PORT", "8000")
     scheme = "https" if env.get("AXON_TLS_CERTFILE") else "http"
@@ -144,6 +155,12 @@ def _examples(env: dict[str, str], key: LocalKey, *, admin_token_generated: bool
         else ""
     )
     origin = "was created" if key.created else "is reused"
+    host = env["AXON_HOST"]
+    reach = (
+        f"It listens on {host} only: set AXON_HOST=0.0.0.0 to reach it from other machines.\n"
+        if _is_loopback(host)
+        else f"It listens on {host}: other machines can reach it.\n"
+    )
     return f"""
 Axon is up. Your local API key (tenant "local") {origin}; it is kept in {key.path}
 (readable by you only) for the next `axon up`; `axon up --new-key` revokes it and makes another:
@@ -161,7 +178,8 @@ Try it:
 Or with the openai client: OpenAI(base_url="{scheme}://127.0.0.1:{port}/v1", api_key=os.environ["AXON_API_KEY"])
 Or in the browser, with the key above: {scheme}://127.0.0.1:{port}/playground
 More keys: .venv/bin/axon keys create --name NAME
-{admin_note}Press Ctrl+C to stop: the services finish what they are answering first; a third Ctrl+C stops them at once.
+{reach}{admin_note}
+Press Ctrl+C to stop: the services finish what they are answering first; a third Ctrl+C stops them at once.
 
 """
 

@@ -14,7 +14,7 @@ import pytest
 
 from services.cli import up
 from services.cli.launcher import PrefixedConsole, Service, free_port, start_process
-from services.cli.local_key import _write, local_key_path
+from services.cli.local_key import LocalKey, _write, local_key_path
 from shared.settings import CommonSettings
 
 
@@ -63,6 +63,18 @@ def test_children_are_quiet_unless_debug_and_get_a_fresh_internal_token(monkeypa
     debug, _ = up._child_environment()
     assert not {"HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE", "VLLM_LOGGING_LEVEL"} & set(debug)
     assert debug["AXON_INTERNAL_TOKEN"] == "t" * 40
+
+
+def test_the_children_listen_on_loopback_unless_axon_host_says_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AXON_HOST", raising=False)
+    env, _ = up._child_environment()
+    assert env["AXON_HOST"] == "127.0.0.1"
+    key = LocalKey(key="axk_test", path=Path("/state/axon.key"), created=True)
+    assert "listens on 127.0.0.1 only: set AXON_HOST=0.0.0.0" in up._examples(env, key, admin_token_generated=False)
+    monkeypatch.setenv("AXON_HOST", "0.0.0.0")
+    env, _ = up._child_environment()
+    assert env["AXON_HOST"] == "0.0.0.0"
+    assert "listens on 0.0.0.0: other machines can reach it" in up._examples(env, key, admin_token_generated=False)
 
 
 def _sleeper() -> Service:
