@@ -33,8 +33,13 @@ def _read(path: Path) -> str | None:
     return key if key.startswith(KEY_PREFIX) else None
 
 
-def _write(path: Path, key: str) -> None:
-    """Write the key to `path` with mode 0600 (its folder 0700), never readable by others even for an instant."""
+def admin_token_path(namespace: str, environ: dict[str, str] | None = None) -> Path:
+    """Where `axon up` keeps the admin token it made for its run: beside the key, `<namespace>.admin-token`."""
+    return local_key_path(namespace, environ).with_name(f"{namespace}.admin-token")
+
+
+def write_secret(path: Path, key: str) -> None:
+    """Write `key` to `path` with mode 0600 (its folder 0700), never readable by others even for an instant."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(descriptor, 0o600)  # a file that existed keeps its mode through O_CREAT
@@ -70,7 +75,7 @@ class LocalKey:
             key, _record = await repository.create(name=_KEY_NAME, limits=limits, tenant=_TENANT)
         finally:
             await pool.close()
-        _write(path, key)
+        write_secret(path, key)
         return cls(key, path, created=True)
 
 

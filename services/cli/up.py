@@ -12,8 +12,10 @@ import ipaddress
 import os
 import secrets
 import signal
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 import httpx
@@ -28,7 +30,7 @@ from services.cli.launcher import (
     start_service,
     wait_ready,
 )
-from services.cli.local_key import LocalKey, local_key_path
+from services.cli.local_key import LocalKey, admin_token_path, local_key_path, write_secret
 from shared.migrations import migrate
 from shared.serving import grace_s
 from shared.settings import DEFAULT_MODEL, CommonSettings
@@ -145,16 +147,21 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _examples(env: dict[str, str], key: LocalKey, *, admin_token_generated: bool) -> str:
+def _examples(env: dict[str, str], key: LocalKey, *, admin_token: Path | None, terminal: bool) -> str:
+    """What to do now. Secrets go to a terminal only: when the console is a file or a pipe (a log),
+    it names the files that hold them instead. `admin_token`: the file of the admin token made for
+    this run (None: the operator chose it)."""
     port = env.get("AXON_GATEWAY_PORT", "8000")
     scheme = "https" if env.get("AXON_TLS_CERTFILE") else "http"
     model = env.get("AXON_MODEL", DEFAULT_MODEL)
     admin_note = (
-        f"Admin API token for this run (set AXON_ADMIN_TOKEN to choose your own): {env['AXON_ADMIN_TOKEN']}\n"
-        if admin_token_generated
+        f"Admin API token for this run (set AXON_ADMIN_TOKEN to choose your own), in {admin_token}, "
+        f"readable by you only:\n  export AXON_ADMIN_TOKEN=$(cat {admin_token})\n"
+        if admin_token is not None
         else ""
     )
     origin = "was created" if key.created else "is reused"
+    key_value = key.key if terminal else f"$(cat {key.path})"
     host = env["AXON_HOST"]
     reach = (
         f"It listens on {host} only: set AXON_HOST=0.0.0.0 to reach it from other machines.\n"
@@ -165,7 +172,7 @@ def _examples(env: dict[str, str], key: LocalKey, *, admin_token_generated: bool
 Axon is up. Your local API key (tenant "local") {origin}; it is kept in {key.path}
 (readable by you only) for the next `axon up`; `axon up --new-key` revokes it and makes another:
 
-  export AXON_API_KEY={key.key}
+  export AXON_API_KEY={key_value}
 
 Try it:
 
@@ -313,6 +320,9 @@ def run_up(*, ready_timeout_s: float, new_key: bool) -> int:
     say(f"database ready ({len(applied)} migration(s) applied)")
     key = asyncio.run(LocalKey.obtain(settings, local_key_path(settings.namespace), replace=new_key))
     env, admin_token_generated = _child_environment()
+    admin_token = admin_token_path(settings.namespace) if admin_token_generated else None
+    if admin_token is not None:
+        write_secret(admin_token, env["AXON_ADMIN_TOKEN"])
     children = stop.children
     try:
         for kind, default in _DEFAULT_PORTS.items():
@@ -327,7 +337,7 @@ def run_up(*, ready_timeout_s: float, new_key: bool) -> int:
             stop=stop,
             say=say,
             write=console.write,
-            examples=_examples(env, key, admin_token_generated=admin_token_generated),
+            examples=_examples(env, key, admin_token=admin_token, terminal=sys.stdout.isatty()),
         )
     finally:
         clean = _stop_children(children, stop=stop, drain_timeout_s=settings.drain_timeout_s, say=say)

@@ -151,6 +151,11 @@ async def _queued_jobs(amqp_url: str, queue: str) -> int:
 
 def test_ctrl_c_mid_stream_drains_it_and_every_process_exits_0(up: Up, service_urls: ServiceUrls) -> None:
     assert up.key_file.stat().st_mode & 0o777 == 0o600
+    # Its console is a file here, as a log is: the secrets are in files of their own, not in it.
+    admin_token = up.key_file.with_name(f"{up.namespace}.admin-token")
+    assert admin_token.stat().st_mode & 0o777 == 0o600
+    assert up.key() not in up.text() and admin_token.read_text().strip() not in up.text()
+    assert f"export AXON_ADMIN_TOKEN=$(cat {admin_token})" in up.text()
     client = OpenAI(base_url=f"{up.gateway_url}/v1", api_key=up.key(), max_retries=0, timeout=30)
     stream = client.chat.completions.create(
         model=MODEL,

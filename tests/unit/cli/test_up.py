@@ -14,7 +14,7 @@ import pytest
 
 from services.cli import up
 from services.cli.launcher import PrefixedConsole, Service, free_port, start_process
-from services.cli.local_key import LocalKey, _write, local_key_path
+from services.cli.local_key import LocalKey, admin_token_path, local_key_path, write_secret
 from shared.settings import CommonSettings
 
 
@@ -70,11 +70,11 @@ def test_the_children_listen_on_loopback_unless_axon_host_says_otherwise(monkeyp
     env, _ = up._child_environment()
     assert env["AXON_HOST"] == "127.0.0.1"
     key = LocalKey(key="axk_test", path=Path("/state/axon.key"), created=True)
-    assert "listens on 127.0.0.1 only: set AXON_HOST=0.0.0.0" in up._examples(env, key, admin_token_generated=False)
+    assert "listens on 127.0.0.1 only: set AXON_HOST=0.0.0.0" in up._examples(env, key, admin_token=None, terminal=True)
     monkeypatch.setenv("AXON_HOST", "0.0.0.0")
     env, _ = up._child_environment()
     assert env["AXON_HOST"] == "0.0.0.0"
-    assert "listens on 0.0.0.0: other machines can reach it" in up._examples(env, key, admin_token_generated=False)
+    assert "listens on 0.0.0.0: other machines can reach it" in up._examples(env, key, admin_token=None, terminal=True)
 
 
 def _sleeper() -> Service:
@@ -152,12 +152,26 @@ def test_the_key_file_follows_xdg_state_home_else_home() -> None:
     assert local_key_path("ns", {"HOME": "/home/me"}) == Path("/home/me/.local/state/axon/ns.key")
 
 
+def test_secrets_reach_a_terminal_only_and_the_admin_token_is_in_a_file_beside_the_key() -> None:
+    assert admin_token_path("ns", {"XDG_STATE_HOME": "/state"}) == Path("/state/axon/ns.admin-token")
+    env = {"AXON_HOST": "127.0.0.1", "AXON_ADMIN_TOKEN": "admin-secret-0123456789"}
+    key = LocalKey(key="axk_secret", path=Path("/state/axon/ns.key"), created=False)
+    token = Path("/state/axon/ns.admin-token")
+    logged = up._examples(env, key, admin_token=token, terminal=False)
+    assert "axk_secret" not in logged and "admin-secret" not in logged
+    assert "export AXON_API_KEY=$(cat /state/axon/ns.key)" in logged
+    assert "export AXON_ADMIN_TOKEN=$(cat /state/axon/ns.admin-token)" in logged
+    shown = up._examples(env, key, admin_token=token, terminal=True)
+    assert "export AXON_API_KEY=axk_secret" in shown and "admin-secret" not in shown
+    assert "AXON_ADMIN_TOKEN" not in up._examples(env, key, admin_token=None, terminal=True)
+
+
 def test_the_key_file_is_readable_by_its_owner_only(tmp_path: Path) -> None:
     path = tmp_path / "state" / "axon" / "ns.key"
     path.parent.mkdir(parents=True)
     path.write_text("old")
     os.chmod(path, 0o644)
-    _write(path, "axk_new")
+    write_secret(path, "axk_new")
     assert path.read_text() == "axk_new\n"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
