@@ -1,6 +1,7 @@
 """The probes every service answers: `/health` (the process answers), `/ready` (it can serve now, or
 503 with the reason) and `/metrics` (Prometheus)."""
 
+import hmac
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -9,6 +10,7 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from shared.errors import Unauthorized
 from shared.http_responses import ORJSONResponse
 
 # Asked every few seconds by orchestrators and Prometheus: kept out of the access log.
@@ -23,6 +25,7 @@ def install_probes(
     ready_doc: str,
     ready_fields: Callable[[FastAPI], Mapping[str, Any]] | None = None,
     before_scrape: Callable[[FastAPI], Awaitable[None]] | None = None,
+    metrics_token: str | None = None,
 ) -> None:
     """Add `/health`, `/ready` and `/metrics` to `app`.
 
@@ -33,7 +36,10 @@ def install_probes(
         ready_doc: what `/ready` checks, its OpenAPI description.
         ready_fields: more fields for the 200 body of `/ready`.
         before_scrape: run before each scrape, for gauges read only when asked for.
+        metrics_token: `/metrics` answers only `Authorization: Bearer <it>` (compared in constant
+            time); None: whoever reaches the port (a service behind `InternalAuth` is guarded there).
     """
+    expected = f"Bearer {metrics_token}".encode() if metrics_token is not None else None
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -51,6 +57,14 @@ def install_probes(
     async def metrics_endpoint(request: Request) -> Response:
         """Prometheus metrics; in the OpenMetrics format, with the latency histograms' exemplars
         (trace ids), when the scraper accepts `application/openmetrics-text`."""
+        if expected is not None and not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), expected
+        ):
+            raise Unauthorized(
+                "/metrics needs the internal token: Authorization: Bearer $AXON_INTERNAL_TOKEN.",
+                code="invalid_internal_token",
+                headers={"www-authenticate": 'Bearer realm="axon-internal"'},
+            )
         if before_scrape is not None:
             await before_scrape(request.app)
         encode, content_type = choose_encoder(request.headers.get("accept", ""))

@@ -153,6 +153,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         registry=metrics.registry,
         not_ready_reason=_not_ready_reason,
         ready_doc="Readiness: Redis answers and the session manager is ready.",
+        # The public port: what the platform serves and how much is for its operators only.
+        metrics_token=None if settings.metrics_public else settings.require_internal_token(),
     )
     install_tags(app)
     return app

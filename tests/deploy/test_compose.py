@@ -229,6 +229,23 @@ def test_migrations_run_once_before_the_services(services: dict) -> None:
         assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
 
 
+@pytest.mark.parametrize("config_file", ["prometheus.yml", "prometheus-tls.yml"])
+def test_prometheus_scrapes_every_axon_service_with_the_internal_token(
+    compose: dict, services: dict, config_file: str
+) -> None:
+    """No Axon service's /metrics is open (the gateway's is on the published port): Prometheus
+    sends the internal token, from a file holding the very token the services get."""
+    for name in ("gateway", "sessions", "worker"):
+        assert "AXON_METRICS_PUBLIC" not in env_of(services[name]), name
+    (mounted,) = services["prometheus"]["configs"]
+    token = compose["configs"][mounted["source"]]["content"]
+    assert token == env_of(services["gateway"])["AXON_INTERNAL_TOKEN"]
+    config = yaml.safe_load((ROOT / "infra" / "prometheus" / config_file).read_text())
+    for job in config["scrape_configs"]:
+        if job["job_name"] in ("gateway", "sessions", "worker"):
+            assert job["authorization"] == {"credentials_file": mounted["target"]}, job["job_name"]
+
+
 def test_admin_token_is_a_marked_development_value(services: dict) -> None:
     token = env_of(services["gateway"])["AXON_ADMIN_TOKEN"]
     assert "NOT-FOR-PRODUCTION" in token.upper()

@@ -51,9 +51,12 @@ def test_missing_or_wrong_key_is_401(gateway: Service, authorization: str | None
     assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
 
 
-def test_health_ready_and_metrics_need_no_key(gateway: Service) -> None:
-    for path in ("/health", "/ready", "/metrics"):
+def test_health_and_ready_need_no_key_and_metrics_the_internal_token(gateway: Service, api_key: str) -> None:
+    for path in ("/health", "/ready"):
         assert httpx.get(f"{gateway.url}{path}", timeout=10).status_code == 200
+    for headers in ({}, {"Authorization": f"Bearer {api_key}"}):
+        assert httpx.get(f"{gateway.url}/metrics", headers=headers, timeout=10).status_code == 401
+    assert httpx.get(f"{gateway.url}/metrics", headers=INTERNAL_AUTH, timeout=10).status_code == 200
 
 
 def test_cli_creates_lists_and_revokes_keys_effective_within_a_second(stack: Stack, gateways: list[Service]) -> None:
