@@ -43,17 +43,6 @@ _DEFAULT_PORTS = {"worker": 8002, "sessions": 8001, "gateway": 8000}
 _LISTED_POLL_INTERVAL_S = 0.5
 # How much longer than the gateway's own stop `axon up` waits for its children before killing them.
 _STOP_MARGIN_S = 10.0
-# Library chatter the children print unless AXON_LOG_LEVEL=DEBUG asks for it: the model's loading
-# progress bars, transformers' advice (its continuous-batching notes: shared/logging.py) and vLLM's
-# own log (its engine configuration and CPU tuning hints, some hundred lines at start).
-_QUIET_LIBRARIES = {
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TQDM_DISABLE": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-    "VLLM_LOGGING_LEVEL": "ERROR",
-}
-
 Say = Callable[[str], None]
 
 
@@ -128,9 +117,6 @@ def _child_environment() -> tuple[dict[str, str], bool]:
     env.setdefault("AXON_HOST", LOOPBACK)
     # Their lines reach the console as they are written, not when a pipe's buffer fills.
     env.setdefault("PYTHONUNBUFFERED", "1")
-    if env.get("AXON_LOG_LEVEL", "INFO").upper() != "DEBUG":
-        for name, value in _QUIET_LIBRARIES.items():
-            env.setdefault(name, value)
     admin_token_generated = not env.get("AXON_ADMIN_TOKEN")
     if admin_token_generated:
         env["AXON_ADMIN_TOKEN"] = secrets.token_urlsafe(24)

@@ -1,5 +1,6 @@
 """`axon-worker`: run one inference worker, configured only by environment."""
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -18,12 +19,9 @@ def main() -> None:
     signals = StopSignals.hold()
     from pydantic import ValidationError
 
-    from services.worker.app import create_app
-    from services.worker.lifecycle import Worker
+    from services.worker.library_output import quiet_libraries
     from services.worker.settings import WorkerSettings
     from shared.logging import configure_logging, get_logger
-    from shared.serving import serve
-    from shared.settings import InsecureConfiguration
 
     try:
         settings = WorkerSettings()
@@ -32,6 +30,13 @@ def main() -> None:
         configure_logging(service="worker", level="INFO", log_format="json")
         get_logger(__name__).error("refusing_to_start", reason=_settings_errors(exc))
         sys.exit(2)
+    # Before the app's imports: the libraries read their verbosity when they are imported.
+    quiet_libraries(settings.log_level, os.environ)
+    from services.worker.app import create_app
+    from services.worker.lifecycle import Worker
+    from shared.serving import serve
+    from shared.settings import InsecureConfiguration
+
     configure_logging(
         service="worker", level=settings.log_level, log_format=settings.log_format, traced=bool(settings.otlp_endpoint)
     )

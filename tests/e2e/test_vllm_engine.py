@@ -164,6 +164,13 @@ def test_the_default_engine_is_vllm_and_says_so(sdk: OpenAI, gateway: Service, a
     assert (adapter["parent"], adapter["engines"]) == (MODEL, ["vllm"])
 
 
+def test_the_libraries_print_no_notes_warnings_or_progress_bars_at_info(sdk: OpenAI, vllm_worker: Service) -> None:
+    """Neither the worker nor vLLM's engine process (its output goes to the same log)."""
+    log = vllm_worker.log_text()
+    for noise in ("Loading safetensors checkpoint shards", "Triton not", "Warning", "NUMA binding"):
+        assert noise not in log, noise
+
+
 def test_vllms_own_span_is_a_child_of_the_workers_job_span(sdk: OpenAI, receiver: OtlpReceiver) -> None:
     sdk.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=4)
 

@@ -81,6 +81,7 @@ def _vllm_engine(settings: WorkerSettings) -> Engine:
         max_loras=settings.max_loras,
         max_lora_rank=settings.max_lora_rank,
         otlp_endpoint=settings.otlp_endpoint or None,
+        progress_bars=settings.log_level.upper() == "DEBUG",
     )
     cache_dir = Path(settings.model_cache_dir) if settings.model_cache_dir else default_model_cache_dir()
     return VllmEngine(options, model_cache_dir=cache_dir, grammar_limits=_grammar_limits(settings))

@@ -50,6 +50,8 @@ class VllmOptions:
     # The OTLP/HTTP collector's base URL (`AXON_OTLP_ENDPOINT`): vLLM exports its own request
     # spans there, as children of the worker's job span; None: vLLM traces nothing.
     otlp_endpoint: str | None = None
+    # vLLM's progress bar while it loads the weights (AXON_LOG_LEVEL=DEBUG): it ignores TQDM_DISABLE.
+    progress_bars: bool = False
 
     @property
     def ranks(self) -> int:
@@ -74,6 +76,7 @@ def engine_kwargs(options: VllmOptions, *, on_cpu: bool) -> dict[str, Any]:
         "gpu_memory_utilization": options.gpu_memory_utilization,
         "kv_cache_memory_bytes": int(kv_cache_gib * GIB) if kv_cache_gib is not None else None,
         "enforce_eager": eager,
+        "use_tqdm_on_load": options.progress_bars,
         "otlp_traces_endpoint": f"{options.otlp_endpoint.rstrip('/')}/v1/traces" if options.otlp_endpoint else None,
     } | lora_engine_kwargs(options.lora_adapters, max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
     return {name: value for name, value in chosen.items() if value is not None}

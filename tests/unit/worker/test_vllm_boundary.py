@@ -97,6 +97,12 @@ def test_cpu_defaults_are_a_kv_cache_of_a_gib_and_eager_execution() -> None:
     assert not {"max_num_seqs", "max_model_len", "distributed_executor_backend", "enable_lora"} & set(kwargs)
 
 
+def test_vllms_loading_progress_bar_shows_only_when_asked() -> None:
+    # vLLM passes its own `disable=` to tqdm, so TQDM_DISABLE does not reach this bar.
+    assert AsyncEngineArgs(**engine_kwargs(options(), on_cpu=True)).use_tqdm_on_load is False
+    assert AsyncEngineArgs(**engine_kwargs(options(progress_bars=True), on_cpu=True)).use_tqdm_on_load is True
+
+
 def test_gpu_defaults_leave_the_cache_to_gpu_memory_utilization_and_compile() -> None:
     kwargs = engine_kwargs(options(gpu_memory_utilization=0.8), on_cpu=False)
     assert "kv_cache_memory_bytes" not in kwargs
