@@ -48,6 +48,7 @@ import inspect
 import json
 import os
 import traceback
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, get_args
@@ -329,6 +330,7 @@ class VllmEngine(Engine):
         self._reaper = ChildReaper.watching(descendants(os.getpid()))
         try:
             await self._configure()
+            await self._warm_up()
         except BaseException:
             await self.stop()
             raise
@@ -370,6 +372,19 @@ class VllmEngine(Engine):
         self._specials = Specials([*_added_tokens(self._tokenizer), *parser_tags(probe)])
         if self._options.structured_outputs_backend == "xgrammar":
             self._gate = await asyncio.to_thread(self._schema_gate, int(engine.model_config.get_vocab_size()))
+
+    async def _warm_up(self) -> None:
+        """Two tokens sampled at temperature 1 with their logprobs and the prompt's: vLLM compiles
+        (torch.compile) its random sampling and its logprob ranks at their first use, which took
+        the first request asking for logprobs 2-8 s on a CPU; now the start pays it once."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        params = SamplingParams(
+            max_tokens=2, temperature=1.0, logprobs=1, prompt_logprobs=1, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        prompt = {"prompt_token_ids": list(self._tokenizer.encode("Hello, world", add_special_tokens=True))}
+        async for _ in self._engine.generate(prompt, params, f"axon-warm-up-{uuid.uuid4().hex}"):
+            pass
 
     def _schema_gate(self, vocab_size: int) -> SchemaGate:
         """The gate before vLLM's xgrammar backend, with the vocabulary as that backend reads it
