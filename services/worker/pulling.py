@@ -110,6 +110,8 @@ class Puller:
         # every poll, cleared when a claim finds none.
         self._waiting: dict[Band, bool] = {INTERACTIVE: True, BATCH: True}
         self._polled = False
+        # Whether the model's batch queue (lines handed back) may hold a line: looked at every poll.
+        self._handed_back = True
         # The job taken to start the moment a sequence frees here (taken while the worker is full).
         self._next: AbstractIncomingMessage | None = None
         # What each tenant's queue held beyond its count at the last reconcile.
@@ -150,6 +152,8 @@ class Puller:
             # A ring (a tenant has jobs waiting that had none) or a poll: look in Redis again.
             if self._doorbell.is_set() or self._polled:
                 self._waiting = {INTERACTIVE: True, BATCH: True}
+            if self._polled:
+                self._handed_back = True
             # Cleared before looking, so a ring or a freed sequence during the look is not missed.
             self._doorbell.clear()
             self._runner.freed.clear()
@@ -202,7 +206,10 @@ class Puller:
             if self._next is not None:
                 return False
         if runner.has_free_sequence(self._reserved):
-            message = await self._batch_queue.get(no_ack=False, fail=False, timeout=self._timeout_s)
+            message = None
+            if self._handed_back:
+                message = await self._batch_queue.get(no_ack=False, fail=False, timeout=self._timeout_s)
+                self._handed_back = message is not None
             if message is None:
                 message = await self._take_fair(BATCH)
             if message is not None:
