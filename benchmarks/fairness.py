@@ -5,6 +5,7 @@ tenants' token shares, with the fair share on and off in the same run.
     .venv/bin/python benchmarks/fairness.py --picture docs/images/fair-share-ttft.svg
     .venv/bin/python benchmarks/fairness.py --engine vllm           # burst only, 32 sequences: long (below)
     .venv/bin/python benchmarks/fairness.py --engine vllm --max-seqs 8 --quiet-requests 10   # 17 minutes
+    .venv/bin/python benchmarks/fairness.py --engine vllm --max-seqs 16 --fair-only         # the fair share alone
 
 It starts one worker, and two session managers with a gateway each, with a database and Redis
 namespace of their own (removed at the end): `fair share` (`AXON_FAIR_SHARE=true`, the default) and
@@ -544,7 +545,8 @@ def start(env: BenchEnvironment, args: argparse.Namespace) -> tuple[Service, dic
     env.models.add(worker_settings["AXON_MODEL"])
     worker = env.start_service("worker", env=worker_settings, ready_timeout_s=600)
     gateways = {}
-    for mode, fair in MODES.items():
+    modes = {"fair share": MODES["fair share"]} if args.fair_only else MODES
+    for mode, fair in modes.items():
         slug = mode.replace(" ", "-")
         sessions = env.start_service("sessions", name=f"sessions-{slug}", env={"AXON_FAIR_SHARE": fair})
         gateways[mode] = env.start_service("gateway", name=f"gateway-{slug}", env={"AXON_SESSIONS_URL": sessions.url})
@@ -629,6 +631,9 @@ def main() -> int:
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--window-s", type=float, default=20.0)
     parser.add_argument("--picture", type=Path, help="write the burst's TTFT over time here (SVG)")
+    parser.add_argument(
+        "--fair-only", action="store_true", help="no FIFO half (on vLLM it takes most of the run); no --picture"
+    )
     parser.add_argument("--json", type=Path, help="also write every figure to this file")
     args = parser.parse_args()
     args.max_seqs = args.max_seqs or (8 if args.engine == "sim" else 32)
