@@ -124,11 +124,11 @@ return {within, idle, allowance, reserved}
 )
 
 # KEYS: waiting, backlog, served, vtime, active. ARGV: tenant, how many, ttl_s, doorbell channel, idle_ms.
-_ENQUEUED = PipeScript("""
+_ENQUEUED = PipeScript(
+    _NOW_MS
+    + """
 local tenant = ARGV[1]
 local n = redis.call('HINCRBY', KEYS[1], tenant, tonumber(ARGV[2]))
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local last = tonumber(redis.call('HGET', KEYS[5], tenant) or '0')
 local idle = now_ms - last > tonumber(ARGV[5])
 if not redis.call('ZSCORE', KEYS[2], tenant) then
@@ -146,7 +146,8 @@ redis.call('HSET', KEYS[5], tenant, now_ms)
 for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
 if n == tonumber(ARGV[2]) then redis.call('PUBLISH', ARGV[4], '1') end
 return n
-""")
+"""
+)
 
 # KEYS: free. ARGV: worker id, its free sequences, how long the figure holds (ms).
 _FREE = PipeScript(
@@ -190,9 +191,8 @@ return tenant
 # KEYS: served, backlog, weights, active. ARGV: ttl_s, then tenant and tokens pairs.
 _SETTLE = PipeScript(
     _WEIGHT
+    + _NOW_MS
     + """
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 for i = 2, #ARGV, 2 do
   local tenant = ARGV[i]
   local score = redis.call('HINCRBYFLOAT', KEYS[1], tenant, tonumber(ARGV[i + 1]) / weight(KEYS[3], tenant))
@@ -280,6 +280,10 @@ class FairShare:
         keys = self._keys(model, band, "waiting", "backlog", "vtime")
         tenant = await self._pipe.evalsha(_CLAIM, keys, [FAIR_TTL_S, int(least_only), *excluded])
         return tenant.decode() if isinstance(tenant, bytes) else tenant
+
+    async def waiting(self, model: str, tenant: str, *, band: Band) -> int:
+        """How many jobs of `tenant` Redis counts waiting."""
+        return int(await self._pipe.execute("HGET", self._names.fair(model, band, "waiting"), tenant) or 0)
 
     async def state(self, model: str, *, band: Band) -> BandState:
         """How many jobs each tenant has waiting, what each was served (weighted), and who queued

@@ -257,7 +257,7 @@ class Puller:
             self._queues = {}  # declared again: a fresh count
             for tenant in (await self._fair.state(self._model, band=band)).known:
                 ready = (await self._queue(tenant, band)).declaration_result.message_count or 0
-                counted = (await self._fair.state(self._model, band=band)).waiting.get(tenant, 0)
+                counted = await self._fair.waiting(self._model, tenant, band=band)
                 if ready > counted:
                     self._missing[(tenant, band)] = missing = ready - counted
                     confirmed = min(missing, missing_before.get((tenant, band), 0))
