@@ -88,6 +88,8 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
     # The hot path's commands (usage records, token charges, cancel notices), batched per loop iteration.
     pipe = RedisPipe(settings.redis_url, timeout_s=settings.connect_timeout_s)
     connection = await connect_amqp(settings.amqp_url, timeout_s=settings.connect_timeout_s)
+    # The fair share's Redis side, for the publisher and the queue-depth poller (None: it is off).
+    fair = FairShare(pipe, names) if settings.fair_share else None
     relay = TokenRelay(
         settings.redis_url,
         names,
@@ -102,7 +104,7 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
         publish_timeout_s=settings.publish_timeout_s,
         affinity_wait_ms=settings.affinity_wait_ms,
         routed=metrics.jobs_routed,
-        fair=FairShare(pipe, names) if settings.fair_share else None,
+        fair=fair,
     )
     # min_size=0: the session manager starts, and chats keep working, while PostgreSQL is down.
     db = await asyncpg.create_pool(
@@ -152,7 +154,7 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
             client=client,
             names=names,
             metrics=metrics,
-            fair=FairShare(pipe, names) if settings.fair_share else None,
+            fair=fair,
         )
         polling = asyncio.create_task(poller.run())
         async with open_file_store(settings, db) as files:
