@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shared.anthropic_errors import anthropic_path
 from shared.disconnects import ClientGone, DisconnectWatch
 from shared.errors import PayloadTooLarge, RequestTimeout
 from shared.http_errors import exception_response
@@ -83,7 +84,7 @@ class HotRoutes:
             if not started:
                 await Response(status_code=499)(scope, receive, send)
         except Exception as exc:
-            response = exception_response(exc)
+            response = exception_response(exc, anthropic=anthropic_path(scope["path"]))
             if response is None or started:
                 raise
             await response(scope, receive, send)

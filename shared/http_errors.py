@@ -1,5 +1,6 @@
-"""The one mapping from exceptions to HTTP answers in OpenAI's error shape, for FastAPI routes and
-hot routes alike."""
+"""The one mapping from exceptions to HTTP answers, for FastAPI routes and hot routes alike: in
+OpenAI's error shape, or on Anthropic's routes (`/v1/messages...`) in Anthropic's
+(`shared/anthropic_errors.py`)."""
 
 import asyncpg
 from fastapi import FastAPI, Request
@@ -10,15 +11,20 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from shared.anthropic_errors import anthropic_error, anthropic_error_body, anthropic_path
 from shared.disconnects import ClientGone
-from shared.errors import AxonError, Unavailable, error_body, invalid_request
+from shared.errors import AxonError, InvalidRequest, Unavailable, error_body, invalid_request
 from shared.http_responses import ORJSONResponse
 from shared.logging import get_logger
 
 log = get_logger(__name__)
 
 
-def error_response(exc: AxonError) -> ORJSONResponse:
+def error_response(exc: AxonError, *, anthropic: bool = False) -> ORJSONResponse:
+    """`exc`'s answer: OpenAI's shape, or with `anthropic` Anthropic's (status, type, headers)."""
+    if anthropic:
+        status, body, headers = anthropic_error(exc)
+        return ORJSONResponse(body, status_code=status, headers=headers)
     return ORJSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
 
@@ -32,17 +38,19 @@ _DEPENDENCY_ERRORS = (
 )
 
 
-def exception_response(exc: BaseException) -> Response | None:
+def exception_response(exc: BaseException, *, anthropic: bool = False) -> Response | None:
     """The response an exception stands for, or None for a bug (answered 500 by
-    `RequestContextMiddleware`). The one mapping from exceptions to statuses."""
+    `RequestContextMiddleware`). The one mapping from exceptions to statuses; `anthropic`: on
+    one of Anthropic's routes."""
     if isinstance(exc, AxonError):
-        return error_response(exc)
+        return error_response(exc, anthropic=anthropic)
     if isinstance(exc, ClientGone):
         # 499 ("client closed request"): never seen by the client, but counted and logged as such.
         return Response(status_code=499)
     if isinstance(exc, _DEPENDENCY_ERRORS):
         log.warning("dependency_unavailable", error=repr(exc))
-        return error_response(Unavailable("A storage service is unavailable; try again shortly.", retry_after_s=2))
+        unavailable = Unavailable("A storage service is unavailable; try again shortly.", retry_after_s=2)
+        return error_response(unavailable, anthropic=anthropic)
     return None
 
 
@@ -52,8 +60,8 @@ def install_error_handlers(app: FastAPI) -> None:
     Unexpected exceptions are answered by `RequestContextMiddleware`.
     """
 
-    async def _mapped(_request: Request, exc: Exception) -> Response:
-        response = exception_response(exc)
+    async def _mapped(request: Request, exc: Exception) -> Response:
+        response = exception_response(exc, anthropic=anthropic_path(request.url.path))
         assert response is not None
         return response
 
@@ -61,7 +69,15 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(kind, _mapped)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> Response:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        if anthropic_path(request.url.path):
+            error = invalid_request(exc.errors())
+            message = (
+                error.message
+                if error.param is None or error.message.startswith(error.param)
+                else (f"{error.param}: {error.message}")
+            )
+            return error_response(InvalidRequest(message, param=error.param), anthropic=True)
         return error_response(invalid_request(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
@@ -76,6 +92,9 @@ def install_error_handlers(app: FastAPI) -> None:
             # route per method, so list every route's.
             message = f"Method Not Allowed ({request.method} {request.url.path})"
             headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request))}
+        if anthropic_path(request.url.path):
+            body = anthropic_error_body(message, status=exc.status_code)
+            return ORJSONResponse(body, status_code=exc.status_code, headers=headers)
         return ORJSONResponse(error_body(message, error_type=error_type), status_code=exc.status_code, headers=headers)
 
 

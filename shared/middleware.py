@@ -1,5 +1,6 @@
 """The context every HTTP request runs in: a request id, one access log line, the HTTP metrics, and
-a 500 in OpenAI's error shape for a bug."""
+a 500 in OpenAI's error shape for a bug (Anthropic's on its routes, which also get the request id
+as `request-id`, the header Anthropic's clients read)."""
 
 import secrets
 import time
@@ -7,6 +8,7 @@ import time
 from fastapi.telemetry import TelemetryConfig
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shared.anthropic_errors import anthropic_error_body, anthropic_path
 from shared.errors import error_body
 from shared.http_responses import ORJSONResponse
 from shared.logging import bind_contextvars, clear_contextvars, get_logger
@@ -14,6 +16,8 @@ from shared.metrics import HttpMetrics
 from shared.tracing import TRACE_ID_HEADER, StatusCode, Tracing, trace_id_hex
 
 REQUEST_ID_HEADER = "x-request-id"
+# Anthropic's name for it, on Anthropic's routes.
+ANTHROPIC_REQUEST_ID_HEADER = "request-id"
 _MAX_REQUEST_ID_LEN = 128
 
 log = get_logger(__name__)
@@ -74,6 +78,7 @@ class RequestContextMiddleware:
         clear_contextvars()
         bind_contextvars(request_id=request_id)
         started = time.perf_counter()
+        anthropic = anthropic_path(scope["path"])
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -81,6 +86,8 @@ class RequestContextMiddleware:
                 status["started"] = True
                 headers = list(message.get("headers", []))
                 headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+                if anthropic:
+                    headers.append((ANTHROPIC_REQUEST_ID_HEADER.encode(), request_id.encode()))
                 if trace_id is not None:
                     headers.append((TRACE_ID_HEADER.encode(), trace_id.encode()))
                 message["headers"] = headers
@@ -94,7 +101,10 @@ class RequestContextMiddleware:
             log.exception("unhandled_error", error=repr(exc))
             if status.get("started"):
                 raise
-            body = error_body("Internal server error.", error_type="server_error", code="internal_error")
+            if anthropic:
+                body = anthropic_error_body("Internal server error.", status=500)
+            else:
+                body = error_body("Internal server error.", error_type="server_error", code="internal_error")
             await ORJSONResponse(body, status_code=500)(scope, receive, send_with_id)
         finally:
             duration_s = time.perf_counter() - started

@@ -46,6 +46,7 @@ _HOP_HEADERS = frozenset(
         b"date",
         b"server",
         b"x-request-id",
+        b"request-id",
         TRACE_ID_HEADER.encode(),
     }
 )
