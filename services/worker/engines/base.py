@@ -122,6 +122,8 @@ class EngineOutput:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     # Prompt tokens served from the engine's prefix cache (a running figure, like `prompt_tokens`).
     cached_tokens: int = 0
+    # The last output of an answer a stop string ended: that string.
+    stop_sequence: str | None = None
 
 
 class ToolCallParser(Protocol):

@@ -618,6 +618,7 @@ class SimEngine(Engine):
                         logprobs=logprobs,
                         prompt_logprobs=first,
                         cached_tokens=cached,
+                        stop_sequence=stops.matched,
                     )
                     return
                 finish: FinishReason | None = None

@@ -452,7 +452,15 @@ class TransformersEngine(Engine):
                 logprobs = self._logprobs(slot, len(resumed) + sent, len(resumed) + shown)
             cached = min(self._prefix_hits.get(rid, 0), prompt_tokens)
             yield EngineOutput(
-                text, len(new_ids), prompt_tokens, len(tokens), reason, new_ids, logprobs, cached_tokens=cached
+                text,
+                len(new_ids),
+                prompt_tokens,
+                len(tokens),
+                reason,
+                new_ids,
+                logprobs,
+                cached_tokens=cached,
+                stop_sequence=stops.matched,
             )
             if reason is not None:
                 return
