@@ -5,7 +5,7 @@ sync and async messages, the streaming helpers (`messages.stream`, `text_stream`
 Anthropic's error types and statuses, the key in either header, Anthropic's rate-limit headers, a
 client gone (its job cancelled) and a worker killed mid-stream (the same text goes on).
 
-The real model: tests/e2e/test_vllm_messages.py."""
+The real model (vLLM, the bundled SmolLM2): tests/e2e/test_vllm_engine.py."""
 
 import asyncio
 import time
@@ -159,7 +159,9 @@ def test_errors_are_the_sdks_exceptions_in_anthropics_shape(gateway: Service, cl
         ({"messages": QUESTION, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
         ({"messages": [*QUESTION, {"role": "assistant", "content": "Sure"}]}, "messages.1.role"),
         ({"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
-        ({"messages": QUESTION, "top_k": 5}, "top_k"),
+        # Not among the newest SDK's parameters (Anthropic's API still takes them): sent as extra fields.
+        ({"messages": QUESTION, "extra_body": {"top_k": 5}}, "top_k"),
+        ({"messages": QUESTION, "extra_body": {"temperature": 1.5}}, "temperature"),
     ]:
         with pytest.raises(anthropic.BadRequestError) as bad:
             claude.messages.create(**{"model": SIM_MODEL, "max_tokens": 5, **body})
