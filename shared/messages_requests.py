@@ -315,7 +315,8 @@ class CountTokensRequest(_MessagesBody):
     """Anthropic's `MessageCountTokensParams`, as far as Axon honours it."""
 
     def chat_request(self, limits: RequestLimits) -> ChatCompletionRequest:
-        """The chat completion whose prompt is counted (one token of answer), checked.
+        """The chat completion whose prompt is counted (`max_tokens` 1: what admission reserves;
+        a count-only job generates nothing), checked.
 
         Raises:
             InvalidRequest: a rule is broken (`param` names the field).

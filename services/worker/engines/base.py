@@ -175,6 +175,11 @@ class Engine(ABC):
         """Stream the answer to `request`; the last output carries `finish_reason`."""
 
     @abstractmethod
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The tokens of `request`'s prompt as `generate` would read them (its chat template,
+        tools included), without generating anything."""
+
+    @abstractmethod
     async def abort(self, request_id: str) -> None:
         """Stop generating `request_id` within one engine step; its stream ends `cancelled`."""
 

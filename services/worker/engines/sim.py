@@ -561,6 +561,9 @@ class SimEngine(Engine):
         if self._fail_after_s and time.monotonic() - self._started_at > self._fail_after_s:
             raise EngineError("simulated engine failure (AXON_SIM_FAIL_AFTER_S)")
 
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return max(1, len(prompt_text(request).split()))
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
         prompt = prompt_text(request)
         words = prompt.split()

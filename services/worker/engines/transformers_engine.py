@@ -315,6 +315,9 @@ class TransformersEngine(Engine):
             return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
         return list(self._tokenizer.encode(request.prompt or ""))
 
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return len(self._encode(request))
+
     def _decode(self, token_ids: Sequence[int]) -> str:
         text: str = self._tokenizer.decode(token_ids, skip_special_tokens=True)
         return text
