@@ -241,13 +241,13 @@ class _MessagesBody(BaseModel):
             system = "".join(block.text for block in system)
         if system:
             out.append({"role": "system", "content": system})
-        for message in self.messages:
+        for index, message in enumerate(self.messages):
             if isinstance(message.content, str):
                 out.append({"role": message.role, "content": message.content})
             elif isinstance(message, UserMessage):
                 out.extend(_user_messages(message))
             else:
-                out.append(_assistant_message(message))
+                out.append(_assistant_message(message, index))
         return out
 
     def _chat_body(self) -> dict[str, Any]:
@@ -341,12 +341,20 @@ def _user_messages(message: UserMessage) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant_message(message: AssistantMessage) -> dict[str, Any]:
+def _assistant_message(message: AssistantMessage, index: int) -> dict[str, Any]:
+    """An assistant message of blocks: its text, and its `tool_use` blocks as tool calls.
+
+    Raises:
+        InvalidRequest: a tool call's `input` holds an integer beyond 64 bits (no engine reads it).
+    """
     texts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
-    for block in message.content:
+    for number, block in enumerate(message.content):
         if isinstance(block, ToolUseBlock):
-            arguments = orjson.dumps(block.input).decode()
+            try:
+                arguments = orjson.dumps(block.input).decode()
+            except orjson.JSONEncodeError as exc:
+                raise _invalid(f"messages.{index}.content.{number}.input", f"cannot be used: {exc}.") from None
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
         elif isinstance(block, TextBlock):
             texts.append({"type": "text", "text": block.text})

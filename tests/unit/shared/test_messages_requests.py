@@ -1,6 +1,7 @@
 """shared/messages_requests.py: a Messages body as the chat completion it runs as, and its 400s in
 Anthropic's words naming the field; the document's schema agrees with the code on each body."""
 
+import json
 from typing import Any
 
 import jsonschema_rs
@@ -236,3 +237,12 @@ def test_the_document_and_the_code_agree(fields: dict[str, Any]) -> None:
     assert documented == accepted
     count = {k: v for k, v in fields.items() if k != "max_tokens"}
     assert jsonschema_rs.validator_for(CountTokensRequest.model_json_schema()).is_valid(count) == accepted
+
+
+def test_a_tool_input_no_engine_can_read_is_a_400_naming_it() -> None:
+    call = {"type": "tool_use", "id": "t", "name": "f", "input": {"n": 2**70}}
+    raw = json.dumps(body(messages=[USER, {"role": "assistant", "content": [call]}, USER]))  # orjson cannot either
+    with pytest.raises(InvalidRequest) as caught:
+        parse_message_create(raw).chat_request(LIMITS)
+    error = caught.value
+    assert error.param == "messages.1.content.0.input" and "64-bit" in error.message
