@@ -58,6 +58,14 @@ class TextBlock(BaseModel):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
+    # An earlier answer's citations, as a client sends its blocks back: none (no model here cites).
+    citations: Annotated[list[Any], Field(max_length=0)] | None = None
+
+
+class DirectCaller(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["direct"]
 
 
 class ToolUseBlock(BaseModel):
@@ -70,6 +78,8 @@ class ToolUseBlock(BaseModel):
     name: str = Field(min_length=1, max_length=256)
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    # As an answer's block is sent back: called by the model itself (no server tools here).
+    caller: DirectCaller | None = None
 
 
 class ToolResultBlock(BaseModel):

@@ -225,6 +225,23 @@ def test_not_json_is_a_400() -> None:
         body(thinking={"type": "enabled", "budget_tokens": 1024}),
         body(messages=[{"role": "user", "content": [{"type": "image"}]}]),
         body(system=[{"type": "text", "text": "s"}], cache_control={"type": "ephemeral", "ttl": "1h"}),
+        # An answer's blocks sent back as the SDK (or another client) dumped them.
+        body(
+            messages=[
+                USER,
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "t", "citations": None},
+                        {"type": "tool_use", "id": "t", "name": "f", "input": {}, "caller": {"type": "direct"}},
+                    ],
+                },
+                USER,
+            ]
+        ),
+        body(
+            messages=[{"role": "user", "content": [{"type": "text", "text": "t", "citations": [{"cited_text": "x"}]}]}]
+        ),
     ],
 )
 def test_the_document_and_the_code_agree(fields: dict[str, Any]) -> None:
