@@ -177,7 +177,17 @@ class MessagesService:
             UpstreamError, DeadlineExceeded: the engine did not answer.
         """
         active = await self.start(body, caller=caller, request_id=request_id)
-        (choice, chunk), _ = await self.completions.first_chunk(active)  # a count's only chunk is its final one
+        try:
+            # A count's only chunk is its final one (not a first token: no TTFT is observed).
+            choice, chunk = await self.completions.first_of(active, active.chunks())
+            if chunk.finish_reason == "error":
+                raise chunk_error(chunk)
+        except asyncio.CancelledError:
+            await asyncio.shield(self.completions.finish(active, outcome="disconnected"))
+            raise
+        except BaseException:
+            await self.completions.finish(active, outcome="error")
+            raise
         counted = choice.answer.usage.prompt_tokens if choice.answer.usage is not None else 0
         choice.answer.usage = Usage()  # counted, not charged
         await self.completions.finish(active, outcome=chunk.finish_reason or "stop")
