@@ -58,8 +58,8 @@ class TextBlock(BaseModel):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
-    # An earlier answer's citations, as a client sends its blocks back: none (no model here cites).
-    citations: Annotated[list[Any], Field(max_length=0)] | None = None
+    # An earlier answer's citations, as a client sends its blocks back: null (no model here cites).
+    citations: None = None
 
 
 class DirectCaller(BaseModel):
