@@ -217,6 +217,8 @@ class TokenChunk(BaseModel):
     error: ChunkError | None = None
     tool_calls: list[ToolCallDelta] | None = None
     logprobs: list[TokenLogprob] | None = None
+    # The final chunk of an answer a stop string ended: that string (Anthropic's `stop_sequence`).
+    stop_sequence: str | None = None
     # The final chunk only, when the worker traces: its job span's W3C `traceparent`, which the
     # session manager's span links to (shared/tracing.py).
     traceparent: str | None = None

@@ -36,6 +36,14 @@ def bearer_key(authorization: str | None) -> str:
     return key
 
 
+def anthropic_authorization(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The `Authorization` a call to Anthropic's routes stands for: its own, else its `x-api-key`
+    (the header Anthropic's clients send the key in) as a bearer key."""
+    if authorization is None and x_api_key is not None:
+        return f"Bearer {x_api_key}"
+    return authorization
+
+
 class Authenticator:
     """Looks keys up in-process (briefly), then in Redis, then in PostgreSQL."""
 

@@ -19,8 +19,9 @@ from prometheus_client import Counter
 from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.admission import Admission, Admitter, ModelAccess
-from services.gateway.auth import Authenticator
+from services.gateway.auth import Authenticator, anthropic_authorization
 from shared import internal_headers
+from shared.anthropic_errors import anthropic_error_body, anthropic_headers
 from shared.disconnects import DisconnectWatch, unless_disconnected
 from shared.errors import DeadlineExceeded, FileTooLarge, InvalidRequest, PayloadTooLarge, Unavailable, error_body
 from shared.hot_routes import header, read_body, stream_body
@@ -62,6 +63,12 @@ _STREAM_BROKEN_EVENT = (
     + b"\n\n"
     + SSE_END
 )
+# The same, ending one of Anthropic's streams (`POST /v1/messages`).
+_ANTHROPIC_STREAM_BROKEN_EVENT = (
+    b"event: error\ndata: "
+    + orjson.dumps(anthropic_error_body("The answer's stream was interrupted; the request may be retried.", status=500))
+    + b"\n\n"
+)
 _UPSTREAM_ERRORS = (ConnectError, ReadTimeout, RemoteProtocolError, OSError)
 # What an upload's body may carry beyond its file (`AXON_FILE_MAX_BYTES`): boundaries, part
 # heads, the other form fields.
@@ -101,8 +108,12 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
             elif isinstance(content, list):
                 # Any shape may arrive here: the session manager, not the gateway, validates bodies.
                 chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    # A Messages API body's `system` (a string or text blocks; its messages are counted above).
+    system = body.get("system")
+    if isinstance(system, list):
+        chars += sum(len(p["text"]) for p in system if isinstance(p, dict) and isinstance(p.get("text"), str))
     # A Responses API body: `instructions` and `input` (a string, or items with text or output).
-    for text in (body.get("instructions"), body.get("input")):
+    for text in (body.get("instructions"), body.get("input"), system if isinstance(system, str) else None):
         if isinstance(text, str):
             chars += len(text)
             messages += 1
@@ -280,12 +291,22 @@ class GatewayService:
         in-flight slot, authenticate, read the body, admit it charging the most tokens it may use,
         forward, relay."""
         with self._in_flight.slot():
-            await self._complete(scope, receive, send)
+            await self._complete(scope, receive, send, anthropic=False)
 
-    async def _complete(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def messages(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens`, as `completion`: the key
+        in `x-api-key` (or `Authorization: Bearer`), rate-limit headers under Anthropic's names, a
+        broken stream ended with an `error` event (errors take Anthropic's shape by the path)."""
+        with self._in_flight.slot():
+            await self._complete(scope, receive, send, anthropic=True)
+
+    async def _complete(self, scope: Scope, receive: Receive, send: Send, *, anthropic: bool) -> None:
         tracing = self._tracing
+        authorization = header(scope, b"authorization")
+        if anthropic:
+            authorization = anthropic_authorization(authorization, header(scope, b"x-api-key"))
         with span(tracing, "authenticate"):
-            record = await self._authenticator.authenticate(header(scope, b"authorization"))
+            record = await self._authenticator.authenticate(authorization)
         bind_contextvars(tenant=record.tenant, key_id=record.id)
         body = await read_body(scope, receive, max_bytes=self._max_body_bytes, timeout_s=self._body_timeout_s)
         parsed = parse_json_object(body)
@@ -308,8 +329,15 @@ class GatewayService:
                     if tracing is not None:
                         tracing.inject(headers)
                     upstream = await self._forwarder.open("POST", scope["path"], body=body, headers=headers)
+                    rate_headers = admission.headers()
                     try:
-                        handed_over = await _relay(upstream, send, watch, extra_headers=admission.headers())
+                        handed_over = await _relay(
+                            upstream,
+                            send,
+                            watch,
+                            extra_headers=anthropic_headers(rate_headers) if anthropic else rate_headers,
+                            broken=_ANTHROPIC_STREAM_BROKEN_EVENT if anthropic else _STREAM_BROKEN_EVENT,
+                        )
                     finally:
                         upstream.close()
             finally:
@@ -449,13 +477,20 @@ async def _file_pieces(upstream: UpstreamResponse) -> AsyncIterator[bytes]:
         upstream.close()
 
 
-# The last event of a Responses API stream (`POST /v1/responses` with `stream`), which has no `[DONE]`.
-_RESPONSES_ENDS = (b"event: response.completed\n", b"event: response.incomplete\n", b"event: response.failed\n")
+# The last event of a Responses API stream (`POST /v1/responses` with `stream`) or of a Messages
+# API stream (`POST /v1/messages`: `message_stop`, or Anthropic's `error` event), which have no `[DONE]`.
+_RESPONSES_ENDS = (
+    b"event: response.completed\n",
+    b"event: response.incomplete\n",
+    b"event: response.failed\n",
+    b"event: message_stop\n",
+    b'event: error\ndata: {"type":"error","error":',
+)
 
 
 def _stream_end(piece: bytes) -> bool:
     """Whether `piece` ends its stream: chat's `data: [DONE]`, or a whole terminal event of a
-    Responses stream (events end with a blank line, which their JSON data cannot hold)."""
+    Responses or Messages stream (events end with a blank line, which their JSON data cannot hold)."""
     if piece.endswith(SSE_END):
         return True
     if not piece.endswith(b"\n\n"):
@@ -465,11 +500,17 @@ def _stream_end(piece: bytes) -> bool:
 
 
 async def _relay(
-    upstream: UpstreamResponse, send: Send, watch: DisconnectWatch, *, extra_headers: dict[str, str]
+    upstream: UpstreamResponse,
+    send: Send,
+    watch: DisconnectWatch,
+    *,
+    extra_headers: dict[str, str],
+    broken: bytes = _STREAM_BROKEN_EVENT,
 ) -> bool:
     """Pass the session manager's answer through: an event stream piece by piece (the piece with
-    `[DONE]`, or a Responses stream's last event, ends the body in the same write), anything else
-    whole. A stream the session manager breaks off ends with a `stream_interrupted` error event.
+    `[DONE]`, or a Responses or Messages stream's last event, ends the body in the same write),
+    anything else whole. A stream the session manager breaks off ends with `broken`, an error
+    event (`stream_interrupted`).
 
     Returns:
         Whether a 200 answer was relayed to its end (the session manager then ended the request's
@@ -509,7 +550,7 @@ async def _relay(
         watch.stop()
         if start is not None:
             await send(start)
-        await send({"type": "http.response.body", "body": _STREAM_BROKEN_EVENT, "more_body": False})
+        await send({"type": "http.response.body", "body": broken, "more_body": False})
         return False
     watch.stop()
     if start is not None:

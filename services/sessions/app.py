@@ -20,6 +20,8 @@ from services.sessions.conversations import router as conversations_router
 from services.sessions.deps import SessionServices
 from services.sessions.files import router as files_router
 from services.sessions.leases import ResponseLeases
+from services.sessions.messages import router as messages_router
+from services.sessions.messages.service import MessagesService
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.models import router as models_router
 from services.sessions.resources import SessionsResources, open_resources
@@ -154,6 +156,7 @@ def _attach_services(
         completions=completions,
         chat=chat,
         responses=responses,
+        messages=MessagesService(completions=completions, limits=settings.request_limits, metrics=metrics),
         run_on=run_on,
         catalog=opened.catalog,
         sessions=opened.store,
@@ -252,7 +255,9 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
         telemetry=NO_FASTAPI_TELEMETRY,
     )
     install_error_handlers(app)
-    app.add_middleware(HotRoutes, routes=chat_router.HOT_ROUTES + responses_router.HOT_ROUTES)  # inside the two below
+    app.add_middleware(
+        HotRoutes, routes=chat_router.HOT_ROUTES + responses_router.HOT_ROUTES + messages_router.HOT_ROUTES
+    )  # inside the two below
     app.add_middleware(InternalAuth, settings=settings)
     app.add_middleware(
         RequestContextMiddleware,

@@ -19,6 +19,7 @@ from services.sessions.chunk_log import ChunkLog
 from services.sessions.completions import CompletionService
 from services.sessions.files.store import FileStore
 from services.sessions.history import SessionStore
+from services.sessions.messages.service import MessagesService
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.responses.service import ResponsesService
 from services.sessions.run_on import RunOn
@@ -59,6 +60,7 @@ class SessionServices:
     completions: CompletionService
     chat: ChatService
     responses: ResponsesService
+    messages: MessagesService
     run_on: RunOn
     catalog: ModelCatalog
     sessions: SessionStore

@@ -18,20 +18,22 @@ SSE_KEEPALIVE = b": keep-alive\n\n"
 class StreamKeepAlive:
     """Keeps a stream's connection busy while its request waits for a worker of its model to start
     (`CompletionService.first_chunk`'s `on_wait`): the first beat sends the head (200: any later
-    failure is an error event), each beat an SSE comment."""
+    failure is an error event), each beat an SSE comment (or `beat`: Anthropic's streams send a
+    `ping` event)."""
 
-    __slots__ = ("_headers", "_send", "started")
+    __slots__ = ("_beat", "_headers", "_send", "started")
 
-    def __init__(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, send: Send, headers: list[tuple[bytes, bytes]], *, beat: bytes = SSE_KEEPALIVE) -> None:
         self._send = send
         self._headers = headers
+        self._beat = beat
         self.started = False
 
     async def beat(self) -> None:
         if not self.started:
             await self._send({"type": "http.response.start", "status": 200, "headers": self._headers})
             self.started = True
-        await self._send({"type": "http.response.body", "body": SSE_KEEPALIVE, "more_body": True})
+        await self._send({"type": "http.response.body", "body": self._beat, "more_body": True})
 
 
 # The usage event's id in a stream of several choices.

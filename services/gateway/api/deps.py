@@ -9,17 +9,22 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from services.gateway.auth import Authenticator
+from services.gateway.auth import Authenticator, anthropic_authorization
 from services.gateway.proxy import GatewayService
+from shared.anthropic_errors import anthropic_path
 from shared.errors import Unauthorized
 from shared.keys import KeyRecord, KeyRepository
 from shared.logging import bind_contextvars
 
 
 async def get_caller(
-    request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
+    request: Request,
+    authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
+    x_api_key: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> KeyRecord:
     authenticator: Authenticator = request.app.state.authenticator
+    if anthropic_path(request.url.path):  # Anthropic's clients send the key in `x-api-key`
+        authorization = anthropic_authorization(authorization, x_api_key)
     record = await authenticator.authenticate(authorization)
     # The key's id and tenant (never the key) on every later log line of the request.
     bind_contextvars(tenant=record.tenant, key_id=record.id)

@@ -13,11 +13,13 @@ validates against them.
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.security import HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPBearer
 from pydantic import BaseModel
 
+from shared.anthropic_errors import OVERLOADED_STATUS
 from shared.batch_requests import BatchCreate
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
+from shared.messages_requests import CountTokensRequest, MessageCreate
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.responses_requests import ResponseCreate
 from shared.session_requests import SessionCreate, SessionUpdate
@@ -28,6 +30,15 @@ bearer_scheme = HTTPBearer(
     scheme_name="apiKey",
     bearerFormat="axk_…",
     description="An Axon API key (`axon keys create`), sent as `Authorization: Bearer <key>`.",
+    auto_error=False,
+)
+
+# Anthropic's routes also take the key as Anthropic's clients send it; `deps.get_caller` and
+# `GatewayService.messages` check it.
+anthropic_key_scheme = APIKeyHeader(
+    name="x-api-key",
+    scheme_name="anthropicApiKey",
+    description="An Axon API key as Anthropic's clients send it, on the Messages routes (`/v1/messages...`).",
     auto_error=False,
 )
 
@@ -44,6 +55,11 @@ TAGS: list[dict[str, Any]] = [
     {"name": "Completions", "description": "Text completions (OpenAI's legacy API)."},
     {"name": "Responses", "description": "OpenAI's Responses API: stored, background and streamed responses."},
     {"name": "Conversations", "description": "OpenAI's Conversations API (a conversation is a session)."},
+    {
+        "name": "Messages",
+        "description": "Anthropic's Messages API (the `anthropic` SDK's `base_url`: the gateway): messages, "
+        "streamed or whole, with tools, and token counts. Errors there are in Anthropic's shape.",
+    },
     {"name": "Sessions", "description": "Axon's sessions: history kept by the server, per tenant."},
     {"name": "Models", "description": "The models live workers serve, and aliases."},
     {"name": "Files", "description": "OpenAI's Files API: the input and output files of batches."},
@@ -60,6 +76,7 @@ _TAG_OF_PATH = (
     ("/v1/completions", "Completions"),
     ("/v1/responses", "Responses"),
     ("/v1/conversations", "Conversations"),
+    ("/v1/messages", "Messages"),
     ("/v1/sessions", "Sessions"),
     ("/v1/models", "Models"),
     ("/v1/files", "Files"),
@@ -104,6 +121,8 @@ _BODY_MODELS: tuple[type[BaseModel], ...] = (
     ConversationItemsCreate,
     ResponseCreate,
     BatchCreate,
+    MessageCreate,
+    CountTokensRequest,
 )
 
 
@@ -148,6 +167,18 @@ class ErrorResponse(BaseModel):
     """OpenAI's error shape, which every error of the API has."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error shape, which every error of the Messages routes has."""
+
+    type: str
+    error: AnthropicErrorDetail
 
 
 def json_body(model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:
@@ -198,6 +229,68 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     `statuses`, all in OpenAI's shape."""
     every: tuple[int | str, ...] = (401, 429, 503, 504, "4XX")
     return {status: {"description": _ERROR_STATUSES[status], "model": ErrorResponse} for status in (*statuses, *every)}
+
+
+_ANTHROPIC_ERROR_STATUSES: dict[int | str, str] = {
+    400: "`invalid_request_error`: the body is wrong (the message starts with the field), or asks for what the "
+    "model cannot do.",
+    401: "`authentication_error`: missing, unknown or revoked API key.",
+    403: "`permission_error`: the key may not use the model.",
+    404: "`not_found_error`: unknown model.",
+    413: "`request_too_large`: the request body is too large.",
+    429: "`rate_limit_error`: a rate limit of the key is exhausted; see `retry-after` and `anthropic-ratelimit-*`.",
+    503: "`overloaded_error`: no worker serves the model now, or a part of the platform is away; see `retry-after`.",
+    504: "`timeout_error`: the answer did not start before the request's deadline.",
+    OVERLOADED_STATUS: "`overloaded_error`: the platform is full (the model's queue, the gateway's requests in "
+    "flight); see `retry-after`.",
+    "4XX": "Any other client error (e.g. a wrong method).",
+}
+
+
+def anthropic_error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` entries for a Messages route's errors, in Anthropic's shape: the ones every
+    call may get and `statuses`."""
+    every: tuple[int | str, ...] = (400, 401, 403, 404, 413, 429, 503, 504, OVERLOADED_STATUS, "4XX")
+    return {
+        status: {"description": _ANTHROPIC_ERROR_STATUSES[status], "model": AnthropicErrorResponse}
+        for status in (*statuses, *every)
+    }
+
+
+MESSAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The Message; with `stream: true`, Anthropic's server-sent events from `message_start` to "
+        "`message_stop` (or an `error` event).",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "event": {"type": "string", "description": "The event's type."},
+                        "data": {"type": "string", "description": "The event as JSON."},
+                    },
+                }
+            },
+        },
+    },
+    **anthropic_error_responses(),
+}
+COUNT_TOKENS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The prompt's tokens, as the model's engine counts them.",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"input_tokens": {"type": "integer", "minimum": 0}},
+                    "required": ["input_tokens"],
+                }
+            }
+        },
+    },
+    **anthropic_error_responses(),
+}
 
 
 COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {

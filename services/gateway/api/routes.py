@@ -16,6 +16,9 @@ from starlette.types import Receive, Scope, Send
 from services.gateway.api.deps import CallerDep, ServiceDep
 from services.gateway.api.openapi import (
     COMPLETION_RESPONSES,
+    COUNT_TOKENS_RESPONSES,
+    MESSAGE_RESPONSES,
+    anthropic_key_scheme,
     bearer_scheme,
     error_responses,
     json_body,
@@ -25,6 +28,7 @@ from shared.batch_requests import BatchCreate
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
 from shared.files_api import LIST_MAX, FileDeleted, FileList, FileObject, upload_form_schema
 from shared.hot_routes import HotRoute, document
+from shared.messages_requests import CountTokensRequest, MessageCreate
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.responses_requests import ResponseCreate
 from shared.session_requests import SessionCreate, SessionUpdate
@@ -68,10 +72,44 @@ def _completion_route(path: str, name: str, what: str, body: type[BaseModel]) ->
     )
 
 
+async def _messages(scope: Scope, receive: Receive, send: Send) -> None:
+    await scope["app"].state.gateway.messages(scope, receive, send)
+
+
+def _messages_route(path: str, name: str, description: str, body: type[BaseModel]) -> HotRoute:
+    """One of Anthropic's Messages routes, answered by `_messages` and documented from `body`'s model."""
+    return HotRoute(
+        "POST",
+        path,
+        _messages,
+        openapi={
+            "responses": COUNT_TOKENS_RESPONSES if body is CountTokensRequest else MESSAGE_RESPONSES,
+            "openapi_extra": json_body(body),
+            "summary": name.replace("_", " ").title(),
+            "description": description,
+            "operation_id": f"{name}{path.replace('/', '_')}_post",
+            "dependencies": [Security(anthropic_key_scheme)],
+        },
+    )
+
+
 HOT_ROUTES = [
     _completion_route("/v1/chat/completions", "chat_completions", "chat completion", ChatCompletionRequest),
     _completion_route("/v1/completions", "completions", "text completion", CompletionRequest),
     _completion_route("/v1/responses", "responses", "response (OpenAI's Responses API)", ResponseCreate),
+    _messages_route(
+        "/v1/messages",
+        "messages",
+        "Create a Message (Anthropic's Messages API; `stream: true` for Anthropic's server-sent events). The key "
+        "in `x-api-key` or `Authorization: Bearer`; `anthropic-version` is accepted.",
+        MessageCreate,
+    ),
+    _messages_route(
+        "/v1/messages/count_tokens",
+        "count_message_tokens",
+        "Count a Messages request's input tokens with the model's own tokenizer and chat template (Anthropic's).",
+        CountTokensRequest,
+    ),
 ]
 """The completion routes: plain ASGI handlers ahead of FastAPI (`shared.hot_routes.HotRoutes`),
 each declared once: `document` puts it in the OpenAPI document from the same declaration."""

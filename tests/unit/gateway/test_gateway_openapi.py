@@ -11,6 +11,7 @@ from services.gateway.api import openapi
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
+from shared.messages_requests import CountTokensRequest, MessageCreate
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.session_requests import SessionCreate, SessionUpdate
 
@@ -40,6 +41,8 @@ def _validator(schema: dict[str, Any], path: str, method: str) -> jsonschema.Dra
         ("/v1/conversations", "post", ConversationCreate),
         ("/v1/conversations/{conversation_id}", "post", ConversationUpdate),
         ("/v1/conversations/{conversation_id}/items", "post", ConversationItemsCreate),
+        ("/v1/messages", "post", MessageCreate),
+        ("/v1/messages/count_tokens", "post", CountTokensRequest),
     ],
 )
 def test_bodies_are_documented_by_the_models_that_validate_them(
@@ -84,7 +87,7 @@ def test_the_documented_chat_body_takes_what_clients_send_and_refuses_unknown_fi
         assert not validator.is_valid(bad), bad
 
 
-def test_public_routes_document_their_bodies_the_key_and_openai_errors(schema: dict[str, Any]) -> None:
+def test_public_routes_document_their_bodies_the_key_and_their_errors(schema: dict[str, Any]) -> None:
     paths = schema["paths"]
     assert "/v1/models/{model_id}" in paths
     assert schema["components"]["securitySchemes"]["apiKey"] == {
@@ -96,13 +99,19 @@ def test_public_routes_document_their_bodies_the_key_and_openai_errors(schema: d
     for path, operations in paths.items():
         if not path.startswith("/v1/"):
             continue
+        anthropic = path.startswith("/v1/messages")
         for method, operation in operations.items():
-            assert operation["security"] == [{"apiKey": []}], (method, path)
-            # Validation errors are 400 in OpenAI's shape, never FastAPI's 422.
+            # Anthropic's routes also take the key in `x-api-key`, as Anthropic's clients send it.
+            keys = [{"apiKey": []}, {"anthropicApiKey": []}] if anthropic else [{"apiKey": []}]
+            assert operation["security"] == keys, (method, path)
+            # Validation errors are 400 (in OpenAI's shape, or Anthropic's on its routes), never FastAPI's 422.
             assert "422" not in operation["responses"], (method, path)
+            error = "AnthropicErrorResponse" if anthropic else "ErrorResponse"
             for status in ("401", "429", "4XX"):
                 content = operation["responses"][status]["content"]["application/json"]
-                assert content["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}, (method, path, status)
+                assert content["schema"] == {"$ref": f"#/components/schemas/{error}"}, (method, path, status)
+    assert schema["components"]["securitySchemes"]["anthropicApiKey"]["name"] == "x-api-key"
+    assert "529" in paths["/v1/messages"]["post"]["responses"]
     completions = paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert set(completions) == {"application/json", "text/event-stream"}
 
@@ -119,6 +128,7 @@ def test_every_operation_is_in_one_section_and_the_admin_api_is_documented(schem
     assert "/v1/chat/completions" in sections["Chat"] and "/v1/completions" in sections["Completions"]
     assert "/v1/models" in sections["Models"] and "/health" in sections["Operations"]
     assert "/v1/files" in sections["Files"] and "/v1/batches" in sections["Batches"]
+    assert {"/v1/messages", "/v1/messages/count_tokens"} <= sections["Messages"]
     admin = sections["Admin"]
     assert {"/admin/keys", "/admin/keys/{key_id}", "/admin/usage", "/admin/models/aliases"} <= admin
     assert {"/admin/tenants", "/admin/tenants/{tenant}"} <= admin

@@ -12,6 +12,7 @@ from services.sessions.app import create_app
 from services.sessions.catalog import ModelCatalog, require_supported
 from services.sessions.deps import SessionServices
 from services.sessions.job_building import JobBuilder
+from services.sessions.messages.service import MessagesService
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.settings import SessionsSettings
 from shared.errors import Conflict, InvalidRequest
@@ -46,6 +47,11 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         completions=_Service(),  # type: ignore[arg-type]
         chat=None,  # type: ignore[arg-type]
         responses=None,  # type: ignore[arg-type]
+        messages=MessagesService(
+            completions=_Service(),  # type: ignore[arg-type]
+            limits=settings.request_limits,
+            metrics=SessionsMetrics(),
+        ),
         run_on=None,  # type: ignore[arg-type]
         # Read only for a metric's label (`ModelCatalog.label`: its cache, empty here; no registry call).
         catalog=ModelCatalog(None, cache_ttl_s=1.0),  # type: ignore[arg-type]
