@@ -12,6 +12,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from shared.conversation_requests import NO_NUL
+
 # Anthropic's limits: at most 100,000 requests a batch, custom ids of 1 to 64 of these characters.
 MAX_REQUESTS = 100_000
 CUSTOM_ID_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -20,7 +22,8 @@ _PARAMS_SCHEMA = {
     "type": "object",
     "description": "A Messages API request (`POST /v1/messages`), without `stream`. Checked when the "
     "request runs: one the Messages API refuses is `errored` in the results, with that error.",
-    "properties": {"model": {"type": "string", "minLength": 1}},
+    # PostgreSQL's text cannot hold U+0000 (the line's model is stored apart).
+    "properties": {"model": {"type": "string", "minLength": 1, **NO_NUL}},
     "required": ["model"],
 }
 
