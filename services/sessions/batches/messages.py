@@ -48,7 +48,7 @@ def message_lines(body: MessageBatchCreate, *, max_requests: int, default_max_to
 
     Raises:
         InvalidRequest: more than `max_requests` requests, a `custom_id` used twice, or a request's
-            `params` without a `model` (or nested too deep to store): naming the request.
+            `params` without a `model` (or that cannot be stored as JSON): naming the request.
     """
     if len(body.requests) > max_requests:
         raise InvalidRequest(f"requests: a batch may hold at most {max_requests} requests.", param="requests")
@@ -71,9 +71,10 @@ def message_lines(body: MessageBatchCreate, *, max_requests: int, default_max_to
             )
         try:
             text = orjson.dumps(request.params).decode()
-        except orjson.JSONEncodeError:
+        except orjson.JSONEncodeError as exc:  # nested more than MAX_BODY_DEPTH deep, an integer past 64 bits
             raise InvalidRequest(
-                f"requests.{index}.params: nests arrays and objects more than {MAX_BODY_DEPTH} levels deep.",
+                f"requests.{index}.params: cannot be stored as JSON ({exc}; at most {MAX_BODY_DEPTH} levels of"
+                " arrays and objects, integers of 64 bits).",
                 param=f"requests.{index}.params",
             ) from None
         asked = request.params.get("max_tokens")

@@ -219,7 +219,7 @@ class BatchService:
 
     async def cancel_messages(self, tenant: str, batch_id: str) -> BatchRecord:
         """Ask the message batch's owner to cancel it (`canceling`; `ended` once its running lines
-        stopped and its results are written).
+        stopped and its results are written); one whose lines are all answered already is as it is.
 
         Raises:
             NotFound: unknown, another tenant's, or not a message batch.
@@ -232,7 +232,8 @@ class BatchService:
         if moved is not None:
             return moved
         current = await self.get_messages(tenant, batch_id)
-        if current.status == "cancelling":
+        # Every line answered, its results being written: nothing is left to cancel.
+        if current.status in {"cancelling", "finalizing"}:
             return current
         raise InvalidRequest(f"Message batch {batch_id} has ended: it cannot be canceled.", param="message_batch_id")
 

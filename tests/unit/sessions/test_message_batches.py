@@ -75,13 +75,14 @@ def test_a_request_the_batch_cannot_take_is_a_400_naming_it(
     assert refused.value.param == param and refused.value.message.startswith(param)
 
 
-def test_a_params_nested_deeper_than_can_be_stored_is_a_400() -> None:
+def test_params_that_cannot_be_stored_as_json_are_a_400() -> None:
     deep: object = "x"
     for _ in range(300):
         deep = [deep]
-    with pytest.raises(InvalidRequest) as refused:
-        message_lines(_body(_request("a", messages=deep)), max_requests=10, default_max_tokens=100)
-    assert refused.value.param == "requests.0.params"
+    for params in ({"messages": deep}, {"top_k": 2**70}):
+        with pytest.raises(InvalidRequest) as refused:
+            message_lines(_body(_request("a", **params)), max_requests=10, default_max_tokens=100)
+        assert refused.value.param == "requests.0.params"
 
 
 _CREATED = dt.datetime(2026, 11, 28, 12, 0, 0, 123456, tzinfo=dt.UTC)
