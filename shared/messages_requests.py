@@ -58,6 +58,14 @@ class TextBlock(BaseModel):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
+    # An earlier answer's citations, as a client sends its blocks back: none (no model here cites).
+    citations: Annotated[list[Any], Field(max_length=0)] | None = None
+
+
+class DirectCaller(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["direct"]
 
 
 class ToolUseBlock(BaseModel):
@@ -70,6 +78,8 @@ class ToolUseBlock(BaseModel):
     name: str = Field(min_length=1, max_length=256)
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    # As an answer's block is sent back: called by the model itself (no server tools here).
+    caller: DirectCaller | None = None
 
 
 class ToolResultBlock(BaseModel):
@@ -241,13 +251,13 @@ class _MessagesBody(BaseModel):
             system = "".join(block.text for block in system)
         if system:
             out.append({"role": "system", "content": system})
-        for message in self.messages:
+        for index, message in enumerate(self.messages):
             if isinstance(message.content, str):
                 out.append({"role": message.role, "content": message.content})
             elif isinstance(message, UserMessage):
                 out.extend(_user_messages(message))
             else:
-                out.append(_assistant_message(message))
+                out.append(_assistant_message(message, index))
         return out
 
     def _chat_body(self) -> dict[str, Any]:
@@ -315,7 +325,8 @@ class CountTokensRequest(_MessagesBody):
     """Anthropic's `MessageCountTokensParams`, as far as Axon honours it."""
 
     def chat_request(self, limits: RequestLimits) -> ChatCompletionRequest:
-        """The chat completion whose prompt is counted (one token of answer), checked.
+        """The chat completion whose prompt is counted (`max_tokens` 1: what admission reserves;
+        a count-only job generates nothing), checked.
 
         Raises:
             InvalidRequest: a rule is broken (`param` names the field).
@@ -340,12 +351,20 @@ def _user_messages(message: UserMessage) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant_message(message: AssistantMessage) -> dict[str, Any]:
+def _assistant_message(message: AssistantMessage, index: int) -> dict[str, Any]:
+    """An assistant message of blocks: its text, and its `tool_use` blocks as tool calls.
+
+    Raises:
+        InvalidRequest: a tool call's `input` holds an integer beyond 64 bits (no engine reads it).
+    """
     texts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
-    for block in message.content:
+    for number, block in enumerate(message.content):
         if isinstance(block, ToolUseBlock):
-            arguments = orjson.dumps(block.input).decode()
+            try:
+                arguments = orjson.dumps(block.input).decode()
+            except orjson.JSONEncodeError as exc:
+                raise _invalid(f"messages.{index}.content.{number}.input", f"cannot be used: {exc}.") from None
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
         elif isinstance(block, TextBlock):
             texts.append({"type": "text", "text": block.text})

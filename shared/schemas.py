@@ -149,6 +149,9 @@ class Job(BaseModel):
     # Keep the job's chunks in its log (`Names.chunk_log`) for this many seconds after the last
     # one, for a client that reconnects to replay them; None: no log.
     chunk_log_ttl_s: int | None = Field(None, ge=1)
+    # Count the prompt's tokens as the engine reads them (its tokenizer and chat template, tools
+    # included) and generate nothing: the final chunk's usage says them (`/v1/messages/count_tokens`).
+    count_only: bool = False
 
 
 class PromptTokensDetails(BaseModel):

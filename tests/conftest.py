@@ -123,11 +123,13 @@ async def redis_client(service_urls: ServiceUrls) -> AsyncIterator:
     await client.aclose()
 
 
-async def create_key(database_url: str, *, name: str, limits: KeyLimits, tenant: str | None = None) -> str:
-    """Create an API key in the test database; returns the key."""
+async def create_key(
+    database_url: str, *, name: str, limits: KeyLimits, tenant: str | None = None, models: list[str] | None = None
+) -> str:
+    """Create an API key in the test database (`models`: its allowlist); returns the key."""
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
     try:
-        key, _record = await KeyRepository(pool).create(name=name, limits=limits, tenant=tenant)
+        key, _record = await KeyRepository(pool).create(name=name, limits=limits, tenant=tenant, allowed_models=models)
         return key
     finally:
         await pool.close()

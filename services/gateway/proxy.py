@@ -75,6 +75,8 @@ _UPSTREAM_ERRORS = (ConnectError, ReadTimeout, RemoteProtocolError, OSError)
 FILE_FORM_OVERHEAD_BYTES = 64 * 1024
 # Anthropic's Message Batches: their answers name URLs under the address the client called.
 MESSAGE_BATCHES_PATH = "/v1/messages/batches"
+# Anthropic's token counting route: admitted as a request, with no tokens.
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 OVERLOADED_MESSAGE = "The gateway is serving as many requests as it can; try again shortly."
 
 
@@ -313,12 +315,15 @@ class GatewayService:
         body = await read_body(scope, receive, max_bytes=self._max_body_bytes, timeout_s=self._body_timeout_s)
         parsed = parse_json_object(body)
         await self._model_access.require(record, parsed.get("model"))
-        tokens = most_tokens(
-            parsed,
-            estimate_prompt_tokens(parsed),
-            default_max_tokens=self._default_max_tokens,
-            limit=self._max_tokens_limit,
-        )
+        if anthropic and scope["path"] == COUNT_TOKENS_PATH:
+            tokens = 0  # a count generates nothing and is charged no tokens (as Anthropic's): requests only
+        else:
+            tokens = most_tokens(
+                parsed,
+                estimate_prompt_tokens(parsed),
+                default_max_tokens=self._default_max_tokens,
+                limit=self._max_tokens_limit,
+            )
         with span(tracing, "admission", attributes={"axon.tokens": tokens}):
             admission = await self._admitter.admit(record, tokens=tokens)
         # The session manager settles what the admission holds when the answer ends.

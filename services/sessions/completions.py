@@ -92,12 +92,14 @@ class CompletionService:
         cold_start_wait_s: float | None = None,
         resumable: bool = False,
         timeout_s: float | None = None,
+        count_only: bool = False,
     ) -> ActiveRequest:
         """Admit the request and publish its jobs (one per choice, all or none). `resumable`: the
         jobs keep their chunk logs for `AXON_STREAM_LOG_TTL_S` (`services/sessions/chunk_log.py`),
         so their stream can be replayed and followed from any session manager; a streamed session
         turn's job keeps its log unasked, and its chat stream meta (`_keep_stream_meta`).
         `timeout_s`: the jobs' deadline is this far ahead (None: `AXON_REQUEST_TIMEOUT_S`).
+        `count_only`: the job counts the prompt's tokens and generates nothing (`Job.count_only`).
 
         Args:
             cold_start_wait_s: how long the request may wait for a worker of its model to start
@@ -154,6 +156,7 @@ class CompletionService:
                     job.chunk_log_ttl_s = self._settings.stream_log_ttl_s
                 if timeout_s is not None:
                     job.deadline = time.time() + timeout_s
+                job.count_only = count_only
                 if wait_s > 0:
                     job = cold_start_job(job, body, wait_s)
                 jobs = [job, *(for_choice(job, i, s) for i, s in enumerate(streams[1:], 1))]

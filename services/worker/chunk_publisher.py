@@ -242,6 +242,7 @@ class ChunkPublisher:
             usage=usage,
             tool_calls=tool_calls,
             logprobs=logprobs,
+            stop_sequence=out.stop_sequence if reason == "stop" else None,
         )
         await self._send(chunk, text=out.text, token_ids=out.token_ids, home=self._home)
 
@@ -390,4 +391,5 @@ class Coalescer:
             logprobs=tuple(lp for p in pending for lp in p.logprobs),
             prompt_logprobs=tuple(lp for p in pending for lp in p.prompt_logprobs),
             cached_tokens=last.cached_tokens,
+            stop_sequence=last.stop_sequence,
         )

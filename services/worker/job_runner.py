@@ -445,6 +445,8 @@ class JobRunner:
                 "server_error",
             )
             return "failed"
+        if job.count_only:
+            return await self._count(job, publisher)
         try:
             async with asyncio.timeout(remaining_s):
                 return await self._generate(job, publisher, resume)
@@ -459,6 +461,25 @@ class JobRunner:
             log.warning("job_failed", error=str(exc))
             await publisher.finish_with_error(str(exc), "server_error")
             return "failed"
+
+    async def _count(self, job: Job, publisher: ChunkPublisher) -> str:
+        """Answer a count-only job: its prompt's tokens as the engine reads them, in the usage of
+        a final chunk with no text (no sequence is generated, no tokens served)."""
+        request = GenerationRequest(
+            request_id=job.job_id,
+            sampling=job.sampling,
+            messages=job.messages,
+            prompt=job.prompt,
+            tools=job.tools or None,
+            adapter=job.adapter,
+        )
+        try:
+            tokens = self._engine.count_prompt_tokens(request)
+        except EngineError as exc:
+            await publisher.finish_with_error(str(exc), "server_error")
+            return "failed"
+        await publisher.publish(EngineOutput("", 0, tokens, 0, finish_reason="stop"))
+        return "completed"
 
     async def _generate(self, job: Job, publisher: ChunkPublisher, resume: Resume | None) -> str:
         sampling = job.sampling

@@ -75,16 +75,28 @@ def test_the_page_shows_and_calls_the_api_in_a_browser_that_reaches_only_the_gat
         page.goto(f"{gateway.url}/docs")
         expect(page.locator(".opblock-summary-path[data-path='/v1/chat/completions']")).to_be_visible()
         # Sections by API, the admin routes among them; none left under "default".
-        sections = ("Chat", "Completions", "Responses", "Conversations", "Sessions", "Models", "Files", "Batches")
+        sections = (
+            "Chat",
+            "Completions",
+            "Responses",
+            "Conversations",
+            "Messages",
+            "Sessions",
+            "Models",
+            "Files",
+            "Batches",
+        )
         for tag in (*sections, "Admin", "Operations"):
             expect(page.locator(f"#operations-tag-{tag}")).to_be_visible()
         expect(page.locator("#operations-tag-default")).to_have_count(0)
         expect(page.locator(".opblock-summary-path[data-path='/admin/keys']").first).to_be_visible()
         # "Authorize" with a key, then "Try it out" on GET /v1/models: the page calls the API.
         page.click("button.authorize")
-        page.fill(".modal-ux input[type=text]", api_key)
-        page.click(".modal-ux button.authorize")
-        page.click(".modal-ux button.close-modal")
+        # Two schemes: the bearer key, and `x-api-key` (Anthropic's routes); either authorizes.
+        bearer = page.locator(".modal-ux .auth-container").filter(has=page.locator("h4", has_text="http, Bearer"))
+        bearer.locator("input[type=text]").fill(api_key)
+        bearer.locator("button.authorize").click()
+        page.locator(".modal-ux button.close-modal").first.click()
         models = page.locator("#operations-Models-list_models_v1_models_get")
         models.locator(".opblock-summary").click()
         models.locator("button.try-out__btn").click()

@@ -1,7 +1,8 @@
 """Hostile input: schemathesis over the gateway's own OpenAPI schema, with and without a key.
 
 Every generated request (valid bodies, and bodies that break the schema) must get an answer in
-time, never a 5xx, every error in OpenAI's shape, every response as the schema documents it; with
+time, never a 5xx, every error in OpenAI's shape (Anthropic's on its Messages routes), every
+response as the schema documents it; with
 a key, what the schema accepts is accepted (or refused for a reason the schema cannot know: an
 unknown model, session or response is a 404) and what it refuses is refused, and a method a path
 does not have is a 405 whose `Allow` lists the ones it has; with no key, every /v1/* route answers
@@ -70,8 +71,26 @@ _COMPLETIONS = {
     "/v1/chat/completions": "max_completion_tokens",
     "/v1/completions": "max_tokens",
     "/v1/responses": "max_output_tokens",
+    "/v1/messages": "max_tokens",
 }
+# An operation whose body names a model but asks for no tokens of answer.
+_COUNTS = {"/v1/messages/count_tokens"}
+# Anthropic's routes: their bodies, their errors' shape.
+_ANTHROPIC = ("/v1/messages",)
+# A Messages body's fields that are an engine capability of another name.
+_MESSAGES_CAPABILITIES = {"stop_sequences": "stop", "top_k": "top_k"}
 ERROR_KEYS = {"message", "type", "param", "code"}
+_ANTHROPIC_TYPES = {
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "request_too_large",
+    "rate_limit_error",
+    "api_error",
+    "timeout_error",
+    "overloaded_error",
+}
 FUZZ_SETTINGS = settings(
     max_examples=MAX_EXAMPLES,
     derandomize=True,
@@ -157,7 +176,15 @@ def _prepare(case: schemathesis.Case, sim_capabilities: frozenset[str]) -> None:
         return
     case.body = _integers_as_integers(case.body)
     to_the_sim = _some_to_the_sim_model(case)
-    if _is_positive(case) and isinstance(case.body, dict) and case.path in _COMPLETIONS:
+    if not (_is_positive(case) and isinstance(case.body, dict)):
+        return
+    if case.path.startswith(_ANTHROPIC):
+        _messages_within_what_no_schema_says(case.body)
+        if to_the_sim:
+            for field, capability in _MESSAGES_CAPABILITIES.items():
+                if capability not in sim_capabilities:
+                    case.body.pop(field, None)
+    elif case.path in _COMPLETIONS:
         _within_what_no_schema_says(case.body, chat=case.path == "/v1/chat/completions")
         if to_the_sim:
             # What its engine does not honour is a 400 `unsupported_parameter`: the model's, not the body's.
@@ -169,11 +196,15 @@ def _some_to_the_sim_model(case: schemathesis.Case) -> bool:
     """Send about half of the completion bodies that name a model to the one a worker serves, with
     a short answer, so the fuzz reaches generation and streaming too, not only "model not found"."""
     body = case.body
-    if case.path not in _COMPLETIONS or not isinstance(body, dict) or not isinstance(body.get("model"), str):
+    if case.path not in _COMPLETIONS.keys() | _COUNTS or not isinstance(body, dict):
+        return False
+    if not isinstance(body.get("model"), str):
         return False
     if hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=1).digest()[0] % 2:
         return False
     body["model"] = SIM_MODEL
+    if case.path in _COUNTS:
+        return True
     bounds = [field for field in ("max_tokens", "max_completion_tokens", "max_output_tokens") if field in body]
     for field in bounds:
         if _is_int(body[field]) and body[field] > _MAX_SIM_TOKENS:
@@ -227,6 +258,25 @@ def _within_what_no_schema_says(body: dict[str, Any], *, chat: bool) -> None:
 _A_SCHEMA = {"type": "object"}
 
 
+def _messages_within_what_no_schema_says(body: dict[str, Any]) -> None:
+    """Keep a valid Messages body within what the API refuses by design and no JSON Schema can say,
+    each documented in docs/api-compatibility.md (Messages): the last message the user's (no
+    prefill), tools of distinct names whose `input_schema` is a valid JSON Schema, a `tool` choice
+    naming one of them."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+        if messages[-1].get("role") != "user":
+            messages.append({"role": "user", "content": "Go on."})
+    names: list[str] = []
+    for index, tool in enumerate(body.get("tools") or []):
+        tool["name"] = f"{tool['name']}_{index}"[-64:]
+        tool["input_schema"] = {"type": "object"}
+        names.append(tool["name"])
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "tool" and names:
+        choice["name"] = names[0]
+
+
 def _integers_as_integers(value: Any) -> Any:
     """`value` with each number of zero fraction an integer: JSON Schema's `integer` admits `2.0`,
     the API reads JSON integers (docs/api-compatibility.md)."""
@@ -237,6 +287,26 @@ def _integers_as_integers(value: Any) -> Any:
     if isinstance(value, list):
         return [_integers_as_integers(v) for v in value]
     return value
+
+
+def _assert_error(response: requests.Response, path: str) -> None:
+    """An error in the route's shape: Anthropic's on its Messages routes, else OpenAI's."""
+    if path.startswith(_ANTHROPIC):
+        _assert_anthropic_error(response)
+    else:
+        _assert_openai_error(response)
+
+
+def _assert_anthropic_error(response: requests.Response | httpx.Response) -> None:
+    try:
+        body = response.json()
+    except ValueError:
+        pytest.fail(f"{response.status_code} without a JSON body: {response.text[:200]!r}")
+    assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == {"type", "message"}, body
+    assert isinstance(error["message"], str) and error["message"], body
+    assert error["type"] in _ANTHROPIC_TYPES, body
 
 
 def _assert_openai_error(response: requests.Response) -> None:
@@ -291,7 +361,7 @@ def test_fuzz_with_key(
             f"{response.status_code} {response.text[:500]}\n{case.as_curl_command(headers)}"
         )
         if response.status_code >= 400:
-            _assert_openai_error(response)
+            _assert_error(response, case.path)
         case.validate_response(
             response,
             checks=_WITH_KEY_CHECKS if case.media_type != "multipart/form-data" else _UPLOAD_CHECKS,
@@ -325,7 +395,7 @@ def test_methods_a_path_does_not_have_are_405_listing_the_ones_it_has(
             statuses[response.status_code] += 1
             try:
                 assert response.status_code == 405, response.text
-                _assert_openai_error(response)
+                _assert_error(response, operation.path)
                 declared = {method.upper() for method in gateway_schema.raw_schema["paths"][operation.path]}
                 allow = ", ".join(response.headers["allow"])  # schemathesis' headers: lists of values
                 assert {method.strip() for method in allow.split(",")} == declared, allow
@@ -372,7 +442,7 @@ def test_fuzz_without_key_is_always_401(gateway_schema: schemathesis.BaseSchema,
             assert response.status_code == 401, (
                 f"{response.status_code} {response.text[:500]}\n{case.as_curl_command()}"
             )
-            _assert_openai_error(response)
+            _assert_error(response, case.path)
             assert response.json()["error"]["type"] == "authentication_error"
 
     fuzz(gateway_schema, check, max_examples=MAX_EXAMPLES // 2)

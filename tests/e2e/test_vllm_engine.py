@@ -3,7 +3,8 @@ real vLLM (its CPU build here) on the bundled SmolLM2, and the official `openai`
 and LangChain use it as they would any OpenAI endpoint. Every answer and chunk is checked against
 OpenAI's schemas on the way (`tests/contract/transport.py`). A small batch (issue 28) runs on the
 same worker: each line's answer is the one the same greedy request gets online, and a line the
-endpoint refuses is its 400 in the error file.
+endpoint refuses is its 400 in the error file. Anthropic's `anthropic` SDK drives the Messages API
+on it too (whole, streamed, stopped, counted, tools).
 
 One worker for the module's contract tests (about 40 s to start); the last tests start more of
 the same and kill, stop or drain them:
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+import anthropic
 import httpx
 import instructor
 import openai
@@ -302,6 +304,82 @@ def test_tool_calls_auto_required_and_named(sdk: OpenAI) -> None:
         (forced_call,) = forced.choices[0].message.tool_calls
         assert forced_call.function.name == "get_weather"
         assert set(json.loads(forced_call.function.arguments)) == {"city"}
+
+
+@pytest.fixture(scope="module")
+def claude(sdk: OpenAI, gateway: Service, api_key: str) -> anthropic.Anthropic:
+    """Anthropic's SDK on the gateway, once the model is listed (`sdk`)."""
+    return anthropic.Anthropic(base_url=gateway.url, api_key=api_key, max_retries=0, timeout=120)
+
+
+# Greedy: the same prompt gives the same answer (not among the newest SDK's parameters: an extra field).
+GREEDY = {"temperature": 0}
+
+
+def test_the_anthropic_sdk_whole_streamed_stopped_and_counted(claude: anthropic.Anthropic) -> None:
+    whole = claude.messages.create(model=MODEL, max_tokens=32, messages=FRANCE, extra_body=GREEDY)
+    (block,) = whole.content
+    assert block.type == "text" and "Paris" in block.text and whole.stop_reason == "end_turn"
+    with claude.messages.stream(model=MODEL, max_tokens=32, messages=FRANCE, extra_body=GREEDY) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == block.text and final.usage.output_tokens == whole.usage.output_tokens
+    prompt_tokens = whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)
+    assert claude.messages.count_tokens(model=MODEL, messages=FRANCE).input_tokens == prompt_tokens > 20
+    cut = claude.messages.create(
+        model=MODEL, max_tokens=32, messages=FRANCE, stop_sequences=["Paris"], extra_body=GREEDY
+    )
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", "Paris")
+    assert block.text.startswith(cut.content[0].text) and "Paris" not in cut.content[0].text  # type: ignore[union-attr]
+
+
+def _anthropic_turns(messages: list[dict]) -> list[dict]:
+    """FEW_SHOT's turns as Anthropic's: an assistant's calls as `tool_use` blocks."""
+    turns = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls is None:
+            turns.append(message)
+            continue
+        blocks = [
+            {
+                "type": "tool_use",
+                "id": c["id"],
+                "name": c["function"]["name"],
+                "input": json.loads(c["function"]["arguments"]),
+            }
+            for c in calls
+        ]
+        turns.append({"role": "assistant", "content": blocks})
+    return turns
+
+
+def test_anthropic_tool_use_auto_and_forced_whole_and_streamed(claude: anthropic.Anthropic) -> None:
+    tool = {
+        "name": "get_weather",
+        "description": WEATHER["function"]["description"],
+        "input_schema": WEATHER["function"]["parameters"],
+    }
+    berlin = _anthropic_turns([*FEW_SHOT, {"role": "user", "content": "Weather in Berlin?"}])
+    auto = claude.messages.create(model=MODEL, max_tokens=60, messages=berlin, tools=[tool], extra_body=GREEDY)
+    assert auto.stop_reason == "tool_use"
+    (call,) = [b for b in auto.content if b.type == "tool_use"]
+    assert (call.name, call.input) == ("get_weather", {"city": "Berlin"}) and call.id.startswith("toolu_")
+    forced = {"type": "tool", "name": "get_weather"}
+    whole = claude.messages.create(
+        model=MODEL, max_tokens=40, messages=FRANCE, tools=[tool], tool_choice=forced, extra_body=GREEDY
+    )
+    (forced_call,) = whole.content
+    assert forced_call.type == "tool_use" and set(forced_call.input) == {"city"} and whole.stop_reason == "tool_use"
+    pieces = []
+    with claude.messages.stream(
+        model=MODEL, max_tokens=40, messages=FRANCE, tools=[tool], tool_choice=forced, extra_body=GREEDY
+    ) as stream:
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                pieces.append(event.delta.partial_json)
+        final = stream.get_final_message()
+    assert json.loads("".join(pieces)) == forced_call.input == final.content[0].input  # type: ignore[union-attr]
 
 
 def test_the_lora_adapter_answers_differently_from_its_base(sdk: OpenAI) -> None:

@@ -48,11 +48,13 @@ def http_error(status: int, raw: bytes) -> str:
 
 
 class StreamParser:
-    """Incremental parser of one OpenAI SSE response, timing each content-bearing event.
+    """Incremental parser of one OpenAI SSE response (or Anthropic's, of `/v1/messages`), timing
+    each content-bearing event.
 
     `feed` takes bytes as they arrive off the socket together with their arrival time; everything
     in one read shares that time. Only `data:` lines matter (comments, `event:` and `id:` are
-    ignored); `data: [DONE]` ends the stream. Times are seconds from `started_s`.
+    ignored); `data: [DONE]` ends the stream (Anthropic's: a `message_stop` event). Times are
+    seconds from `started_s`.
     """
 
     __slots__ = (
@@ -110,6 +112,10 @@ class StreamParser:
             self.error = self.error or f"unexpected event in stream: {payload[:100]!r}"
 
     def _json_event(self, obj: Any, now_s: float) -> None:
+        kind = obj.get("type")
+        if kind is not None and "object" not in obj:  # Anthropic's events: a type, no `object`
+            self._anthropic_event(kind, obj, now_s)
+            return
         choices = obj.get("choices")
         if choices:
             choice = choices[0]
@@ -121,18 +127,35 @@ class StreamParser:
                 else choice.get("text")
             )
             if text:
-                self.content_chunks += 1
-                if self.ttft_s is None:
-                    self.ttft_s = now_s - self.started_s
-                else:
-                    self.itls_s.append(now_s - self.last_s)
-                self.last_s = now_s
+                self._content(now_s)
         elif "error" in obj or obj.get("object") == "error":
             self.error = self.error or f"stream error: {error_message(obj)}"
         usage = obj.get("usage")
         if usage:
             self.completion_tokens = usage.get("completion_tokens")
             self.prompt_tokens = usage.get("prompt_tokens")
+
+    def _anthropic_event(self, kind: str, obj: Any, now_s: float) -> None:
+        if kind == "content_block_delta":
+            delta = obj["delta"]
+            if delta.get("text") or delta.get("partial_json"):
+                self._content(now_s)
+        elif kind == "message_delta":
+            usage = obj["usage"]
+            self.completion_tokens = usage.get("output_tokens")
+            self.prompt_tokens = (usage.get("input_tokens") or 0) + (usage.get("cache_read_input_tokens") or 0)
+        elif kind == "message_stop":
+            self.done = True
+        elif kind == "error":
+            self.error = self.error or f"stream error: {error_message(obj)}"
+
+    def _content(self, now_s: float) -> None:
+        self.content_chunks += 1
+        if self.ttft_s is None:
+            self.ttft_s = now_s - self.started_s
+        else:
+            self.itls_s.append(now_s - self.last_s)
+        self.last_s = now_s
 
 
 @dataclass(slots=True)
@@ -152,7 +175,7 @@ class RequestResult:
 
 
 def _from_stream(parser: StreamParser, e2e_s: float) -> RequestResult:
-    error = parser.error or (None if parser.done else "stream ended before data: [DONE]")
+    error = parser.error or (None if parser.done else "stream ended before its end (data: [DONE], message_stop)")
     return RequestResult(
         e2e_s=e2e_s,
         ttft_s=parser.ttft_s,
@@ -167,6 +190,11 @@ def _from_body(raw: bytes, e2e_s: float) -> RequestResult:
     """A non-streamed answer: TTFT is the whole latency; tokens from usage, else words."""
     try:
         obj = orjson.loads(raw)
+        if obj.get("type") == "message":  # Anthropic's Message
+            text = "".join(block.get("text", "") for block in obj["content"])
+            usage = obj["usage"]
+            prompt = (usage.get("input_tokens") or 0) + (usage.get("cache_read_input_tokens") or 0)
+            return RequestResult(e2e_s=e2e_s, ttft_s=e2e_s, output_tokens=usage["output_tokens"], prompt_tokens=prompt)
         choice = obj["choices"][0]
         text = choice["message"].get("content") if "message" in choice else choice.get("text")
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):

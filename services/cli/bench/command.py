@@ -89,9 +89,9 @@ def add_bench_command(commands: "argparse._SubParsersAction[argparse.ArgumentPar
     target.add_argument("--model", help="model name (default: the first model GET /models lists)")
     target.add_argument(
         "--endpoint",
-        choices=("chat", "completions"),
+        choices=("chat", "completions", "messages"),
         default="chat",
-        help="/chat/completions or /completions (default: %(default)s)",
+        help="/chat/completions, /completions or /messages (Anthropic's Messages API) (default: %(default)s)",
     )
     load = bench.add_argument_group("load")
     load.add_argument(

@@ -10,7 +10,9 @@ from typing import Any, Literal
 
 import orjson
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "messages"]
+# Each endpoint's path under the base URL (`messages`: Anthropic's Messages API).
+_PATHS: dict[str, str] = {"chat": "/chat/completions", "completions": "/completions", "messages": "/messages"}
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 DEFAULT_SYNTHETIC_REQUESTS = 100
@@ -45,8 +47,7 @@ class BenchConfig:
 
     @property
     def url(self) -> str:
-        path = "/chat/completions" if self.endpoint == "chat" else "/completions"
-        return self.base_url.rstrip("/") + path
+        return self.base_url.rstrip("/") + _PATHS[self.endpoint]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,16 +130,16 @@ def build_bodies(config: BenchConfig, entries: Sequence[PromptEntry], count: int
     common: dict[str, Any] = {"model": config.model, "stream": config.stream}
     if config.temperature is not None:
         common["temperature"] = config.temperature
-    if config.stream:
+    if config.stream and config.endpoint != "messages":  # a Messages stream always ends with its usage
         common["stream_options"] = {"include_usage": True}
     bodies = []
     for i in range(count):
         entry = entries[i % len(entries)]
         body = {**common, **entry.fields, "max_tokens": entry.max_tokens or config.output_len}
-        if config.endpoint == "chat":
+        if config.endpoint in ("chat", "messages"):
             body["messages"] = entry.messages or [{"role": "user", "content": entry.prompt}]
         elif entry.messages is not None:
-            raise PromptsFileError('"messages" entries need --endpoint chat')
+            raise PromptsFileError('"messages" entries need --endpoint chat or messages')
         else:
             body["prompt"] = entry.prompt
         bodies.append(orjson.dumps(body))

@@ -19,7 +19,7 @@ from shared.internal_headers import Caller
 from shared.logging import get_logger
 from shared.messages_requests import CountTokensRequest, MessageCreate, as_messages_error
 from shared.openai_requests import ChatCompletionRequest, RequestLimits
-from shared.schemas import TokenChunk
+from shared.schemas import TokenChunk, Usage
 
 log = get_logger(__name__)
 
@@ -52,7 +52,8 @@ class MessagesService:
         timeout_s: float | None = None,
     ) -> ActiveRequest:
         """Check `body` and publish its job (`CompletionService.start`: `cold_start_wait_s` and
-        `timeout_s` as there). A 400 names the Messages body's field.
+        `timeout_s` as there; a `CountTokensRequest`'s only counts). A 400 names the Messages
+        body's field.
 
         Raises:
             InvalidRequest, ModelNotFound, Unavailable: refused before any work was queued.
@@ -66,6 +67,7 @@ class MessagesService:
                 request_id=request_id,
                 cold_start_wait_s=cold_start_wait_s,
                 timeout_s=timeout_s,
+                count_only=isinstance(body, CountTokensRequest),
             )
         except InvalidRequest as exc:
             raise as_messages_error(exc) from None
@@ -166,29 +168,27 @@ class MessagesService:
 
     async def count_tokens(self, body: CountTokensRequest, *, caller: Caller, request_id: str) -> dict[str, Any]:
         """`{"input_tokens": n}`: the prompt's tokens as the model's engine counts them (its
-        tokenizer and chat template, tools included): the prompt runs as a one-token job, whose
-        usage is recorded as any other's.
+        tokenizer and chat template, tools included), from a count-only job (`Job.count_only`: a
+        worker of the model tokenizes the prompt and generates nothing). Like Anthropic's, a count
+        costs a request of the key's limits and no tokens: its usage is settled as zero.
 
         Raises:
             InvalidRequest, ModelNotFound, Unavailable: refused before any work was queued.
             UpstreamError, DeadlineExceeded: the engine did not answer.
         """
         active = await self.start(body, caller=caller, request_id=request_id)
-        first, rest = await self.completions.first_chunk(active)
-        chunk = first[1]
         try:
-            while active.unfinished:
-                if chunk.finish_reason == "error":
-                    raise chunk_error(chunk)
-                _, chunk = await anext(rest)
+            # A count's only chunk is its final one (not a first token: no TTFT is observed).
+            choice, chunk = await self.completions.first_of(active, active.chunks())
+            if chunk.finish_reason == "error":
+                raise chunk_error(chunk)
         except asyncio.CancelledError:
             await asyncio.shield(self.completions.finish(active, outcome="disconnected"))
             raise
         except BaseException:
             await self.completions.finish(active, outcome="error")
             raise
-        if chunk.finish_reason == "error":
-            await self.completions.finish(active, outcome="error")
-            raise chunk_error(chunk)
+        counted = choice.answer.usage.prompt_tokens if choice.answer.usage is not None else 0
+        choice.answer.usage = Usage()  # counted, not charged
         await self.completions.finish(active, outcome=chunk.finish_reason or "stop")
-        return {"input_tokens": active.usage.prompt_tokens if active.usage is not None else 0}
+        return {"input_tokens": counted}

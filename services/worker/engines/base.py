@@ -122,6 +122,8 @@ class EngineOutput:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     # Prompt tokens served from the engine's prefix cache (a running figure, like `prompt_tokens`).
     cached_tokens: int = 0
+    # The last output of an answer a stop string ended: that string.
+    stop_sequence: str | None = None
 
 
 class ToolCallParser(Protocol):
@@ -171,6 +173,11 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
         """Stream the answer to `request`; the last output carries `finish_reason`."""
+
+    @abstractmethod
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The tokens of `request`'s prompt as `generate` would read them (its chat template,
+        tools included), without generating anything."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:

@@ -561,6 +561,9 @@ class SimEngine(Engine):
         if self._fail_after_s and time.monotonic() - self._started_at > self._fail_after_s:
             raise EngineError("simulated engine failure (AXON_SIM_FAIL_AFTER_S)")
 
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return max(1, len(prompt_text(request).split()))
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineOutput]:
         prompt = prompt_text(request)
         words = prompt.split()
@@ -618,6 +621,7 @@ class SimEngine(Engine):
                         logprobs=logprobs,
                         prompt_logprobs=first,
                         cached_tokens=cached,
+                        stop_sequence=stops.matched,
                     )
                     return
                 finish: FinishReason | None = None

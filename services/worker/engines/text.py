@@ -45,15 +45,19 @@ class StopMatcher:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""
         self.stopped = False
+        # The stop string that ended the text (the first in it), once `stopped`.
+        self.matched: str | None = None
 
     def feed(self, text: str) -> str:
         """Add generated text; return what is safe to emit now."""
         if not self._stops:
             return text
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
+        found = [(i, s) for s in self._stops if (i := self._pending.find(s)) >= 0]
+        cut = min(found)[0] if found else -1
         if cut >= 0:
             self.stopped = True
+            self.matched = min(found)[1]
             out, self._pending = self._pending[:cut], ""
             return out
         safe = len(self._pending) - self._hold

@@ -315,6 +315,9 @@ class TransformersEngine(Engine):
             return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
         return list(self._tokenizer.encode(request.prompt or ""))
 
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return len(self._encode(request))
+
     def _decode(self, token_ids: Sequence[int]) -> str:
         text: str = self._tokenizer.decode(token_ids, skip_special_tokens=True)
         return text
@@ -452,7 +455,15 @@ class TransformersEngine(Engine):
                 logprobs = self._logprobs(slot, len(resumed) + sent, len(resumed) + shown)
             cached = min(self._prefix_hits.get(rid, 0), prompt_tokens)
             yield EngineOutput(
-                text, len(new_ids), prompt_tokens, len(tokens), reason, new_ids, logprobs, cached_tokens=cached
+                text,
+                len(new_ids),
+                prompt_tokens,
+                len(tokens),
+                reason,
+                new_ids,
+                logprobs,
+                cached_tokens=cached,
+                stop_sequence=stops.matched,
             )
             if reason is not None:
                 return

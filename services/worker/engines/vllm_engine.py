@@ -476,6 +476,9 @@ class VllmEngine(Engine):
         parser = self._tool_parser(self._tokenizer, request.tools)
         return parser, parser.adjust_request(request)
 
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return len(self._prompt_ids(request, continued=None))
+
     def _prompt_ids(self, request: GenerationRequest, *, continued: Resume | None) -> list[int]:
         """The prompt's token ids: a chat rendered by the model's template (with the tools, or,
         for a template that knows nothing of them, with them written into the conversation) and

@@ -173,6 +173,8 @@ class AnswerOutputs:
             tuple(self._unsent_logprobs),
             prompt_lps,
             cached_tokens=getattr(output, "num_cached_tokens", None) or 0,
+            # vLLM's stop_reason: the stop string that matched (a stop token id is not one).
+            stop_sequence=piece.stop_reason if reason == "stop" and isinstance(piece.stop_reason, str) else None,
         )
         self._unsent_ids, self._unsent_logprobs = [], []
         return out

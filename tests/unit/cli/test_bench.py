@@ -301,8 +301,42 @@ def test_completion_bodies_use_prompt_and_refuse_chat_messages() -> None:
     assert config.url == "http://x/v1/completions"
     body = orjson.loads(build_bodies(config, [PromptEntry(prompt="p")], 1)[0])
     assert body == {"model": "m", "stream": False, "max_tokens": 128, "prompt": "p"}
-    with pytest.raises(PromptsFileError, match="--endpoint chat"):
+    with pytest.raises(PromptsFileError, match="--endpoint chat or messages"):
         build_bodies(config, [PromptEntry(messages=[{"role": "user", "content": "b"}])], 1)
+
+
+def test_messages_bodies_are_anthropics_and_their_stream_is_timed() -> None:
+    config = BenchConfig(base_url="http://x/v1", model="m", endpoint="messages")
+    assert config.url == "http://x/v1/messages"
+    body = orjson.loads(build_bodies(config, [PromptEntry(prompt="p")], 1)[0])
+    assert body == {
+        "model": "m",
+        "stream": True,
+        "temperature": 0.0,
+        "max_tokens": 128,
+        "messages": [{"role": "user", "content": "p"}],
+    }
+    parser = StreamParser(started_s=100.0)
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 0, "output_tokens": 0}}}
+    parser.feed(b"event: message_start\n" + sse(start) + b"event: ping\n" + sse({"type": "ping"}), 100.1)
+    text = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}}
+    parser.feed(sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}), 100.2)
+    parser.feed(sse(text), 100.25)
+    call = {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{}"}}
+    parser.feed(sse(call), 100.5)
+    assert not parser.done and parser.ttft_s == pytest.approx(0.25) and parser.itls_s == [pytest.approx(0.25)]
+    usage = {"input_tokens": 4, "cache_read_input_tokens": 16, "output_tokens": 2}
+    parser.feed(sse({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": usage}), 100.6)
+    parser.feed(sse({"type": "message_stop"}), 100.6)
+    assert parser.done and parser.error is None
+    assert (parser.output_tokens, parser.prompt_tokens, parser.content_chunks) == (2, 20, 2)
+    failed = StreamParser(started_s=0.0)
+    failed.feed(sse({"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}), 0.1)
+    assert failed.error == "stream error: busy"
+    # vLLM's older error shape has a `type` too: still an error.
+    vllm = StreamParser(started_s=0.0)
+    vllm.feed(sse({"object": "error", "message": "bad", "type": "BadRequestError"}), 0.1)
+    assert vllm.error == "stream error: bad"
 
 
 def test_synthetic_prompts_have_about_input_len_words_and_are_reproducible() -> None:

@@ -5,7 +5,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from services.gateway.proxy import estimate_prompt_tokens, upstream_target
+from services.gateway.auth import anthropic_authorization
+from services.gateway.proxy import _stream_end, estimate_prompt_tokens, upstream_target
+from services.sessions.messages.protocol import MessageEvents, error_event
+from shared.errors import UpstreamError
 from shared.url_params import ANY
 
 
@@ -83,3 +86,37 @@ def test_prompt_estimate_is_charged_once_per_choice(n: object, factor: int) -> N
     (out of range, not an integer) counts once."""
     body = {"messages": [{"role": "user", "content": "x" * 40}], "n": n}
     assert estimate_prompt_tokens(body) == (10 + 4) * factor
+
+
+def test_a_messages_body_is_estimated_with_its_system_prompt() -> None:
+    text = [{"role": "user", "content": [{"type": "text", "text": "y" * 8}]}]
+    assert estimate_prompt_tokens({"system": "x" * 40, "messages": text}) == 12 + 2 * 4
+    assert estimate_prompt_tokens({"system": [{"type": "text", "text": "x" * 40}, 3], "messages": text}) == 12 + 4
+
+
+@pytest.mark.parametrize(
+    ("piece", "end"),
+    [
+        (b"".join(MessageEvents(job_id="j", model="m").closing(reason="stop", usage=None, stop_sequence=None)), True),
+        (error_event(UpstreamError("The worker failed.")), True),
+        (b"".join(MessageEvents(job_id="j", model="m").opening()), False),
+        (b'event: content_block_delta\ndata: {"delta": {"text": "event: message_stop\\n"}}\n\n', False),
+    ],
+)
+def test_the_gateway_sees_where_a_messages_stream_ends(piece: bytes, end: bool) -> None:
+    assert _stream_end(piece) is end
+
+
+@pytest.mark.parametrize(
+    ("authorization", "x_api_key", "checked"),
+    [
+        (None, "axk_1", "Bearer axk_1"),
+        ("Bearer axk_2", "axk_1", "Bearer axk_2"),
+        ("Bearer axk_2", None, "Bearer axk_2"),
+        (None, None, None),
+    ],
+)
+def test_anthropics_clients_send_the_key_in_x_api_key(
+    authorization: str | None, x_api_key: str | None, checked: str | None
+) -> None:
+    assert anthropic_authorization(authorization, x_api_key) == checked

@@ -391,3 +391,29 @@ def test_max_tokens_past_the_context_or_the_limit_is_refused_as_openai_refuses_i
         jobs.sampling(_request(kind, max_tokens=max_tokens), live)
     assert (refused.value.param, refused.value.code) == (param, code)
     assert str(max_tokens) in refused.value.message
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+async def test_messages_routes_answer_in_anthropics_shape_with_a_request_id(
+    client: httpx.AsyncClient, path: str
+) -> None:
+    bad = await client.post(path, content=b'{"model": "m", "messages": [], "max_tokens": 1}')
+    assert bad.status_code == 400 and bad.headers["request-id"] == bad.headers["x-request-id"]
+    assert bad.json() == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "messages: List should have at least 1 item after validation, not 0",
+        },
+    }
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    if path == "/v1/messages":
+        body["max_tokens"] = 5
+    reached = await client.post(path, content=orjson.dumps(body))
+    assert reached.status_code == 409  # the stand-in service's refusal, in Anthropic's shape too
+    assert reached.json() == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "The request reached the service."},
+    }
+    unknown = await client.get("/v1/messages/nope")
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"

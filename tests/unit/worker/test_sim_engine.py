@@ -60,6 +60,7 @@ async def test_chat_messages_count_as_prompt(engine: SimEngine) -> None:
     )
     outputs = await collect(engine, req)
     assert outputs[0].prompt_tokens == 3  # "user: hi there"
+    assert engine.count_prompt_tokens(req) == 3  # what `/v1/messages/count_tokens` answers
 
 
 async def test_same_prompt_and_seed_give_the_same_text(engine: SimEngine) -> None:
@@ -104,6 +105,7 @@ async def test_stop_string_ends_with_stop_and_is_not_emitted(engine: SimEngine, 
     assert text_of(outputs) == " ".join(sim_word(prompt, seed, i) for i in range(index))
     assert outputs[-1].completion_tokens == index + 1
     assert len(outputs) == index + 1
+    assert outputs[-1].stop_sequence == stop  # the Messages API's `stop_sequence`
 
 
 async def test_unmatched_stop_releases_held_text_at_the_end(engine: SimEngine) -> None:
