@@ -14,6 +14,7 @@ rest.
 
 import datetime as dt
 import hashlib
+import json
 import re
 import uuid
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import orjson
 
 from services.sessions.batches.store import BatchRecord
-from services.sessions.batches.validation import MAX_BODY_DEPTH, BatchLine
+from services.sessions.batches.validation import BatchLine
 from shared.errors import InvalidRequest, NotFound
 from shared.message_batch_requests import MessageBatchCreate
 from shared.tokens import estimate_tokens
@@ -48,7 +49,7 @@ def message_lines(body: MessageBatchCreate, *, max_requests: int, default_max_to
 
     Raises:
         InvalidRequest: more than `max_requests` requests, a `custom_id` used twice, or a request's
-            `params` without a `model` (or that cannot be stored as JSON): naming the request.
+            `params` without a `model`, or that cannot be written as JSON: naming the request.
     """
     if len(body.requests) > max_requests:
         raise InvalidRequest(f"requests: a batch may hold at most {max_requests} requests.", param="requests")
@@ -69,19 +70,40 @@ def message_lines(body: MessageBatchCreate, *, max_requests: int, default_max_to
                 f"requests.{index}.params.model: a model must be named (a string without U+0000).",
                 param=f"requests.{index}.params.model",
             )
-        try:
-            text = orjson.dumps(request.params).decode()
-        except orjson.JSONEncodeError as exc:  # nested more than MAX_BODY_DEPTH deep, an integer past 64 bits
+        text = _stored_json(request.params)
+        if text is None:
             raise InvalidRequest(
-                f"requests.{index}.params: cannot be stored as JSON ({exc}; at most {MAX_BODY_DEPTH} levels of"
-                " arrays and objects, integers of 64 bits).",
+                f"requests.{index}.params: cannot be stored as JSON (nested too deep, or a number that is not one).",
                 param=f"requests.{index}.params",
-            ) from None
+            )
         asked = request.params.get("max_tokens")
         max_tokens = asked if type(asked) is int and asked >= 1 else default_max_tokens
         tokens = min(estimate_tokens(chars=len(text)) + max_tokens, _MAX_LINE_TOKENS)
-        lines.append(BatchLine(index + 1, request.custom_id, model, text, tokens))
+        lines.append(BatchLine(index + 1, request.custom_id, _storable_text(model), text, tokens))
     return lines
+
+
+def _stored_json(params: dict[str, Any]) -> str | None:
+    """`params` written as JSON to be stored: by orjson, or, what it cannot write (an integer past
+    64 bits, a lone surrogate, nesting past `validation.MAX_BODY_DEPTH`), escaped to ASCII by the standard
+    library (the line's run judges it as `POST /v1/messages` would); None if neither can."""
+    try:
+        return orjson.dumps(params).decode()
+    except orjson.JSONEncodeError:
+        try:
+            return json.dumps(params, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+        except (ValueError, RecursionError):
+            return None
+
+
+def _storable_text(text: str) -> str:
+    """`text` as PostgreSQL's text can hold it (UTF-8): a lone surrogate (JSON's escapes allow
+    them) becomes U+FFFD."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+    return text
 
 
 def _rfc3339(moment: dt.datetime | None) -> str | None:

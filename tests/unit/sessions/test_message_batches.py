@@ -4,6 +4,8 @@ at create (its shape; each request's params when it runs), made its lines, and t
 
 import dataclasses
 import datetime as dt
+import json
+import math
 
 import pytest
 from pydantic import ValidationError
@@ -75,14 +77,31 @@ def test_a_request_the_batch_cannot_take_is_a_400_naming_it(
     assert refused.value.param == param and refused.value.message.startswith(param)
 
 
-def test_params_that_cannot_be_stored_as_json_are_a_400() -> None:
+def test_params_orjson_cannot_write_are_stored_escaped_for_the_run_to_judge() -> None:
+    """A big integer, a lone surrogate (JSON's escapes allow them) or nesting past 254 levels are
+    valid JSON: the line is kept, its body written by the standard library (ASCII), and its model
+    as PostgreSQL's text can hold it; its run answers it as `POST /v1/messages` would."""
     deep: object = "x"
     for _ in range(300):
         deep = [deep]
-    for params in ({"messages": deep}, {"top_k": 2**70}):
-        with pytest.raises(InvalidRequest) as refused:
-            message_lines(_body(_request("a", **params)), max_requests=10, default_max_tokens=100)
-        assert refused.value.param == "requests.0.params"
+    requests = [
+        _request("big", top_k=2**70),
+        _request("deep", messages=deep),
+        {"custom_id": "lone", "params": {"model": "m\udb5b", "max_tokens": 8, "system": "a\udb5bb"}},
+    ]
+    big, nested, lone = message_lines(_body(*requests), max_requests=10, default_max_tokens=100)
+    assert json.loads(big.body)["top_k"] == 2**70
+    assert json.loads(nested.body)["messages"] == deep
+    assert lone.model == "m\ufffd" and json.loads(lone.body)["system"] == "a\udb5bb"
+    for line in (big, nested, lone):
+        line.body.encode("ascii")
+        line.model.encode()
+
+
+def test_params_no_json_can_hold_are_a_400() -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        message_lines(_body(_request("a", top_k=2**70, temperature=math.nan)), max_requests=10, default_max_tokens=100)
+    assert refused.value.param == "requests.0.params"
 
 
 _CREATED = dt.datetime(2026, 11, 28, 12, 0, 0, 123456, tzinfo=dt.UTC)
