@@ -21,9 +21,9 @@ Anthropic words its own. `cache_control` is accepted anywhere Anthropic takes it
 nothing more: the engines cache prompt prefixes by themselves.
 """
 
+import json
 from typing import Annotated, Any, Final, Literal
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared.errors import InvalidRequest
@@ -58,8 +58,8 @@ class TextBlock(BaseModel):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
-    # An earlier answer's citations, as a client sends its blocks back: none (no model here cites).
-    citations: Annotated[list[Any], Field(max_length=0)] | None = None
+    # An earlier answer's citations, as a client sends its blocks back: null (no model here cites).
+    citations: None = None
 
 
 class DirectCaller(BaseModel):
@@ -251,13 +251,13 @@ class _MessagesBody(BaseModel):
             system = "".join(block.text for block in system)
         if system:
             out.append({"role": "system", "content": system})
-        for index, message in enumerate(self.messages):
+        for message in self.messages:
             if isinstance(message.content, str):
                 out.append({"role": message.role, "content": message.content})
             elif isinstance(message, UserMessage):
                 out.extend(_user_messages(message))
             else:
-                out.append(_assistant_message(message, index))
+                out.append(_assistant_message(message))
         return out
 
     def _chat_body(self) -> dict[str, Any]:
@@ -351,20 +351,14 @@ def _user_messages(message: UserMessage) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant_message(message: AssistantMessage, index: int) -> dict[str, Any]:
-    """An assistant message of blocks: its text, and its `tool_use` blocks as tool calls.
-
-    Raises:
-        InvalidRequest: a tool call's `input` holds an integer beyond 64 bits (no engine reads it).
-    """
+def _assistant_message(message: AssistantMessage) -> dict[str, Any]:
+    """An assistant message of blocks: its text, and its `tool_use` blocks as tool calls (`input`
+    as a JSON text: the standard library's, which writes any integer, as the workers read it)."""
     texts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
-    for number, block in enumerate(message.content):
+    for block in message.content:
         if isinstance(block, ToolUseBlock):
-            try:
-                arguments = orjson.dumps(block.input).decode()
-            except orjson.JSONEncodeError as exc:
-                raise _invalid(f"messages.{index}.content.{number}.input", f"cannot be used: {exc}.") from None
+            arguments = json.dumps(block.input, ensure_ascii=False, separators=(",", ":"))
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
         elif isinstance(block, TextBlock):
             texts.append({"type": "text", "text": block.text})

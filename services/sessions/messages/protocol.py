@@ -41,13 +41,14 @@ def tool_use_id(call_id: str) -> str:
 
 
 def stop_reason(reason: FinishReason | None, *, tool_calls: bool, stop_sequence: str | None) -> str:
-    """Anthropic's `stop_reason` for a chat answer that ended with `reason`: `tool_use` if it made
-    tool calls (a call forced by name ends `stop`), `max_tokens` at its length, `stop_sequence`
-    when one matched, else `end_turn` (a cancelled answer simply ended)."""
-    if tool_calls or reason == "tool_calls":
-        return "tool_use"
+    """Anthropic's `stop_reason` for a chat answer that ended with `reason`: `max_tokens` at its
+    length (a tool call cut there too), `tool_use` if it made tool calls (a call forced by name
+    ends `stop`), `stop_sequence` when one matched, else `end_turn` (a cancelled answer simply
+    ended)."""
     if reason == "length":
         return "max_tokens"
+    if tool_calls or reason == "tool_calls":
+        return "tool_use"
     if stop_sequence is not None:
         return "stop_sequence"
     return "end_turn"

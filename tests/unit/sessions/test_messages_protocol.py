@@ -51,6 +51,7 @@ def test_stop_reasons() -> None:
     assert reason(_answer("a", reason="cancelled")) == "end_turn"
     # A call forced by name ends `stop`: still tool_use.
     assert reason(_answer("", reason="stop", calls=_call(0, "f", '{"a":1}'))) == "tool_use"
+    assert reason(_answer("", reason="length", calls=_call(0, "f", '{"a":'))) == "max_tokens"
 
 
 def test_tool_calls_are_tool_use_blocks_after_the_text() -> None:
