@@ -92,8 +92,9 @@ def test_the_page_shows_and_calls_the_api_in_a_browser_that_reaches_only_the_gat
         expect(page.locator(".opblock-summary-path[data-path='/admin/keys']").first).to_be_visible()
         # "Authorize" with a key, then "Try it out" on GET /v1/models: the page calls the API.
         page.click("button.authorize")
-        # Two schemes: the bearer key, and `x-api-key` (Anthropic's routes); either authorizes.
-        bearer = page.locator(".modal-ux .auth-container").filter(has=page.locator("h4", has_text="http, Bearer"))
+        # The key's schemes: the bearer one, and `x-api-key` (Anthropic's routes); the bearer's form.
+        title = page.locator("h4", has_text="apiKey (http, Bearer)")
+        bearer = page.locator(".modal-ux .auth-container").filter(has=title)
         bearer.locator("input[type=text]").fill(api_key)
         bearer.locator("button.authorize").click()
         page.locator(".modal-ux button.close-modal").first.click()
