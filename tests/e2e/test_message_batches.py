@@ -3,7 +3,8 @@
 answered exactly once (a bad request's params, an unknown model: `errored` with Anthropic's error,
 the others `succeeded`); cancel (`canceled` results, the counts); a batch's shape refused at create
 with Anthropic's 400; another tenant's key sees nothing of it; the OpenAI Batch API and this one
-never see each other's batches."""
+never see each other's batches; its owner killed, another session manager finishes it, each
+request once."""
 
 import asyncio
 import time
@@ -21,6 +22,7 @@ from services.cli.launcher import Service
 from shared.keys import KeyLimits
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -210,3 +212,30 @@ def test_a_missing_key_is_anthropics_401_and_results_wait_for_the_end(claude: An
     assert early.status_code == 400 and early.json()["error"]["type"] == "invalid_request_error"
     claude.messages.batches.cancel(created.id)
     wait_ended(claude, created.id)
+
+
+def test_its_owner_killed_another_session_manager_answers_every_request_once(
+    stack: Stack, gateway: Service, api_key: str, claude: Anthropic
+) -> None:
+    """kill -9 of the session manager that owns a message batch: another takes it over once the
+    lease expires (the Batch API's machinery) and every request is in the results exactly once."""
+    owner = stack.start(
+        "sessions:msgbatch-owner", env={"AXON_RESPONSE_LEASE_S": "2", "AXON_BATCH_LINES_IN_FLIGHT": "2"}
+    )
+    owner_client = _anthropic(stack.start("gateway:msgbatch-owner", env={"AXON_SESSIONS_URL": owner.url}), api_key)
+    # 100 tokens at the sim worker's 5 ms each: two at a time, the batch lasts a few seconds.
+    ids = [f"t-{i}" for i in range(12)]
+    created = owner_client.messages.batches.create(requests=[_request(i, max_tokens=100) for i in ids])  # type: ignore[misc]
+    deadline = time.monotonic() + 60
+    while owner_client.messages.batches.retrieve(created.id).request_counts.succeeded < 3:
+        assert time.monotonic() < deadline, "no request answered"
+        time.sleep(0.1)
+    owner.kill()
+    ended = wait_ended(claude, created.id, timeout_s=120)
+    counts = ended.request_counts
+    assert (counts.succeeded, counts.errored, counts.canceled, counts.expired) == (12, 0, 0, 0)
+    results = list(claude.messages.batches.results(created.id))
+    assert sorted(r.custom_id for r in results) == sorted(ids)
+    assert all(r.result.type == "succeeded" and r.result.message.usage.output_tokens == 100 for r in results)
+    survivors = [s.log_text() for s in stack.services if s.name.split(":")[0] == "sessions" and s is not owner]
+    assert any('"event":"batch_taken_over"' in text and created.id in text for text in survivors)
