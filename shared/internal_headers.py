@@ -29,6 +29,10 @@ LEASE_HEADER = "x-axon-lease-id"
 # The tokens of the key's budget the gateway reserved: settled to the real usage when the answer ends.
 BUDGET_HEADER = "x-axon-budget-reservation"
 
+# Gateway -> session manager: the address the client called the gateway at (`https://host:port`),
+# for the URLs an answer gives back (a message batch's `results_url`).
+PUBLIC_URL_HEADER = "x-axon-public-url"
+
 # Session manager -> client: how many history messages a session turn's prompt left out.
 HISTORY_DROPPED_HEADER = "x-axon-history-dropped"
 # Worker -> the dead-letter queue: why a job was dead-lettered (a header of its RabbitMQ message).

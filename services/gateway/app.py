@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 from services.gateway import playground
 from services.gateway.admission import Admitter, ModelAccess
-from services.gateway.api import admin, docs, landing, routes
+from services.gateway.api import admin, docs, landing, message_batches, routes
 from services.gateway.api.openapi import TAGS, install_request_schemas, install_tags
 from services.gateway.auth import Authenticator
 from services.gateway.metrics import GatewayMetrics
@@ -142,6 +142,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         tracing=tracing,
     )
     app.include_router(routes.router)
+    app.include_router(message_batches.router)
     app.include_router(admin.router)
     app.include_router(playground.create_router())
     app.include_router(docs.router)

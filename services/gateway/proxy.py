@@ -73,6 +73,8 @@ _UPSTREAM_ERRORS = (ConnectError, ReadTimeout, RemoteProtocolError, OSError)
 # What an upload's body may carry beyond its file (`AXON_FILE_MAX_BYTES`): boundaries, part
 # heads, the other form fields.
 FILE_FORM_OVERHEAD_BYTES = 64 * 1024
+# Anthropic's Message Batches: their answers name URLs under the address the client called.
+MESSAGE_BATCHES_PATH = "/v1/messages/batches"
 # Anthropic's token counting route: admitted as a request, with no tokens.
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 OVERLOADED_MESSAGE = "The gateway is serving as many requests as it can; try again shortly."
@@ -391,6 +393,8 @@ class GatewayService:
         last_event_id = request.headers.get("last-event-id")
         if last_event_id is not None:  # where a resumed stream (`GET .../stream`) goes on from
             headers["last-event-id"] = last_event_id
+        if request.url.path.startswith(MESSAGE_BATCHES_PATH):  # a message batch's `results_url`
+            headers[internal_headers.PUBLIC_URL_HEADER] = str(request.base_url).rstrip("/")
         if self._tracing is not None:  # the session manager's span joins the request's trace
             self._tracing.inject(headers)
         opening = self._forwarder.open(request.method, upstream_target(request), body=body, headers=headers)

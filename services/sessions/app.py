@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from services.sessions.batches import messages_router as message_batches_router
 from services.sessions.batches import router as batches_router
 from services.sessions.batches.admission import LineAdmission
 from services.sessions.batches.service import BatchService
@@ -152,11 +153,12 @@ def _attach_services(
         tracing=tracing,
     )
     chat = ChatService(completions=completions, run_on=run_on, chunk_log=opened.chunk_log, metrics=metrics)
+    messages = MessagesService(completions=completions, limits=settings.request_limits, metrics=metrics)
     services = SessionServices(
         completions=completions,
         chat=chat,
         responses=responses,
-        messages=MessagesService(completions=completions, limits=settings.request_limits, metrics=metrics),
+        messages=messages,
         run_on=run_on,
         catalog=opened.catalog,
         sessions=opened.store,
@@ -164,7 +166,7 @@ def _attach_services(
         metrics=metrics,
         request_limits=settings.request_limits,
         files=opened.files,
-        batches=_batches(opened, settings=settings, metrics=metrics, chat=chat, responses=responses),
+        batches=_batches(opened, settings=settings, metrics=metrics, chat=chat, responses=responses, messages=messages),
         file_max_bytes=settings.file_max_bytes,
         tracing=tracing,
     )
@@ -179,6 +181,7 @@ def _batches(
     metrics: SessionsMetrics,
     chat: ChatService,
     responses: ResponsesService,
+    messages: MessagesService,
 ) -> BatchService:
     """The Batch API's service: its own leases (`<ns>:batches:*`) and its lines' admission."""
     return BatchService(
@@ -188,6 +191,7 @@ def _batches(
         completions=responses.completions,
         chat=chat,
         responses=responses,
+        messages=messages,
         admission=LineAdmission(
             keys=KeyRepository(opened.db),
             catalog=opened.catalog,
@@ -272,6 +276,7 @@ def create_app(settings: SessionsSettings | None = None) -> FastAPI:
     app.include_router(responses_router.router)
     app.include_router(files_router.router)
     app.include_router(batches_router.router)
+    app.include_router(message_batches_router.router)
 
     install_probes(
         app,

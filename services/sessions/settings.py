@@ -93,7 +93,9 @@ class SessionsSettings(CommonSettings):
         description="how long a resumable stream's chunk log (`<ns>:chunks:<job>`) is kept after its last chunk",
     )
     batch_max_requests: int = Field(
-        50_000, ge=1, description="the requests (lines) a batch's input file may hold, as OpenAI's limit"
+        50_000,
+        ge=1,
+        description="the requests (lines) a batch's input file, or a message batch, may hold, as OpenAI's limit",
     )
     batch_lines_in_flight: int = Field(
         256,

@@ -178,7 +178,9 @@ def _prepare(case: schemathesis.Case, sim_capabilities: frozenset[str]) -> None:
     to_the_sim = _some_to_the_sim_model(case)
     if not (_is_positive(case) and isinstance(case.body, dict)):
         return
-    if case.path.startswith(_ANTHROPIC):
+    if case.path == "/v1/messages/batches":
+        _distinct_custom_ids(case.body)
+    elif case.path.startswith(_ANTHROPIC):
         _messages_within_what_no_schema_says(case.body)
         if to_the_sim:
             for field, capability in _MESSAGES_CAPABILITIES.items():
@@ -190,6 +192,15 @@ def _prepare(case: schemathesis.Case, sim_capabilities: frozenset[str]) -> None:
             # What its engine does not honour is a 400 `unsupported_parameter`: the model's, not the body's.
             for field in _CAPABILITY_FIELDS - sim_capabilities:
                 case.body.pop(field, None)
+
+
+def _distinct_custom_ids(body: dict[str, Any]) -> None:
+    """A valid message batch's requests with distinct `custom_id`s (each prefixed with its index),
+    as Anthropic's API requires and no JSON Schema can say (docs/batch.md)."""
+    requests = body.get("requests")
+    for index, request in enumerate(requests if isinstance(requests, list) else []):
+        if isinstance(request, dict) and isinstance(request.get("custom_id"), str):
+            request["custom_id"] = f"{index}-{request['custom_id']}"[:64]
 
 
 def _some_to_the_sim_model(case: schemathesis.Case) -> bool:

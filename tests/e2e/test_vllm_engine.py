@@ -4,7 +4,8 @@ and LangChain use it as they would any OpenAI endpoint. Every answer and chunk i
 OpenAI's schemas on the way (`tests/contract/transport.py`). A small batch (issue 28) runs on the
 same worker: each line's answer is the one the same greedy request gets online, and a line the
 endpoint refuses is its 400 in the error file. Anthropic's `anthropic` SDK drives the Messages API
-on it too (whole, streamed, stopped, counted, tools).
+on it too (whole, streamed, stopped, counted, tools), and a small Message Batch (each Message the
+one the same request gets online).
 
 One worker for the module's contract tests (about 40 s to start); the last tests start more of
 the same and kill, stop or drain them:
@@ -594,6 +595,52 @@ def test_a_small_batch_answers_each_line_as_the_same_request_online(sdk: OpenAI,
     checked.check("ErrorResponse", refusal["body"], "batch line refused")
     assert (refusal["status_code"], refusal["body"]["error"]["param"]) == (400, "tool_choice")
     assert online_refusal.value.param == "tool_choice"
+
+
+def test_a_message_batch_answers_each_request_as_the_same_message_online(claude: anthropic.Anthropic) -> None:
+    """Anthropic's Message Batches on the default engine: each request's Message is the one the same
+    greedy request gets from `messages.create` (the prompts and lengths of the batch above, for the
+    same reason: CPU kernels are not batch-invariant); one whose params the Messages API refuses is
+    `errored` with that 400."""
+    asked = {"sky": ("What color is the sky on a clear day?", 6), "hi": ("Hi!", 2)}
+    params = {
+        name: {"model": MODEL, "max_tokens": most, "messages": [{"role": "user", "content": text}], **GREEDY}
+        for name, (text, most) in asked.items()
+    }
+    refused = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "messages": FRANCE,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    }
+    requests = [
+        *({"custom_id": k, "params": v} for k, v in params.items()),
+        {"custom_id": "refused", "params": refused},
+    ]
+    batch = claude.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+    online = {
+        name: claude.messages.create(model=MODEL, max_tokens=most, messages=params[name]["messages"], extra_body=GREEDY)
+        for name, (_, most) in asked.items()
+    }
+    batch = wait_for(
+        lambda: (b := claude.messages.batches.retrieve(batch.id)).processing_status == "ended" and b,
+        timeout_s=120,
+        what=f"message batch {batch.id} ended",
+        interval_s=0.5,
+    )
+    counts = batch.request_counts
+    assert (counts.succeeded, counts.errored, counts.canceled, counts.expired) == (2, 1, 0, 0)
+    results = {r.custom_id: r.result for r in claude.messages.batches.results(batch.id)}
+    assert set(results) == {*params, "refused"}
+    for name, same in online.items():
+        result = results[name]
+        assert result.type == "succeeded"
+        message = result.message
+        assert (message.model, message.content, message.stop_reason) == (MODEL, same.content, same.stop_reason)
+        assert message.usage.output_tokens == same.usage.output_tokens
+    refusal = results["refused"]
+    assert refusal.type == "errored" and refusal.error.error.type == "invalid_request_error"
+    assert refusal.error.error.message.startswith("thinking")
 
 
 def test_an_interactive_request_preempts_a_batch_line_on_vllm(sdk: OpenAI, vllm_worker: Service) -> None:

@@ -1,9 +1,12 @@
 """Batches and their lines on a real PostgreSQL: each line answered and counted once whoever
 answers it, statuses moved only from the statuses named, a failed validation storing nothing,
 a key's batch queue limit, an ended batch's lines deleted, its row after the retention, and each
-deployment (namespace) seeing only its own batches."""
+deployment (namespace) seeing only its own batches; Anthropic's message batches stored with their
+lines or not at all, their never-run lines counted apart, paged as Anthropic pages them, and
+deleted only once ended."""
 
 import asyncio
+import dataclasses
 import datetime as dt
 import secrets
 from collections.abc import AsyncIterator
@@ -12,8 +15,9 @@ import asyncpg
 import orjson
 import pytest
 
+from services.sessions.batches.messages import new_message_batch_id
 from services.sessions.batches.protocol import new_batch_id
-from services.sessions.batches.store import BatchRecord, BatchStore, QueueFull, line_request_id
+from services.sessions.batches.store import MESSAGES_ENDPOINT, BatchRecord, BatchStore, QueueFull, line_request_id
 from services.sessions.batches.validation import BatchLine
 
 
@@ -194,3 +198,102 @@ async def test_an_answer_holding_u0000_is_stored_with_u_fffd_in_its_place(store:
     assert await store.answer(batch_id, 1, ok=False, result={"custom_id": "c-1", "error": {"message": "a\x00b"}})
     [raw] = b"".join([piece async for piece in store.results(batch_id, ok=False)]).splitlines()
     assert orjson.loads(raw)["error"]["message"] == "a\ufffdb"
+
+
+def _message_batch(*, tenant: str = "message-store-tests", lines: int = 0) -> BatchRecord:
+    now = dt.datetime.now(dt.UTC)
+    return BatchRecord(
+        id=new_message_batch_id(),
+        tenant=tenant,
+        key_id="key_messages",
+        endpoint=MESSAGES_ENDPOINT,
+        input_file_id=None,
+        completion_window="24h",
+        status="in_progress",
+        metadata=None,
+        errors=None,
+        output_file_id=None,
+        error_file_id=None,
+        total=lines,
+        completed=0,
+        failed=0,
+        created_at=now,
+        expires_at=now + dt.timedelta(days=1),
+        in_progress_at=now,
+    )
+
+
+def _batch_lines(count: int, *, tokens: int = 10) -> list[BatchLine]:
+    return [BatchLine(n, f"c-{n}", "m", '{"model": "m"}', tokens) for n in range(1, count + 1)]
+
+
+async def test_a_message_batch_is_stored_with_its_lines_or_not_at_all(store: BatchStore) -> None:
+    record = _message_batch(lines=2500)
+    await store.create_filled(record, _batch_lines(2500), queue_tokens=0)
+    stored = await store.load(record.id)
+    assert stored is not None and (stored.status, stored.total, stored.input_file_id) == ("in_progress", 2500, None)
+    assert stored.in_progress_at is not None
+    assert len(await store.unanswered(record.id, after_line=0, limit=3000)) == 2500
+
+    # Past its key's batch queue limit: neither the batch nor a line of it is kept.
+    over = dataclasses.replace(_message_batch(lines=3), key_id="key_messages_full")
+    with pytest.raises(QueueFull):
+        await store.create_filled(over, _batch_lines(3, tokens=100), queue_tokens=299)
+    assert await store.load(over.id) is None
+
+
+async def test_a_message_batchs_unrun_lines_are_canceled_results_counted_apart(store: BatchStore) -> None:
+    record = _message_batch(lines=3)
+    await store.create_filled(record, _batch_lines(3), queue_tokens=0)
+    succeeded = {"custom_id": "c-1", "result": {"type": "succeeded", "message": {"id": "msg_1"}}}
+    assert await store.answer(record.id, 1, ok=True, result=succeeded)
+    errored = {"custom_id": "c-2", "result": {"type": "errored", "error": {"type": "error"}}}
+    assert await store.answer(record.id, 2, ok=False, result=errored)
+    assert await store.answer_rest_as_messages(record.id, result_type="canceled") == 1
+    assert await store.answer_rest_as_messages(record.id, result_type="canceled") == 0
+    stored = await store.load(record.id)
+    assert stored is not None and (stored.completed, stored.failed, stored.unrun) == (1, 2, 1)
+    # Every answered line, in line order: the one results file.
+    results = [orjson.loads(raw) for raw in b"".join([p async for p in store.results(record.id, ok=None)]).splitlines()]
+    assert results == [succeeded, errored, {"custom_id": "c-3", "result": {"type": "canceled"}}]
+
+
+async def test_message_batches_are_paged_as_anthropic_pages_them_apart_from_openais(store: BatchStore) -> None:
+    tenant = "pages-" + secrets.token_hex(4)
+    records = []
+    for _ in range(5):
+        record = _message_batch(tenant=tenant)
+        await store.create_filled(record, [], queue_tokens=0)
+        records.append(record.id)
+    newest_first = records[::-1]
+    # An OpenAI batch of the same tenant is in neither list of the other's.
+    openai_batch = dataclasses.replace(_message_batch(tenant=tenant), id=new_batch_id(), endpoint="/v1/completions")
+    await store.create(openai_batch)
+    assert [r.id for r in (await store.page(tenant, after=None, limit=10))[0]] == [openai_batch.id]
+
+    async def ids(**cursor: str | None) -> tuple[list[str], bool]:
+        page, more = await store.message_page(tenant, limit=2, **{"after_id": None, "before_id": None, **cursor})
+        return [r.id for r in page], more
+
+    assert await ids() == (newest_first[:2], True)
+    assert await ids(after_id=newest_first[1]) == (newest_first[2:4], True)
+    assert await ids(after_id=newest_first[3]) == (newest_first[4:], False)
+    # Towards the newer: the two nearest the cursor, still newest first.
+    assert await ids(before_id=newest_first[4]) == (newest_first[2:4], True)
+    assert await ids(before_id=newest_first[2]) == (newest_first[:2], False)
+    assert await ids(after_id=newest_first[0], before_id=newest_first[3]) == (newest_first[1:3], False)
+    assert await ids(after_id=new_message_batch_id()) == ([], False)
+
+
+async def test_only_an_ended_batch_is_deleted_with_its_lines(store: BatchStore, database_url: str) -> None:
+    record = _message_batch(lines=2)
+    await store.create_filled(record, _batch_lines(2), queue_tokens=0)
+    assert await store.delete_ended(record.tenant, record.id) is None
+    await store.transition(record.id, "cancelling", from_=("in_progress",))
+    await store.answer_rest_as_messages(record.id, result_type="canceled")
+    await store.set_files(record.id, output_file_id="file-results", error_file_id=None)
+    await store.transition(record.id, "cancelled", from_=("cancelling",))
+    assert await store.delete_ended("another-tenant", record.id) is None
+    deleted = await store.delete_ended(record.tenant, record.id)
+    assert deleted is not None and deleted.output_file_id == "file-results"
+    assert await store.load(record.id) is None and await _line_count(database_url, record.id) == 0

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from shared.anthropic_errors import OVERLOADED_STATUS
 from shared.batch_requests import BatchCreate
 from shared.conversation_requests import ConversationCreate, ConversationItemsCreate, ConversationUpdate
+from shared.message_batch_requests import MessageBatchCreate
 from shared.messages_requests import CountTokensRequest, MessageCreate
 from shared.openai_requests import ChatCompletionRequest, CompletionRequest
 from shared.responses_requests import ResponseCreate
@@ -123,6 +124,7 @@ _BODY_MODELS: tuple[type[BaseModel], ...] = (
     BatchCreate,
     MessageCreate,
     CountTokensRequest,
+    MessageBatchCreate,
 )
 
 

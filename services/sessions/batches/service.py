@@ -12,6 +12,10 @@ capacity (503: no worker yet, a full queue) is tried again until the window ends
 on the server's side (5xx) up to `AXON_BATCH_LINE_ATTEMPTS` times. A line naming a model that
 does not exist in this deployment is released at once, whatever the slack, and so answered at
 once with the 404 `model_not_found` an online request gets.
+
+Anthropic's Message Batches are batches of this machinery too (`messages.py`): created with their
+lines (`create_messages`), each line run through the Messages API's translation onto the chat
+path, their answers Anthropic's result lines, written at the end as one results file.
 """
 
 import asyncio
@@ -25,22 +29,40 @@ from typing import Any
 from pydantic import ValidationError
 
 from services.sessions.batches.admission import LineAdmission
+from services.sessions.batches.messages import (
+    WINDOW,
+    message_batch_not_found,
+    message_lines,
+    new_message_batch_id,
+    result_line,
+)
 from services.sessions.batches.protocol import WINDOWS_S, batch_not_found, new_batch_id, output_line
 from services.sessions.batches.slack import QueueSlack
-from services.sessions.batches.store import BatchRecord, BatchStore, PendingLine, QueueFull, line_request_id
+from services.sessions.batches.store import (
+    MESSAGES_ENDPOINT,
+    BatchRecord,
+    BatchStore,
+    PendingLine,
+    QueueFull,
+    line_request_id,
+)
 from services.sessions.batches.validation import BatchLine, LineError, TooManyErrors, Validator, numbered_lines
 from services.sessions.catalog import ModelCatalog
 from services.sessions.chat.service import ChatService
 from services.sessions.completions import CompletionService
 from services.sessions.files.store import FileGone, FileStore
 from services.sessions.leases import ResponseLeases
+from services.sessions.messages.service import MessagesService
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.responses.service import ResponsesService
 from services.sessions.settings import SessionsSettings
+from shared.anthropic_errors import anthropic_error
 from shared.batch_requests import BatchCreate
 from shared.errors import AxonError, InvalidRequest, NotFound, RateLimited, Unavailable, invalid_request
 from shared.internal_headers import Caller
 from shared.logging import bind_contextvars, get_logger
+from shared.message_batch_requests import MessageBatchCreate
+from shared.messages_requests import parse_message_create
 from shared.openai_requests import ChatCompletionRequest, Kind, parse_request
 from shared.outages import Outage
 from shared.responses_requests import ResponseCreate
@@ -79,6 +101,7 @@ class BatchService:
         completions: CompletionService,
         chat: ChatService,
         responses: ResponsesService,
+        messages: MessagesService,
         admission: LineAdmission,
         leases: ResponseLeases,
         slack: QueueSlack,
@@ -91,6 +114,7 @@ class BatchService:
         self._completions = completions
         self._chat = chat
         self._responses = responses
+        self._messages = messages
         self._admission = admission
         self.leases = leases
         self._slack = slack
@@ -140,6 +164,104 @@ class BatchService:
         await self.store.create(record)
         self.leases.hold(record.id, self.run(record.id))
         return record
+
+    async def create_messages(self, body: MessageBatchCreate, *, caller: Caller) -> BatchRecord:
+        """Create a message batch of `body`'s requests, stored with its lines, and start running it.
+
+        Raises:
+            InvalidRequest: a request the batch cannot take (`message_lines`).
+            RateLimited: the caller's key's batch queue is full (`AXON_BATCH_QUEUE_TOKENS`).
+        """
+        lines = message_lines(
+            body,
+            max_requests=self._settings.batch_max_requests,
+            default_max_tokens=self._settings.default_max_tokens,
+        )
+        await self._refuse_if_queue_full(caller)
+        now = dt.datetime.now(dt.UTC)
+        record = BatchRecord(
+            id=new_message_batch_id(),
+            tenant=caller.tenant,
+            key_id=caller.key_id,
+            endpoint=MESSAGES_ENDPOINT,
+            input_file_id=None,
+            completion_window=WINDOW,
+            status="in_progress",
+            metadata=None,
+            errors=None,
+            output_file_id=None,
+            error_file_id=None,
+            total=len(lines),
+            completed=0,
+            failed=0,
+            created_at=now,
+            expires_at=now + dt.timedelta(seconds=WINDOWS_S[WINDOW]),
+            in_progress_at=now,
+        )
+        # Leased first, as `create`'s.
+        await self.leases.open(record.id)
+        try:
+            await self.store.create_filled(record, lines, queue_tokens=self._settings.batch_queue_tokens)
+        except QueueFull as full:
+            await self.leases.drop(record.id)
+            retry_s = str(int(RECONCILE_S))
+            raise RateLimited(full.message, code="token_limit_exceeded", headers={"Retry-After": retry_s}) from None
+        self.leases.hold(record.id, self.run(record.id))
+        log.info("message_batch_created", batch_id=record.id, lines=len(lines))
+        return record
+
+    async def get_messages(self, tenant: str, batch_id: str) -> BatchRecord:
+        """Raises: NotFound (unknown, another tenant's, or not a message batch)."""
+        record = await self.store.get(tenant, batch_id)
+        if record is None or record.endpoint != MESSAGES_ENDPOINT:
+            raise message_batch_not_found(batch_id)
+        return record
+
+    async def cancel_messages(self, tenant: str, batch_id: str) -> BatchRecord:
+        """Ask the message batch's owner to cancel it (`canceling`; `ended` once its running lines
+        stopped and its results are written); one whose lines are all answered already is as it is.
+
+        Raises:
+            NotFound: unknown, another tenant's, or not a message batch.
+            InvalidRequest: it has ended.
+        """
+        record = await self.get_messages(tenant, batch_id)
+        if record.status == "cancelling":
+            return record
+        moved = await self.store.transition(batch_id, "cancelling", from_=("in_progress",))
+        if moved is not None:
+            return moved
+        current = await self.get_messages(tenant, batch_id)
+        # Every line answered, its results being written: nothing is left to cancel.
+        if current.status in {"cancelling", "finalizing"}:
+            return current
+        raise InvalidRequest(f"Message batch {batch_id} has ended: it cannot be canceled.", param="message_batch_id")
+
+    async def delete_messages(self, tenant: str, batch_id: str) -> None:
+        """Delete an ended message batch and its results file.
+
+        Raises:
+            NotFound: unknown, another tenant's, or not a message batch.
+            InvalidRequest: it has not ended (cancel it first).
+        """
+        record = await self.get_messages(tenant, batch_id)
+        deleted = await self.store.delete_ended(tenant, batch_id) if record.terminal else None
+        if deleted is None:
+            raise InvalidRequest(
+                f"Message batch {batch_id} is still processing: cancel it, then delete it once it has ended.",
+                param="message_batch_id",
+            )
+        if deleted.output_file_id is not None:
+            await self._files.delete(tenant, deleted.output_file_id)
+        log.info("message_batch_deleted", batch_id=batch_id)
+
+    async def results(self, tenant: str, record: BatchRecord) -> tuple[int, AsyncIterator[bytes]] | None:
+        """An ended message batch's results file: its size and its bytes, in pieces; None if it is
+        gone (deleted through the Files API, or expired)."""
+        file = await self._files.get(tenant, record.output_file_id) if record.output_file_id is not None else None
+        if file is None:
+            return None
+        return file.bytes, self._files.read(tenant, file.id)
 
     async def _refuse_if_queue_full(self, caller: Caller) -> None:
         """Raises: RateLimited, the caller's key has its batch queue limit's worth of tokens
@@ -258,8 +380,12 @@ class BatchService:
             default_max_tokens=self._settings.default_max_tokens,
         )
 
+        # Only an OpenAI batch, made of a file, is ever `validating` (a message batch starts `in_progress`).
+        assert record.input_file_id is not None
+        file_id = record.input_file_id
+
         async def lines() -> AsyncIterator[BatchLine]:
-            async for number, raw in numbered_lines(self._files.read(record.tenant, record.input_file_id)):
+            async for number, raw in numbered_lines(self._files.read(record.tenant, file_id)):
                 line = validator.check(number, raw)
                 if line is not None:
                     yield line
@@ -360,24 +486,35 @@ class BatchService:
         """Stop the running lines (their jobs are called off within an engine step), answer the
         rest with `code` in the error file, write the files and end the batch as `end`."""
         await _stop(running)
-        await self.store.answer_rest(record.id, code=code, message=_EXPIRED if end == "expired" else _CANCELLED)
+        if record.endpoint == MESSAGES_ENDPOINT:
+            await self.store.answer_rest_as_messages(
+                record.id, result_type="expired" if end == "expired" else "canceled"
+            )
+        else:
+            await self.store.answer_rest(record.id, code=code, message=_EXPIRED if end == "expired" else _CANCELLED)
         return await self._finalize(record, end=end)
 
     async def _finalize(self, record: BatchRecord, *, end: str) -> BatchRecord | None:
-        """Write the output and error files (those with lines), then end the batch as `end`."""
+        """Write the output and error files (those with lines; a message batch's: its one results
+        file, as its `output_file_id`), then end the batch as `end`."""
         current = await self.store.load(record.id)
         if current is None:
             return None
         output_id, error_id = current.output_file_id, current.error_file_id
-        if current.completed and output_id is None:
-            output_id = await self._write(current, ok=True)
-        if current.failed and error_id is None:
-            error_id = await self._write(current, ok=False)
+        if current.endpoint == MESSAGES_ENDPOINT:
+            if current.total and output_id is None:
+                output_id = await self._write(current, ok=None)
+        else:
+            if current.completed and output_id is None:
+                output_id = await self._write(current, ok=True)
+            if current.failed and error_id is None:
+                error_id = await self._write(current, ok=False)
         await self.store.set_files(record.id, output_file_id=output_id, error_file_id=error_id)
         return await self._moved(current, end, from_=(current.status,))
 
-    async def _write(self, record: BatchRecord, *, ok: bool) -> str:
-        name = "output" if ok else "error"
+    async def _write(self, record: BatchRecord, *, ok: bool | None) -> str:
+        """Write the batch's output (`ok`), error (not `ok`) or results (None: every line) file."""
+        name = "results" if ok is None else "output" if ok else "error"
         created = await self._files.create(
             tenant=record.tenant,
             purpose="batch_output",
@@ -408,19 +545,19 @@ class BatchService:
                 await asyncio.sleep(max(1, exc.retry_after_s))
                 continue
             except AxonError as exc:
-                status, body = exc.status_code, exc.body()
+                status, body = self._error(record, exc)
             except Exception as exc:
                 log.exception("batch_line_failed", line=line.line)
-                status, body = (
-                    500,
-                    {"error": {"message": repr(exc), "type": "server_error", "param": None, "code": None}},
-                )
+                status, body = self._error(record, AxonError(repr(exc)))
             attempts += 1
             if status >= 500 and attempts < self._settings.batch_line_attempts:
                 await asyncio.sleep(attempts)
                 continue
             break
-        result = output_line(request_id, line.custom_id, status, body)
+        if record.endpoint == MESSAGES_ENDPOINT:
+            result = result_line(line.custom_id, request_id=request_id, status=status, body=body)
+        else:
+            result = output_line(request_id, line.custom_id, status, body)
         # A label's value is the model served, never a client's string (that would grow /metrics).
         self._metrics.batch_lines.labels(served or "unknown", "completed" if status == 200 else "failed").inc()
         outage = Outage("batch_line_record")
@@ -432,6 +569,14 @@ class BatchService:
             except Exception as exc:  # noqa: BLE001 - PostgreSQL away: the answer waits for it
                 await asyncio.sleep(outage.failed(exc))
 
+    @staticmethod
+    def _error(record: BatchRecord, exc: AxonError) -> tuple[int, dict[str, Any]]:
+        """A refused or failed line's status and error body: OpenAI's, or a message batch's Anthropic's."""
+        if record.endpoint == MESSAGES_ENDPOINT:
+            status, body, _headers = anthropic_error(exc)
+            return status, body
+        return exc.status_code, exc.body()
+
     async def _answer(self, record: BatchRecord, line: PendingLine, request_id: str) -> dict[str, Any]:
         """The line's answer, as its online endpoint gives it.
 
@@ -439,6 +584,8 @@ class BatchService:
             AxonError: the endpoint's (or the admission's) refusal or failure.
         """
         raw = line.body.encode()
+        if record.endpoint == MESSAGES_ENDPOINT:
+            return await self._answer_message(record, line, raw, request_id)
         if record.endpoint == "/v1/responses":
             try:
                 response = ResponseCreate.model_validate_json(raw)
@@ -474,6 +621,30 @@ class BatchService:
             raise
         first, rest = await self._completions.first_chunk(active)
         return await self._chat.collect(active, first, rest)
+
+    async def _answer_message(
+        self, record: BatchRecord, line: PendingLine, raw: bytes, request_id: str
+    ) -> dict[str, Any]:
+        """A message batch's line answered as `POST /v1/messages` answers it: its `Message`.
+
+        Raises:
+            AxonError: the Messages API's (or the admission's) refusal or failure.
+        """
+        body = parse_message_create(raw)
+        if body.stream:
+            raise InvalidRequest("stream: a batch's request cannot stream.", param="stream")
+        caller = await self._admit(record, line, tokens=body.max_tokens)
+        try:
+            return await self._messages.create(
+                body,
+                caller=caller,
+                request_id=request_id,
+                cold_start_wait_s=math.inf,
+                timeout_s=self._settings.background_timeout_s,
+            )
+        except BaseException:
+            await self._completions.settle(caller, None)
+            raise
 
     async def _admit(self, record: BatchRecord, line: PendingLine, *, tokens: int | None) -> Caller:
         """The line's caller, its most tokens (its body's characters and `tokens` of answer)

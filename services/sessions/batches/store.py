@@ -5,6 +5,11 @@ statuses named), so a cancel and its owner's progress never overwrite each other
 is set only while it has none, in the statement that counts it (`answer`), so each line is answered
 and counted exactly once whichever session manager answers it.
 
+Anthropic's Message Batches (`/v1/messages/batches`) are batches too, of endpoint
+`MESSAGES_ENDPOINT`: created with their lines at once (`create_filled`: the requests come in the
+body, not in a file), listed apart from OpenAI's (`message_page`, `page`), their never-run lines
+counted in `unrun` as well as `failed`, and deleted on request once ended (`delete_ended`).
+
 Every batch belongs to the deployment (`AXON_NAMESPACE`) that created it: deployments sharing the
 database never see, lease, list or sweep each other's batches (migration 0012); a batch's lines are
 reached only through their batch.
@@ -27,6 +32,8 @@ import orjson
 from services.sessions.batches.validation import BatchLine
 from shared.postgres_text import postgres_text
 
+# The endpoint of Anthropic's Message Batches' lines.
+MESSAGES_ENDPOINT = "/v1/messages"
 # Statuses a batch ends in.
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 # Statuses an owner still has work in.
@@ -45,7 +52,7 @@ class BatchRecord:
     tenant: str
     key_id: str | None
     endpoint: str
-    input_file_id: str
+    input_file_id: str | None
     completion_window: str
     status: str
     metadata: dict[str, str] | None
@@ -64,6 +71,8 @@ class BatchRecord:
     expired_at: dt.datetime | None = None
     cancelling_at: dt.datetime | None = None
     cancelled_at: dt.datetime | None = None
+    # Of `failed`: the lines never run (the batch was cancelled or expired first).
+    unrun: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -130,9 +139,13 @@ class BatchStore:
         self._namespace = namespace
 
     async def create(self, record: BatchRecord) -> None:
-        await self._pool.execute(
+        await self._insert(self._pool, record)
+
+    async def _insert(self, conn: Any, record: BatchRecord) -> None:
+        await conn.execute(
             "INSERT INTO batches (id, tenant, key_id, endpoint, input_file_id, completion_window, status, metadata,"
-            " created_at, expires_at, namespace) VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, $11)",
+            " created_at, expires_at, in_progress_at, total, namespace)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, $11, $12, $13)",
             record.id,
             record.tenant,
             record.key_id,
@@ -143,8 +156,28 @@ class BatchStore:
             orjson.dumps(record.metadata).decode() if record.metadata is not None else None,
             record.created_at,
             record.expires_at,
+            record.in_progress_at,
+            record.total,
             self._namespace,
         )
+
+    async def create_filled(self, record: BatchRecord, lines: list[BatchLine], *, queue_tokens: int) -> None:
+        """Store batch `record` (`in_progress`, its `total` the number of `lines`) with its lines, in
+        one transaction: all of it, or (the key's batch queue is full) nothing.
+
+        Raises:
+            QueueFull: with these lines, the batch's key would have more than `queue_tokens` (0: no
+                limit) tokens enqueued for a model.
+        """
+        async with self._pool.acquire() as conn, conn.transaction():
+            await self._insert(conn, record)
+            for start in range(0, len(lines), _COPY_ROWS):
+                rows = [
+                    (record.id, x.line, x.custom_id, x.model, x.body, x.tokens)
+                    for x in lines[start : start + _COPY_ROWS]
+                ]
+                await _copy(conn, rows)
+            await self._check_queue(conn, record.id, key_id=record.key_id, queue_tokens=queue_tokens)
 
     async def load(self, batch_id: str) -> BatchRecord | None:
         """Any tenant's batch of this deployment (its owner's view)."""
@@ -164,27 +197,44 @@ class BatchStore:
         return _record(row) if row is not None else None
 
     async def page(self, tenant: str, *, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
-        """The tenant's batches, newest first, after batch `after` (None: from the newest); and
-        whether more follow."""
-        if after is None:
-            rows = await self._pool.fetch(
-                f"SELECT {_COLUMNS} FROM batches WHERE namespace = $3 AND tenant = $1"
-                " ORDER BY created_at DESC, id DESC LIMIT $2",
-                tenant,
-                limit + 1,
-                self._namespace,
-            )
-        else:
-            rows = await self._pool.fetch(
-                f"SELECT {_COLUMNS} FROM batches b WHERE namespace = $4 AND tenant = $1 AND (created_at, id) < ("
-                " SELECT created_at, id FROM batches WHERE id = $2 AND tenant = $1 AND namespace = $4)"
-                " ORDER BY created_at DESC, id DESC LIMIT $3",
-                tenant,
-                after,
-                limit + 1,
-                self._namespace,
-            )
-        return [_record(r) for r in rows[:limit]], len(rows) > limit
+        """The tenant's OpenAI batches, newest first, after batch `after` (None: from the newest);
+        and whether more follow."""
+        records, has_more = await self._page(tenant, messages=False, older_than=after, newer_than=None, limit=limit)
+        return records, has_more
+
+    async def message_page(
+        self, tenant: str, *, after_id: str | None, before_id: str | None, limit: int
+    ) -> tuple[list[BatchRecord], bool]:
+        """The tenant's message batches, newest first, as Anthropic pages them: those listed after
+        batch `after_id` (older), or before batch `before_id` (newer: the `limit` nearest it), or
+        between both; and whether more follow on the side paged towards."""
+        return await self._page(tenant, messages=True, older_than=after_id, newer_than=before_id, limit=limit)
+
+    async def _page(
+        self, tenant: str, *, messages: bool, older_than: str | None, newer_than: str | None, limit: int
+    ) -> tuple[list[BatchRecord], bool]:
+        """Up to `limit` of the tenant's batches (message batches, or the others) older than batch
+        `older_than` and newer than batch `newer_than` (an unknown one: none), nearest to
+        `newer_than` if only it is given, else the newest; newest first; and whether more follow."""
+        towards_newer = newer_than is not None and older_than is None
+        conditions = ["namespace = $1", "tenant = $2", "(endpoint = $3) = $4"]
+        args: list[Any] = [self._namespace, tenant, MESSAGES_ENDPOINT, messages]
+        for cursor, side in ((older_than, "<"), (newer_than, ">")):
+            if cursor is not None:
+                args.append(cursor)
+                conditions.append(
+                    f"(created_at, id) {side} (SELECT created_at, id FROM batches"
+                    f" WHERE id = ${len(args)} AND tenant = $2 AND namespace = $1)"
+                )
+        args.append(limit + 1)
+        order = "ASC" if towards_newer else "DESC"
+        rows = await self._pool.fetch(
+            f"SELECT {_COLUMNS} FROM batches WHERE {' AND '.join(conditions)}"
+            f" ORDER BY created_at {order}, id {order} LIMIT ${len(args)}",
+            *args,
+        )
+        records = [_record(r) for r in rows[:limit]]
+        return (records[::-1] if towards_newer else records), len(rows) > limit
 
     async def recent(self, *, tenant: str | None, limit: int) -> "list[BatchRecord]":
         """The newest batches (of `tenant`, or of every tenant), newest first."""
@@ -247,16 +297,22 @@ class BatchStore:
                 raise
             total += await copying if copying is not None else 0
             total += await _copy(conn, rows)
-            if key_id is not None and queue_tokens:
-                # One batch of a key checked at a time: each sees the lines of those committed before.
-                await conn.execute("SELECT pg_advisory_xact_lock(hashtext('axon-batch-queue:' || $1))", key_id)
-                over = await conn.fetchrow(
-                    _OVER_QUEUE.format(mine="OR b.id = $4", op=">"), key_id, queue_tokens, self._namespace, batch_id
-                )
-                if over is not None:
-                    raise QueueFull(over["model"], int(over["tokens"]), queue_tokens)
+            await self._check_queue(conn, batch_id, key_id=key_id, queue_tokens=queue_tokens)
             await conn.execute("UPDATE batches SET total = $2 WHERE id = $1", batch_id, total)
         return total
+
+    async def _check_queue(self, conn: Any, batch_id: str, *, key_id: str | None, queue_tokens: int) -> None:
+        """Raises: QueueFull, with batch `batch_id`'s lines (stored in this transaction) key `key_id`
+        has more than `queue_tokens` (0: no limit) tokens enqueued for a model."""
+        if key_id is None or not queue_tokens:
+            return
+        # One batch of a key checked at a time: each sees the lines of those committed before.
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext('axon-batch-queue:' || $1))", key_id)
+        over = await conn.fetchrow(
+            _OVER_QUEUE.format(mine="OR b.id = $4", op=">"), key_id, queue_tokens, self._namespace, batch_id
+        )
+        if over is not None:
+            raise QueueFull(over["model"], int(over["tokens"]), queue_tokens)
 
     async def queue_full(self, key_id: str, queue_tokens: int) -> "QueueFull | None":
         """Whether key `key_id` has `queue_tokens` or more tokens enqueued for a model already."""
@@ -291,29 +347,44 @@ class BatchStore:
         return bool(answered)
 
     async def answer_rest(self, batch_id: str, *, code: str, message: str) -> int:
-        """Answer every unanswered line with the error `code` (the batch expired or was
-        cancelled), counted failed; how many."""
+        """Answer every unanswered line with OpenAI's error `code` (the batch expired or was
+        cancelled), counted failed and unrun; how many."""
+        result = (
+            "jsonb_build_object('id', 'batch_req_' || md5(batch_id || ':' || line), 'custom_id', custom_id,"
+            " 'response', null, 'error', jsonb_build_object('code', $2::text, 'message', $3::text))"
+        )
+        return await self._answer_rest(batch_id, result, code, message)
+
+    async def answer_rest_as_messages(self, batch_id: str, *, result_type: str) -> int:
+        """Answer every unanswered line of a message batch as Anthropic's `result_type` (`canceled`
+        or `expired`), counted failed and unrun; how many."""
+        result = "jsonb_build_object('custom_id', custom_id, 'result', jsonb_build_object('type', $2::text))"
+        return await self._answer_rest(batch_id, result, result_type)
+
+    async def _answer_rest(self, batch_id: str, result: str, *args: str) -> int:
         return int(
             await self._pool.fetchval(
-                "WITH done AS (UPDATE batch_lines SET ok = false, result = jsonb_build_object("
-                " 'id', 'batch_req_' || md5(batch_id || ':' || line), 'custom_id', custom_id, 'response', null,"
-                " 'error', jsonb_build_object('code', $2::text, 'message', $3::text))"
+                f"WITH done AS (UPDATE batch_lines SET ok = false, result = {result}"
                 " WHERE batch_id = $1 AND result IS NULL RETURNING 1)"
-                " UPDATE batches SET failed = failed + (SELECT count(*) FROM done) WHERE id = $1"
+                " UPDATE batches SET failed = failed + (SELECT count(*) FROM done),"
+                " unrun = unrun + (SELECT count(*) FROM done) WHERE id = $1"
                 " RETURNING (SELECT count(*) FROM done)",
                 batch_id,
-                code,
-                message,
+                *args,
             )
             or 0
         )
 
-    async def results(self, batch_id: str, *, ok: bool) -> AsyncIterator[bytes]:
-        """The batch's output lines (`ok`) or error lines, in line order, as JSONL pieces, read
-        through a cursor so a 50,000-line batch is never in memory whole."""
+    async def results(self, batch_id: str, *, ok: bool | None) -> AsyncIterator[bytes]:
+        """The batch's output lines (`ok`), error lines (not `ok`) or every answered line (None), in
+        line order, as JSONL pieces, read through a cursor so a 50,000-line batch is never in
+        memory whole."""
         async with self._pool.acquire() as conn, conn.transaction():
             piece: list[bytes] = []
-            query = "SELECT result::text FROM batch_lines WHERE batch_id = $1 AND ok = $2 ORDER BY line"
+            query = (
+                "SELECT result::text FROM batch_lines WHERE batch_id = $1 AND result IS NOT NULL"
+                " AND ($2::boolean IS NULL OR ok = $2) ORDER BY line"
+            )
             async for row in conn.cursor(query, batch_id, ok, prefetch=500):
                 piece.append(row[0].encode() + b"\n")
                 if len(piece) >= 500:
@@ -321,6 +392,19 @@ class BatchStore:
                     piece.clear()
             if piece:
                 yield b"".join(piece)
+
+    async def delete_ended(self, tenant: str, batch_id: str) -> BatchRecord | None:
+        """Delete the tenant's batch `batch_id` (and its lines) if it has ended; as it was, or None
+        if it was not deleted (see `get` for why)."""
+        row = await self._pool.fetchrow(
+            f"DELETE FROM batches WHERE id = $1 AND tenant = $2 AND namespace = $3 AND status = ANY($4::text[])"
+            f" RETURNING {_COLUMNS}",
+            batch_id,
+            tenant,
+            self._namespace,
+            list(TERMINAL),
+        )
+        return _record(row) if row is not None else None
 
     async def set_files(self, batch_id: str, *, output_file_id: str | None, error_file_id: str | None) -> None:
         await self._pool.execute(
