@@ -7,6 +7,8 @@ vLLM hands back is read from its real `RequestOutput`, `CompletionOutput` and `L
 tool-call adapter drives vLLM's real hermes parser with the bundled model's tokenizer.
 """
 
+import asyncio
+import contextlib
 import json
 import random
 import subprocess
@@ -17,7 +19,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm.config import StructuredOutputsConfig
+from vllm.config import KVEventsConfig, StructuredOutputsConfig
+from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
+from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
+from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.logprobs import Logprob
@@ -30,12 +36,21 @@ from services.worker.engines.base import EngineError, GenerationRequest, Guide, 
 from services.worker.engines.factory import create_engine
 from services.worker.engines.gguf import bundled_gguf_path
 from services.worker.engines.grammar import GrammarLimits, SchemaGate
+from services.worker.engines.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    VllmKvEvents,
+    kv_events_endpoints,
+)
 from services.worker.engines.vllm_config import (
     GIB,
+    KV_EVENTS_TOPIC,
     VllmOptions,
     check_platform,
     cpu_threads_bind,
     engine_kwargs,
+    kv_events_kwargs,
     vllm_environment,
 )
 from services.worker.engines.vllm_engine import (
@@ -194,6 +209,7 @@ def test_the_factory_passes_every_vllm_setting(monkeypatch: pytest.MonkeyPatch, 
         "AXON_GRAMMAR_MAX_SCHEMA_BYTES": "4096",
         "AXON_OTLP_ENDPOINT": "http://collector:4318",
         "AXON_FAIR_HEADROOM_SEQS": "2",
+        "AXON_PREFIX_INDEX": "false",
     }
     for name, value in settings.items():
         monkeypatch.setenv(name, value)
@@ -213,6 +229,7 @@ def test_the_factory_passes_every_vllm_setting(monkeypatch: pytest.MonkeyPatch, 
         structured_outputs_backend="guidance",
         tool_parser="xlam",
         otlp_endpoint="http://collector:4318",
+        kv_events=False,
     )
 
 
@@ -727,3 +744,51 @@ async def test_an_engine_refuses_work_before_it_starts() -> None:
     with pytest.raises(EngineError, match="adapter 'fr'"):
         engine._lora_request("fr")
     assert engine._lora_request(None) is None
+
+
+def test_the_prefix_index_turns_on_vllms_kv_events_on_ipc_sockets_only() -> None:
+    endpoint, replay = kv_events_endpoints()
+    config = KVEventsConfig(**kv_events_kwargs(endpoint, replay))
+    assert config.enable_kv_cache_events and config.publisher == "zmq"
+    # No TCP port: the worker reads its own engine's events on its own sockets.
+    assert config.endpoint.startswith("ipc://") and config.replay_endpoint.startswith("ipc://")
+    assert config.topic == KV_EVENTS_TOPIC
+    assert create_engine(WorkerSettings(engine="vllm", model="m", model_path="/models/m"))._options.kv_events
+
+
+async def test_vllms_published_events_are_read_live_and_replayed() -> None:
+    endpoint, replay = kv_events_endpoints()
+    publisher = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, topic=KV_EVENTS_TOPIC)
+    source = VllmKvEvents(endpoint, replay, topic=KV_EVENTS_TOPIC)
+    try:
+        stored = VllmBlockStored(
+            block_hashes=[b"h1", b"h2"],
+            parent_block_hash=None,
+            token_ids=list(range(32)),
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        offloaded = VllmBlockRemoved(block_hashes=[b"h9"], medium="CPU")
+        # PUB/SUB drops what is sent before the subscription lands: publish until one arrives.
+        first = None
+        while first is None:
+            publisher.publish(KVEventBatch(ts=1.0, events=[stored]))
+            with contextlib.suppress(TimeoutError):
+                first = await asyncio.wait_for(source.next_batch(), 0.2)
+        assert first.events == [BlockStored([b"h1", b"h2"], None, list(range(32)), 16, None)]
+        removed = VllmBlockRemoved(block_hashes=[b"h1"], medium="GPU")
+        publisher.publish(KVEventBatch(ts=2.0, events=[removed, offloaded]))
+        publisher.publish(KVEventBatch(ts=3.0, events=[VllmAllBlocksCleared()]))
+        second, third = await source.next_batch(), await source.next_batch()
+        assert (second.seq, third.seq) == (first.seq + 1, first.seq + 2)
+        # A removal from an offloading tier is not the engine's own cache.
+        assert second.events == [BlockRemoved([b"h1"]), BlockRemoved(())]
+        assert third.events == [AllBlocksCleared()]
+        replayed = await asyncio.wait_for(source.replay(second.seq), 5)
+        assert [b.seq for b in replayed] == [second.seq, third.seq]
+        assert replayed[1].events == [AllBlocksCleared()]
+    finally:
+        source.close()
+        publisher.shutdown()
