@@ -27,6 +27,14 @@ class SessionsMetrics:
             ["model", "route"],
             registry=self.registry,
         )
+        self.prefix_routes = Counter(
+            "axon_sessions_prefix_routes_total",
+            "Routing decisions of single-choice jobs, by reason: cached_prefix (the worker holding the"
+            " prompt's longest cached prefix), load_spill (a less loaded worker than that one), session"
+            " (the session's home), none (no worker holds a prefix of it: placed by hash, or the shared queue).",
+            ["model", "reason"],
+            registry=self.registry,
+        )
         self.outcomes = Counter(
             "axon_sessions_requests_total",
             "Completions by outcome.",
