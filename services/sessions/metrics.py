@@ -31,7 +31,8 @@ class SessionsMetrics:
             "axon_sessions_prefix_routes_total",
             "Routing decisions of single-choice jobs, by reason: cached_prefix (the worker holding the"
             " prompt's longest cached prefix), load_spill (a less loaded worker than that one), session"
-            " (the session's home), none (no worker holds a prefix of it: placed by hash, or the shared queue).",
+            " (the session's home), none (the shared queue: no worker holds a prefix of it, or the"
+            " index was not read).",
             ["model", "reason"],
             registry=self.registry,
         )

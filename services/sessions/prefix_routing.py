@@ -59,15 +59,7 @@ class PrefixRouter:
             self._outage.failed(exc, fallback="session affinity only")
             return None
         self._outage.recovered()
-        if session_home is not None and session_home in live.homes and not any(matches.values()):
-            return Route(session_home, "session")
-        return prefix_route(
-            matches=matches,
-            loads=self._loads,
-            session_home=session_home,
-            first_anchor=found[0].key,
-            spill_seqs=self._spill_seqs,
-        )
+        return prefix_route(matches=matches, loads=self._loads, session_home=session_home, spill_seqs=self._spill_seqs)
 
     def count(self, model: str, route: Route | None, *, home: str | None) -> None:
         """Count a routing decision (`axon_sessions_prefix_routes_total`): the index's, else

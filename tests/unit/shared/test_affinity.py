@@ -53,14 +53,15 @@ def test_the_first_answers_tool_calls_are_part_of_the_key() -> None:
 
 def test_the_route_prefers_the_longest_prefix_then_spills_past_the_load_margin() -> None:
     matches = {"w1": 10, "w2": 3, "w3": 0}
-    assert prefix_route(matches=matches, loads={}, session_home=None, first_anchor=b"a", spill_seqs=2).home == "w1"
-    busy = prefix_route(matches=matches, loads={"w1": 2}, session_home=None, first_anchor=b"a", spill_seqs=2)
-    assert (busy.home, busy.reason) == ("w2", "load_spill")  # the least loaded, longest-held first
-    session = prefix_route(
-        matches={"w1": 10, "w2": 10}, loads={"w1": 1}, session_home="w1", first_anchor=b"a", spill_seqs=2
-    )
-    assert (session.home, session.reason) == ("w1", "session")
-    nowhere = prefix_route(matches={"w1": 0, "w2": 0}, loads={}, session_home=None, first_anchor=b"a", spill_seqs=2)
-    assert nowhere.reason == "none"
-    again = prefix_route(matches={"w1": 0, "w2": 0}, loads={}, session_home=None, first_anchor=b"a", spill_seqs=2)
-    assert again.home == nowhere.home  # a new prefix is placed the same way every time
+    first = prefix_route(matches=matches, loads={}, session_home=None, spill_seqs=2)
+    assert first is not None and (first.home, first.reason) == ("w1", "cached_prefix")
+    busy = prefix_route(matches=matches, loads={"w1": 2}, session_home=None, spill_seqs=2)
+    assert busy is not None and (busy.home, busy.reason) == ("w2", "load_spill")  # the least loaded, most held first
+    one_more = prefix_route(matches=matches, loads={"w1": 1}, session_home=None, spill_seqs=2)
+    assert one_more is not None and one_more.home == "w1"  # within the margin: the cache wins
+    both = prefix_route(matches={"w1": 10, "w2": 10}, loads={"w1": 1}, session_home=None, spill_seqs=2)
+    assert both is not None and both.home == "w2"  # equal prefixes: the less loaded
+    session = prefix_route(matches={"w1": 10, "w2": 10}, loads={"w1": 1}, session_home="w1", spill_seqs=2)
+    assert session is not None and (session.home, session.reason) == ("w1", "session")
+    # No worker holds any of it: today's rules.
+    assert prefix_route(matches={"w1": 0, "w2": 0}, loads={}, session_home="w1", spill_seqs=2) is None
