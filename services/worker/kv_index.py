@@ -15,8 +15,9 @@ the set of prompt anchors whose prefix the engine holds, kept in Redis.
   (an engine restarted), empties the set and starts afresh (a resync): the index then holds less
   than the engine, which costs cache misses, never a request.
 - **Redis.** Changes go out every `FLUSH_INTERVAL_S` in one pipelined write, with the set's
-  expiry. A failed write marks the set dirty; the next write replaces it whole. At a drain the set
-  is deleted.
+  expiry (refreshed every `REFRESH_INTERVAL_S` while nothing changes). A failed write, or an expiry
+  that finds no set (Redis restarted empty), makes the next write replace the set whole. At a
+  drain the set is deleted.
 """
 
 import asyncio
@@ -287,6 +288,10 @@ class KvIndex:
             return
         self._outage.recovered()
         self._last_write = now
+        if results[-1] == 0 and not members:
+            # EXPIRE found no set: Redis lost it (restarted empty, or it expired while this worker
+            # was away). Written whole at the next write, if anything is held.
+            self._changes.whole = bool(self.held_anchors())
         if self._metrics is not None:
             if changes.newest_ts is not None:
                 self._metrics.index_lag(max(0.0, time.time() - changes.newest_ts))

@@ -98,6 +98,23 @@ async def test_a_write_that_failed_is_made_good_by_a_whole_rewrite(
     assert set(keys) == members
 
 
+async def test_a_set_redis_lost_is_written_whole_again(
+    pipe: RedisPipe, names: Names, redis_client: redis.Redis
+) -> None:
+    text = "v" * 600
+    index = worker_index(pipe, names, "w1")
+    index.observe(*prompt_of(text))
+    index.apply(stored_batch(0, text))
+    await index.write()
+    await redis_client.delete(names.prefix_index(MODEL, "w1"))  # Redis restarted empty
+    index._last_write = 0.0  # the refresh is due
+    await index.write()  # its EXPIRE finds no set
+    await index.write()
+    assert await redis_client.smembers(names.prefix_index(MODEL, "w1")) == {
+        a.key for a in anchors(messages=None, prompt=text)
+    }
+
+
 async def test_redis_away_leaves_routing_to_todays_rules_within_the_timeout(names: Names) -> None:
     away = RedisPipe("redis://127.0.0.1:1", timeout_s=5)
     router = PrefixRouter(PrefixIndex(away, names), spill_seqs=2, lookup_timeout_s=0.05)
