@@ -15,8 +15,8 @@ the set of prompt anchors whose prefix the engine holds, kept in Redis.
   (an engine restarted), empties the set and starts afresh (a resync): the index then holds less
   than the engine, which costs cache misses, never a request.
 - **Redis.** Changes go out every `FLUSH_INTERVAL_S` in one pipelined write, with the set's
-  expiry (refreshed every `REFRESH_INTERVAL_S` while nothing changes). A failed write, or an expiry
-  that finds no set (Redis restarted empty), makes the next write replace the set whole. At a
+  expiry (refreshed every `REFRESH_INTERVAL_S` while nothing changes). A failed write, or a write
+  that finds the set gone (Redis restarted empty), makes the next write replace the set whole. At a
   drain the set is deleted.
 """
 
@@ -115,6 +115,8 @@ class KvIndex:
         self._withdrawn = False
         self._last_write = 0.0
         self._last_size = 0.0
+        # The set should exist in Redis (something was written to it since it was last emptied).
+        self._expected = False
 
     @property
     def last_seq(self) -> int | None:
@@ -274,6 +276,8 @@ class KvIndex:
             replies.append(self._pipe.submit("DEL", self._key))
             members = self.held_anchors()
         else:
+            # Whether the set is still there: Redis may have lost it (restarted empty).
+            replies.append(self._pipe.submit("EXISTS", self._key))
             if changes.removed:
                 replies.append(self._pipe.submit("SREM", self._key, *changes.removed))
             members = changes.added
@@ -288,10 +292,10 @@ class KvIndex:
             return
         self._outage.recovered()
         self._last_write = now
-        if results[-1] == 0 and not members:
-            # EXPIRE found no set: Redis lost it (restarted empty, or it expired while this worker
-            # was away). Written whole at the next write, if anything is held.
-            self._changes.whole = bool(self.held_anchors())
+        if not changes.whole and results[0] == 0 and self._expected:
+            # The set was gone before this write: Redis lost it. Written whole at the next write.
+            self._changes.whole = True
+        self._expected = bool(members) or (self._expected and not changes.whole)
         if self._metrics is not None:
             if changes.newest_ts is not None:
                 self._metrics.index_lag(max(0.0, time.time() - changes.newest_ts))
