@@ -6,7 +6,7 @@ A prompt is named by *anchors*: a chain of 16-byte keys over its text, one at th
 of the previous key and its piece of text (so an anchor stands for everything before it). The
 chain starts from the request's adapter and tools (a template renders tools before the messages).
 The session manager computes a request's anchors from its text alone: no tokenizer, no chat
-template (a few microseconds for a 6,000-character prompt, `benchmarks/prefix_routing.py
+template (about 50 us of CPU for a 7,700-character prompt, `benchmarks/prefix_routing.py
 --cost`).
 
 Each worker whose engine publishes KV-cache events translates them into anchors
