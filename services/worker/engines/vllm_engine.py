@@ -530,12 +530,19 @@ class VllmEngine(Engine):
 
     def _encode(self, request: GenerationRequest, text: str, *, add_special_tokens: bool, observed: bool) -> list[int]:
         """`text`'s token ids; with a prefix index (and a new request, `observed`), tokenized with
-        each token's place in the text, told to `prompt_observer` (one tokenization all the same)."""
+        each token's place in the text, told to `prompt_observer` (one tokenization all the same). A
+        tokenizer that gives no offsets (a slow one) turns the observer off: the worker's set then
+        stays empty and its requests are routed by session affinity."""
         tokenizer = self._tokenizer
         observer = self.prompt_observer
         if observer is None or not observed:
             return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        try:
+            encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        except (NotImplementedError, TypeError, ValueError) as exc:  # a slow tokenizer has no offsets
+            log.warning("prefix_index_no_offsets", error=repr(exc))
+            self.prompt_observer = None
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
         ids = list(encoded["input_ids"])
         observer(request, RenderedPrompt(text, ids, [end for _, end in encoded["offset_mapping"]]))
         return ids

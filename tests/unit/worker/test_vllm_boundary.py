@@ -40,6 +40,7 @@ from services.worker.engines.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    RenderedPrompt,
     VllmKvEvents,
     kv_events_endpoints,
 )
@@ -74,8 +75,11 @@ from services.worker.engines.vllm_outputs import (
     token_logprob,
 )
 from services.worker.engines.vllm_tools import Segmenter, Specials, VllmToolCallParser
+from services.worker.kv_index import KvIndex, block_key, root_key
 from services.worker.settings import WorkerSettings
 from services.worker.tool_parsers import tool_call_id
+from shared.names import Names
+from shared.prefix_index import anchors
 from shared.schemas import FunctionCall, Message, Sampling, ToolCall, ToolCallDelta
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -792,3 +796,36 @@ async def test_vllms_published_events_are_read_live_and_replayed() -> None:
     finally:
         source.close()
         publisher.shutdown()
+
+
+def test_a_rendered_chat_prompt_is_told_to_the_index_with_each_tokens_place(tokenizer: Any, tmp_path: Path) -> None:
+    """One tokenization gives vLLM its ids and the prefix index their places: each anchor of the
+    document is tied to the last whole block before it in the rendered template."""
+    engine = VllmEngine(options(), model_cache_dir=tmp_path)
+    engine._tokenizer = tokenizer
+    seen: list[tuple[GenerationRequest, RenderedPrompt]] = []
+    engine.prompt_observer = lambda req, prompt: seen.append((req, prompt))
+    document = "Document 7. " + "the river town market bridge " * 120
+    chat = request(messages=[Message(role="user", content=f"{document}\n\nQuestion: why?")])
+    ids = engine._prompt_ids(chat, continued=None)
+    ((_, prompt),) = seen
+    assert list(prompt.token_ids) == ids == tokenizer.encode(prompt.text, add_special_tokens=False)
+    assert len(prompt.token_ends) == len(ids) and list(prompt.token_ends) == sorted(prompt.token_ends)
+    index = KvIndex(None, Names("t"), model="m", worker_id="w", block_size=16, max_anchors=100)  # type: ignore[arg-type]
+    index.observe(chat, prompt)
+    found = anchors(messages=chat.messages, prompt=None)
+    start = prompt.text.index(document)
+    for anchor in found[:-1]:
+        tokens = sum(1 for end in prompt.token_ends if end <= start + anchor.end)
+        assert index._anchor_block[anchor.key] == block_keys_of(ids)[tokens // 16 - 1]
+    # A resumed request is not told: its prompt holds an answer already.
+    engine._prompt_ids(request(messages=chat.messages), continued=Resume(text="x", token_ids=(), completion_tokens=1))
+    assert len(seen) == 1
+
+
+def block_keys_of(ids: Sequence[int], size: int = 16) -> list[bytes]:
+    keys, parent = [], root_key(None)
+    for end in range(size, len(ids) + 1, size):
+        parent = block_key(parent, ids[end - size : end])
+        keys.append(parent)
+    return keys
