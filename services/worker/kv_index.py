@@ -222,15 +222,17 @@ class KvIndex:
     async def follow(self, source: KvEventSource) -> None:
         """Apply the engine's batches as they come, healing gaps (runs until cancelled)."""
         while True:
-            batch = await source.next_batch()
+            try:
+                batch = await source.next_batch()
+            except Exception as exc:  # noqa: BLE001 - a batch that cannot be read is a gap, seen at the next
+                log.warning("kv_events_unreadable", error=repr(exc))
+                continue
             expected = 0 if self._last_seq is None else self._last_seq + 1
             if batch.seq < expected:
                 # The publisher counts from 0 again: the engine started afresh, with an empty cache.
                 log.warning("kv_events_restarted", seq=batch.seq, expected=expected)
                 self._resync("restart")
-                self.apply(batch)
-                continue
-            if batch.seq > expected:
+            elif batch.seq > expected:
                 await self._heal(source, expected, batch)
             self.apply(batch)
 
