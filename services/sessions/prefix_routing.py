@@ -4,9 +4,9 @@ prefix of a request's prompt, weighed against its load (`shared/affinity.py:pref
 Per request: the prompt's anchors (a hash per 256 characters, no tokenizer), then one pipelined
 round trip to Redis (an SMISMEMBER per live indexed worker of the model), bounded by
 `AXON_PREFIX_LOOKUP_TIMEOUT_MS`. Read only for a single-choice job whose prompt holds at least
-`MIN_ROUTED_ANCHORS` anchors (a shorter prefix saves too little prefill to route on) and a model
-with indexed workers. Anything the index cannot answer (Redis away or slow) leaves the request to
-today's rules, said once per outage.
+`MIN_ROUTED_CHARS` characters (a shorter prefix saves too little prefill to route on; such a
+request costs nothing here) and a model with indexed workers. Anything the index cannot answer
+(Redis away or slow) leaves the request to today's rules, said once per outage.
 
 Load is this session manager's own count of the jobs it sent to each worker's queue and that have
 not ended: exact for its own bursts (16 requests for one hot document arriving together see each
@@ -21,14 +21,14 @@ from prometheus_client import Counter
 from shared.affinity import Route, prefix_route
 from shared.logging import get_logger
 from shared.outages import Outage
-from shared.prefix_index import PrefixIndex, anchors
+from shared.prefix_index import ANCHOR_CHARS, PrefixIndex, anchors
 from shared.registry import LiveModel
 from shared.schemas import Job
 
 log = get_logger(__name__)
 
-# Anchors (256 characters each, ~64 tokens) a prompt needs before the index is read.
-MIN_ROUTED_ANCHORS = 2
+# Characters of content (two anchors, ~128 tokens) a prompt needs before the index is read.
+MIN_ROUTED_CHARS = 2 * ANCHOR_CHARS
 
 
 class PrefixRouter:
@@ -49,8 +49,10 @@ class PrefixRouter:
         workers = live.indexed & live.homes
         if not workers:
             return None
+        if sum(len(m.content) for m in job.messages or ()) + len(job.prompt or "") < MIN_ROUTED_CHARS:
+            return None
         found = anchors(messages=job.messages, prompt=job.prompt, tools=job.tools, adapter=job.adapter)
-        if len(found) < MIN_ROUTED_ANCHORS:
+        if not found:
             return None
         try:
             async with asyncio.timeout(self._timeout_s):
