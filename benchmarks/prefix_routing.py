@@ -194,7 +194,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--phases", default="index,today", help="which to run, in order: index, today")
     parser.add_argument("--documents", type=int, default=12)
-    parser.add_argument("--words", type=int, default=1150, help="words per document (~1.35 tokens each)")
+    parser.add_argument("--words", type=int, default=1530, help="words per document (about a token each)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds per workload, the first one warming the caches")
     parser.add_argument("--in-flight", type=int, default=8, help="requests at a time in the concurrent workload")
     parser.add_argument("--hot", type=int, default=16, help="requests at once about the hot document")
