@@ -36,7 +36,7 @@ import sys
 import time
 
 import httpx
-from harness import BenchEnvironment, start_service_pair
+from harness import INTERNAL_TOKEN, BenchEnvironment, start_service_pair
 
 from services.sessions.prefix_routing import PrefixRouter
 from services.worker.engines.gguf import bundled_gguf_path
@@ -64,7 +64,7 @@ def workers_jobs(workers: list[str]) -> dict[str, float]:
     """Each worker's jobs finished so far (`axon_worker_jobs_total`, every outcome)."""
     totals = {}
     for url in workers:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
+        text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {INTERNAL_TOKEN}"}, timeout=10).text
         totals[url] = sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
