@@ -11,7 +11,8 @@ the set of prompt anchors whose prefix the engine holds, kept in Redis.
   in the content is found in the text, and the anchor is tied to the last whole block before it.
   An anchor is in the worker's set while its block is stored.
 - **Gaps.** Batches carry sequence numbers. A gap is filled from the engine's replay buffer
-  (vLLM's replay endpoint); what the buffer no longer holds, or a publisher that started again
+  (vLLM's replay endpoint), and after a second without a batch the buffer is asked for any batch
+  lost at the end of a burst; what the buffer no longer holds, or a publisher that started again
   (an engine restarted), empties the set and starts afresh (a resync): the index then holds less
   than the engine, which costs cache misses, never a request.
 - **Redis.** Changes go out every `FLUSH_INTERVAL_S` in one pipelined write, with the set's
@@ -54,6 +55,9 @@ FLUSH_INTERVAL_S = 0.05
 REFRESH_INTERVAL_S = 5.0
 # How long a replay request may take before the gap is resynced instead.
 REPLAY_TIMEOUT_S = 2.0
+# After this long without a batch, the engine's replay buffer is asked for any batch lost at the
+# end of a burst (a lost batch is otherwise seen only when the next one comes).
+IDLE_PROBE_S = 1.0
 
 
 @dataclass(slots=True)
@@ -220,21 +224,50 @@ class KvIndex:
         self._changes.removed.add(anchor)
 
     async def follow(self, source: KvEventSource) -> None:
-        """Apply the engine's batches as they come, healing gaps (runs until cancelled)."""
+        """Apply the engine's batches as they come, healing gaps (runs until cancelled). A gap is
+        seen at the next batch; one at the end of a burst, by asking the replay buffer after
+        `IDLE_PROBE_S` without a batch."""
         while True:
             try:
-                batch = await source.next_batch()
+                async with asyncio.timeout(IDLE_PROBE_S):
+                    batch = await source.next_batch()
+            except TimeoutError:
+                await self._catch_up(source)
+                continue
             except Exception as exc:  # noqa: BLE001 - a batch that cannot be read is a gap, seen at the next
                 log.warning("kv_events_unreadable", error=repr(exc))
                 continue
             expected = 0 if self._last_seq is None else self._last_seq + 1
             if batch.seq < expected:
+                if batch.seq != 0:
+                    continue  # already applied from the replay buffer
                 # The publisher counts from 0 again: the engine started afresh, with an empty cache.
                 log.warning("kv_events_restarted", seq=batch.seq, expected=expected)
                 self._resync("restart")
             elif batch.seq > expected:
                 await self._heal(source, expected, batch)
             self.apply(batch)
+
+    async def _catch_up(self, source: KvEventSource) -> None:
+        """Apply what the engine's replay buffer holds past the last batch applied (batches lost at
+        the end of a burst, which no later batch reveals)."""
+        expected = 0 if self._last_seq is None else self._last_seq + 1
+        try:
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                replayed = await source.replay(expected)
+        except Exception as exc:  # noqa: BLE001 - tried again after the next quiet spell
+            log.warning("kv_events_replay_failed", error=repr(exc), expected=expected)
+            return
+        applied = 0
+        for batch in replayed:
+            if batch.seq != expected + applied:
+                break
+            self.apply(batch)
+            applied += 1
+        if applied:
+            log.info("kv_events_replayed", start=expected, batches=applied)
+            if self._metrics is not None:
+                self._metrics.gap("replay")
 
     async def _heal(self, source: KvEventSource, expected: int, batch: EventBatch) -> None:
         """Fill the batches from `expected` to `batch` from the engine's replay buffer; what it

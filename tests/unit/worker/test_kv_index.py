@@ -185,3 +185,18 @@ def test_anchors_are_cut_every_anchor_chars_and_at_each_messages_end() -> None:
     assert [(a.part, a.end) for a in found] == [(0, 5), (1, ANCHOR_CHARS), (1, 2 * ANCHOR_CHARS), (1, len(content))]
     other_adapter = anchors(messages=[Message(role="system", content="short")], prompt=None, adapter="lora-a")
     assert other_adapter[0].key != found[0].key
+
+
+async def test_batches_lost_at_the_end_of_a_burst_are_fetched_after_a_quiet_second() -> None:
+    sim, index, events, gaps = await engine_and_index(drop_every=1)  # nothing is delivered live
+    request = chat(document("a"), "q")
+    await run(sim, request)
+    follower = asyncio.create_task(index.follow(events))
+    try:
+        async with asyncio.timeout(5):
+            while not set(request_anchors(request)[1:-2]) <= index.held_anchors():
+                await asyncio.sleep(0.05)
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+    assert gaps.healed == ["replay"]
