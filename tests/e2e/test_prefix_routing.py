@@ -102,6 +102,8 @@ def test_one_shot_requests_meet_their_documents_through_lost_and_replayed_events
     documents = [words(f"doc{d}x") for d in range(6)]
     for document in documents:  # the first round: nobody holds them, the shared queue spreads them
         api.ask(f"{document} question one")
+    for document in documents:  # a batch lost last is fetched after a quiet second
+        api.holder(document, list(workers))
     before = api.routes("cached_prefix")
     for round_ in range(2):
         for document in documents:
@@ -167,8 +169,8 @@ def test_a_dead_workers_documents_cost_one_miss_and_no_request_and_a_new_worker_
     assert cached(api.ask(f"{document} third")) >= 300 - 16  # the survivor holds it now
     assert api.holder(document, [survivor]) == survivor
     stack.start("worker:px-new", env={**WORKER_ENV, "AXON_WORKER_ID": "px-new"})
-    fresh = words("fresh")
-    for i in range(4):  # new documents spread over both live workers, then stay where they landed
-        api.ask(f"{fresh}{i} first")
-    assert any(api.holds("px-new", f"{fresh}{i}") for i in range(4))
-    assert all(cached(api.ask(f"{fresh}{i} second")) >= 300 - 16 for i in range(4))
+    fresh = [words(f"fresh{i}x") for i in range(4)]
+    for document in fresh:  # new documents spread over both live workers, then stay where they landed
+        api.ask(f"{document} first")
+    assert "px-new" in {api.holder(document, ["px-new", survivor]) for document in fresh}
+    assert all(cached(api.ask(f"{document} second")) >= 300 - 16 for document in fresh)
