@@ -11,6 +11,8 @@ that replays them from a sequence number, ending with sequence -1. The worker bi
 import asyncio
 import collections
 import contextlib
+import os
+import shutil
 import tempfile
 import time
 from collections.abc import Hashable, Sequence
@@ -158,8 +160,10 @@ class VllmKvEvents:
                 dealer.close(linger=0)
 
     def close(self) -> None:
+        """Stop receiving, and remove the sockets' directory (`kv_events_endpoints`)."""
         with contextlib.suppress(Exception):
             self._sub.close(linger=0)
+        shutil.rmtree(os.path.dirname(self._replay_endpoint.removeprefix("ipc://")), ignore_errors=True)
 
 
 def _event(event: Any) -> KvEvent:

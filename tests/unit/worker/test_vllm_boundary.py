@@ -10,6 +10,7 @@ tool-call adapter drives vLLM's real hermes parser with the bundled model's toke
 import asyncio
 import contextlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -794,8 +795,9 @@ async def test_vllms_published_events_are_read_live_and_replayed() -> None:
         assert [b.seq for b in replayed] == [second.seq, third.seq]
         assert replayed[1].events == [AllBlocksCleared()]
     finally:
-        source.close()
         publisher.shutdown()
+        source.close()
+    assert not os.path.exists(replay.removeprefix("ipc://"))  # the sockets' directory went with it
 
 
 def test_a_rendered_chat_prompt_is_told_to_the_index_with_each_tokens_place(tokenizer: Any, tmp_path: Path) -> None:
