@@ -2,7 +2,7 @@
 events (every fifth batch lost, and replayed from the engine's buffer), behind a session manager
 of the module's own. One-shot requests about documents meet their documents; the longest cached
 prefix wins; a busy home spills; Redis losing the index heals; a worker's death costs no request
-and its restart joins."""
+and its restart joins; Redis away from a worker costs no request, and its set is written again."""
 
 import threading
 import time
@@ -18,7 +18,9 @@ from shared.names import Names
 from shared.prefix_index import anchors
 from shared.schemas import Message
 from tests.e2e.stack import INTERNAL_TOKEN, Stack
+from tests.e2e.tcpproxy import TcpProxy
 from tests.e2e.test_workers import metric
+from tests.services import ServiceUrls
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -180,3 +182,33 @@ def test_a_dead_workers_documents_cost_one_miss_and_no_request_and_a_new_worker_
         api.ask(f"{document} first")
     assert "px-new" in {api.holder(document, ["px-new", survivor]) for document in fresh}
     assert all(cached(api.ask(f"{document} second")) >= 300 - 16 for document in fresh)
+
+
+def test_redis_away_from_a_worker_costs_no_request_and_its_set_is_written_again(
+    api: Api, stack: Stack, service_urls: ServiceUrls
+) -> None:
+    """The worker alone loses Redis for a while (and Redis loses its set meanwhile): the request
+    sent then waits and is answered from its cache once Redis is back, and the set is written whole."""
+    for service in [s for s in stack.services if s.name.startswith("worker:px-")]:
+        service.kill()  # one worker only from here
+    proxy = TcpProxy.to(service_urls.redis)
+    try:
+        env = {**WORKER_ENV, "AXON_WORKER_ID": "px-away", "AXON_REDIS_URL": proxy.proxied(service_urls.redis)}
+        worker = stack.start("worker:px-away", env={**env, "AXON_CONNECT_TIMEOUT_S": "1"})
+        document = words("away")
+        api.ask(f"{document} first")
+        assert api.holder(document, ["px-away"]) == "px-away"
+        proxy.cut()
+        wait_for(
+            lambda: httpx.get(f"{worker.url}/ready", timeout=5).status_code == 503, timeout_s=15, what="Redis lost"
+        )
+        api.redis.delete(api.names.prefix_index(MODEL, "px-away"))
+        answers: list[dict] = []
+        during = threading.Thread(target=lambda: answers.append(api.ask(f"{document} during")))
+        during.start()
+        proxy.restore()
+        during.join(timeout=60)
+        assert answers and cached(answers[0]) >= 300 - 16
+        wait_for(lambda: api.holds("px-away", document) > 0, timeout_s=15, what="the set written again")
+    finally:
+        proxy.close()
