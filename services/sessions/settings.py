@@ -35,7 +35,7 @@ class SessionsSettings(CommonSettings):
         ),
     )
     prefix_spill_seqs: int = Field(
-        2,
+        4,
         ge=1,
         description=(
             "a request's prefix home that runs this many more of this session manager's jobs than the least"

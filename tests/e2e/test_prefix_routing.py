@@ -97,7 +97,8 @@ def workers(stack: Stack) -> Iterator[dict[str, Service]]:
 @pytest.fixture(scope="module")
 def api(workers: dict[str, Service], stack: Stack) -> Api:
     # A session manager of the module's own, whose index reads may take a loaded machine's time.
-    manager = stack.start("sessions:prefix", env={"AXON_PREFIX_LOOKUP_TIMEOUT_MS": "2000"})
+    env = {"AXON_PREFIX_LOOKUP_TIMEOUT_MS": "2000", "AXON_PREFIX_SPILL_SEQS": "2"}
+    manager = stack.start("sessions:prefix", env=env)
     client = Api(stack, manager)
     wait_for(lambda: MODEL in client.http.get("/v1/models").text, timeout_s=10, what=f"{MODEL} listed")
     return client
