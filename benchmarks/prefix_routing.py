@@ -93,7 +93,9 @@ async def ask(http: httpx.AsyncClient, text: str, question: str) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices"):
+            choices = chunk.get("choices") or [{}]
+            # The first token: the first text, or the end of an answer that had none.
+            if ttft is None and (choices[0].get("delta", {}).get("content") or choices[0].get("finish_reason")):
                 ttft = time.perf_counter() - started
             if chunk.get("usage"):
                 usage = chunk["usage"]
