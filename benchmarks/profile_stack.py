@@ -56,13 +56,117 @@ class Stage:
     color: str
 
     def names(self, function: str, path: str) -> bool:
-        return any((not name or name == function) and part in path for name, part in self.frames)
+        """Whether a frame is one of the stage's (`function` as py-spy names it: `Class.method`,
+        `outer.<locals>.inner`)."""
+        return any(
+            (not name or function == name or function.endswith("." + name)) and part in path
+            for name, part in self.frames
+        )
 
 
-# Innermost first: the first stage (in this order) one of whose frames is innermost in a sample.
-STAGES: tuple[Stage, ...] = ()
+# The stages of each service; a sample is the stage of its innermost frame that one names (so
+# the Redis call inside a chunk's publish is `publish`, the publish inside the pump is not the pump's).
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        "publish (the Redis script)",
+        "worker",
+        (("", "shared/redis_pipe.py"), ("_send", "services/worker/chunk_publisher.py")),
+        "#e6550d",
+    ),
+    Stage(
+        "chunk building",
+        "worker",
+        (
+            *((name, "services/worker/chunk_publisher.py") for name in ("publish", "_parse", "_usage", "_send_chunk")),
+            ("", "services/worker/tool_parsers.py"),
+        ),
+        "#fd8d3c",
+    ),
+    Stage(
+        "engine output handling",
+        "worker",
+        (
+            ("", "services/worker/engines/"),
+            ("", "vllm/"),
+            ("_generate", "services/worker/job_runner.py"),
+            ("_pump", "services/worker/job_runner.py"),
+            *((name, "services/worker/chunk_publisher.py") for name in ("add", "take", "close", "gather")),
+        ),
+        "#fdd0a2",
+    ),
+    Stage(
+        "job start and end (per request)",
+        "worker",
+        (("", "services/worker/"), ("", "aio_pika/"), ("", "aiormq/"), ("", "pamqp/")),
+        "#9e9ac8",
+    ),
+    Stage(
+        "relay (pub/sub in, chunk parsed)",
+        "sessions",
+        (("", "shared/redis_pipe.py"), ("", "services/sessions/relay.py"), ("", "services/sessions/active_request.py")),
+        "#3182bd",
+    ),
+    Stage(
+        "SSE framing",
+        "sessions",
+        (("sse", "services/sessions/chat/service.py"), ("", "services/sessions/chat/protocol.py"), ("", "sse.py")),
+        "#6baed6",
+    ),
+    Stage(
+        "HTTP out (to the gateway)",
+        "sessions",
+        (
+            ("_complete", "services/sessions/chat/router.py"),
+            ("tracking_send", "shared/hot_routes.py"),
+            ("send_with_id", "shared/middleware.py"),
+            ("_send", "starlette/"),
+            ("send", "uvicorn/protocols/http/"),
+        ),
+        "#c6dbef",
+    ),
+    Stage(
+        "request start and end (per request)",
+        "sessions",
+        (("", "services/sessions/"), ("", "shared/"), ("", "aio_pika/"), ("", "aiormq/"), ("", "uvicorn/")),
+        "#9e9ac8",
+    ),
+    Stage(
+        "pass-through in (from the session manager)",
+        "gateway",
+        (("", "shared/http1.py"),),
+        "#31a354",
+    ),
+    Stage(
+        "pass-through out (to the client)",
+        "gateway",
+        (
+            ("_relay", "services/gateway/proxy.py"),
+            ("tracking_send", "shared/hot_routes.py"),
+            ("send_with_id", "shared/middleware.py"),
+            ("_send", "starlette/"),
+            ("send", "uvicorn/protocols/http/"),
+        ),
+        "#a1d99b",
+    ),
+    Stage(
+        "request start and end (per request)",
+        "gateway",
+        (("", "services/gateway/"), ("", "shared/"), ("", "uvicorn/")),
+        "#9e9ac8",
+    ),
+)
 LOOP, OTHER = "event loop", "other"
 COLORS = {LOOP: "#c8c8c8", OTHER: "#e0d8c0"}
+# Frames every sample of a service has under it (its start, uvicorn, the loop's `run`): a sample
+# whose innermost frame is one of them is the event loop's own work (uvloop has no Python frames).
+_BOOTSTRAP = (
+    "<frozen runpy>",
+    "asyncio/runners.py",
+    "uvicorn/_compat.py",
+    "uvicorn/server.py",
+    "shared/serving.py",
+    *(f"services/{service}/main.py" for service in ("gateway", "sessions", "worker")),
+)
 
 _FRAME = re.compile(r"^(?P<function>.*) \((?P<path>[^()]*?)(?::\d+)?\)$")
 
@@ -91,17 +195,25 @@ def _without_line(frame: str) -> str:
 
 
 def stage_of(service: str, stack: Sequence[str]) -> str:
-    """The stage of one sample: that of its innermost frame that names one of `service`'s
-    stages; else the event loop's when no frame is the service's own code, else `other`."""
+    """The stage of one sample: the event loop's if its innermost frame is the service's start
+    (`_BOOTSTRAP`), else that of its innermost frame that names one of `service`'s stages, else
+    `other`."""
     own = [s for s in STAGES if s.service == service]
+    if not stack or _bootstrap(stack[-1]):
+        return LOOP
     for frame in reversed(stack):
+        if _bootstrap(frame):
+            break  # below the loop: the service's start
         function, path = parse_frame(frame)
         for stage in own:
             if stage.names(function, path):
                 return stage.name
-    if not any(parse_frame(f)[1].startswith(("services/", "shared/")) for f in stack):
-        return LOOP
     return OTHER
+
+
+def _bootstrap(frame: str) -> bool:
+    function, path = parse_frame(frame)
+    return function == "<module>" or path.endswith(_BOOTSTRAP)
 
 
 def stage_shares(service: str, stacks: Counter[tuple[str, ...]]) -> dict[str, float]:
@@ -129,8 +241,9 @@ class _Node:
 
 
 def flame_graph_svg(service: str, stacks: Counter[tuple[str, ...]], title: str) -> str:
-    """A static flame graph (outermost frame at the bottom) of `stacks`, each frame colored by the
-    stage of the samples under it that most often name one, frames narrower than a pixel left out."""
+    """A static flame graph (outermost frame at the bottom) of `stacks`: a frame of the service's
+    start is the event loop's color, one that names a stage that stage's, any other that of the
+    stage most of the samples under it are in; frames narrower than a pixel are left out."""
     root = _Node(children={})
     for stack, n in stacks.items():
         stage = stage_of(service, stack)
@@ -144,7 +257,7 @@ def flame_graph_svg(service: str, stacks: Counter[tuple[str, ...]], title: str) 
             child.samples += n
             node = child
         node.stage = stage
-    _settle_stages(root)
+    _settle_stages(service, "all", root)
     depth = _depth(root)
     height = (depth + 3) * _ROW_PX
     rects: list[str] = []
@@ -161,15 +274,21 @@ def flame_graph_svg(service: str, stacks: Counter[tuple[str, ...]], title: str) 
     )
 
 
-def _settle_stages(node: _Node) -> Counter[str]:
-    """Color each frame by the stage holding most of the samples under it."""
+def _settle_stages(service: str, frame: str, node: _Node) -> Counter[str]:
+    """Give each frame its color's stage (see `flame_graph_svg`); returns the samples under it by stage."""
     counts: Counter[str] = Counter()
     own = node.samples - sum(c.samples for c in (node.children or {}).values())
     if own > 0:
         counts[node.stage] += own
-    for child in (node.children or {}).values():
-        counts += _settle_stages(child)
-    if counts:
+    for name, child in (node.children or {}).items():
+        counts += _settle_stages(service, name, child)
+    function, path = parse_frame(frame)
+    named = next((s.name for s in STAGES if s.service == service and s.names(function, path)), None)
+    if frame == "all" or _bootstrap(frame):
+        node.stage = LOOP
+    elif named is not None:
+        node.stage = named
+    elif counts:
         node.stage = counts.most_common(1)[0][0]
     return counts
 
