@@ -64,6 +64,13 @@ class Stage:
         )
 
 
+# What the relay and the gateway's client do for each chunk (the rest of their modules: per request).
+_RELAY_PER_CHUNK = ("_dispatch", "put_nowait", "get_nowait", "get", "next", "ready", "_check_deadline")
+_HTTP1_PER_PIECE = (
+    *("data_received", "on_body", "on_message_complete", "_wake", "wait", "take_body", "pieces"),
+    "_check_read_deadline",
+)
+
 # The stages of each service; a sample is the stage of its innermost frame that one names (so
 # the Redis call inside a chunk's publish is `publish`, the publish inside the pump is not the pump's).
 STAGES: tuple[Stage, ...] = (
@@ -103,7 +110,11 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "relay (pub/sub in, chunk parsed)",
         "sessions",
-        (("", "shared/redis_pipe.py"), ("", "services/sessions/relay.py"), ("", "services/sessions/active_request.py")),
+        (
+            *((name, "shared/redis_pipe.py") for name in ("_SubscriberProtocol.data_received", "_push")),
+            *((name, "services/sessions/relay.py") for name in _RELAY_PER_CHUNK),
+            *((name, "services/sessions/active_request.py") for name in ("chunks", "receive", "finals")),
+        ),
         "#3182bd",
     ),
     Stage(
@@ -133,7 +144,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "pass-through in (from the session manager)",
         "gateway",
-        (("", "shared/http1.py"),),
+        tuple((name, "shared/http1.py") for name in _HTTP1_PER_PIECE),
         "#31a354",
     ),
     Stage(
