@@ -16,7 +16,9 @@ script (defaults: the simulator at 64 streams; the requests workload at 64 and 1
 
 The figures are read from what the scripts print, the same lines at every commit since 42ee1e9
 (the first with capacity.py; older ones have no figures for it): for engine_vs_stack the
-throughput ratio stack/direct, the TTFT and ITL the stack adds and the stack's output tokens/s; for
+throughput ratio stack/direct, the TTFT and ITL the stack adds, the stack's output tokens/s and
+the CPU milliseconds per generated token of the three services (together and each) and of the
+direct engine (printed since issue 40; an older commit's are shown as `-`); for
 capacity, per workload, the requests/s and output tokens/s at the best level with zero errors and
 the CPU milliseconds per request of all processes and of the gateway, the session manager and the
 worker. Each run's output is kept in `--output-dir` (default:
@@ -86,9 +88,22 @@ def parse_engine_vs_stack(text: str) -> dict[str, float]:
             figures["ttft_added_p99_ms"] = float(match[2])
         elif match := re.match(rf"^ITL added: p50 ({_NUMBER}) ms", line):
             figures["itl_added_p50_ms"] = float(match[1])
+        elif match := re.match(r"^CPU ms per generated token: (.*)$", line):
+            figures |= _cpu_per_token(match[1])
     needed = {"ratio", "ttft_added_p50_ms", "ttft_added_p99_ms", "itl_added_p50_ms", "stack_tok_s"}
     if missing := sorted(needed - figures.keys()):
         raise ParseError(f"engine_vs_stack output lacks {', '.join(missing)}")
+    return figures
+
+
+def _cpu_per_token(text: str) -> dict[str, float]:
+    """`cpu_ms_per_token.<process>` of each `<process> <ms>` of the CPU line, the three services'
+    sum as `cpu_ms_per_token.services`, the direct side's as `cpu_ms_per_token.direct_engine`."""
+    figures = {}
+    for part in re.split(r"[;,]", text):
+        part = part.strip().removeprefix("full stack: ").removeprefix("beside them ").removeprefix("the three ")
+        if match := re.match(rf"^(.+?) ({_NUMBER})(?: \(.*\))?$", part):
+            figures[f"cpu_ms_per_token.{match[1].replace(' ', '_')}"] = float(match[2])
     return figures
 
 
@@ -157,6 +172,9 @@ ENGINE_VS_STACK_FIGURES = (
     Figure("ttft_added_p99_ms", "TTFT added p99 (ms)", 1, difference=True),
     Figure("itl_added_p50_ms", "ITL added p50 (ms)", 2, difference=True),
     Figure("stack_tok_s", "full stack output tok/s", 1),
+    Figure("cpu_ms_per_token.services", "CPU ms per token, 3 services", 4),
+    *(Figure(f"cpu_ms_per_token.{p}", f"  of it {p}", 4) for p in PROCESSES),
+    Figure("cpu_ms_per_token.direct_engine", "CPU ms per token, direct", 4),
 )
 
 

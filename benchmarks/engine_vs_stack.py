@@ -22,7 +22,13 @@ sides get exactly the same schedule. The stack side is measured with the lean HT
 
 Figures: time to first token (TTFT) and inter-token latency (ITL: the gap between consecutive
 content events) at p50/p99, and output tokens/s over the whole run. Targets: throughput ratio
-stack/direct >= 0.97, TTFT added p50 <= 5 ms and p99 <= 25 ms, ITL added p50 <= 1 ms.
+stack/direct >= 0.98, TTFT added p50 <= 5 ms and p99 <= 25 ms, ITL added p50 <= 1 ms.
+
+And the CPU milliseconds per generated token (`/proc`'s user + system time over the measured
+requests, warm-up aside): the direct side's is this process's (the engine and its in-process
+client; a vLLM engine's processes too); the stack's, of the gateway, the session manager and the
+worker each and the three together (target <= 0.06), then, beside them, of the worker's engine
+processes (vLLM's), Redis, RabbitMQ, PostgreSQL and this process (the client).
 """
 
 import argparse
@@ -37,14 +43,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
-from harness import BenchEnvironment, loop_factory
+from harness import BenchEnvironment, CpuMeter, cpu_seconds, loop_factory, server_pids
 
 from services.cli.bench import request_headers, send_one
+from services.cli.launcher import Service
 from services.worker.engines.base import Engine, GenerationRequest
 from services.worker.engines.factory import create_engine
+from services.worker.engines.orphans import descendants
 from services.worker.settings import WorkerSettings
 from shared.http1 import Http1Pool
 from shared.schemas import Message, Sampling
+
+# The platform's own processes: their CPU per token together is the figure with a target.
+SERVICES = ("gateway", "sessions", "worker")
+CPU_TARGET_MS = 0.06
 
 TOPICS = ["dragons", "the sea", "a robot", "a lighthouse", "winter", "a city", "bees", "the moon"]
 
@@ -66,6 +78,8 @@ class Side:
     name: str
     results: list[Result] = field(default_factory=list)
     wall_s: float = 0.0
+    # CPU seconds each watched process (or group of processes) spent on the measured requests.
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> list[Result]:
@@ -127,6 +141,12 @@ async def direct_one(engine: Engine, i: int, max_tokens: int) -> Result:
     return Result(ttft or 0.0, gaps, tokens)
 
 
+def own_cpu_s() -> float:
+    """CPU seconds this process and the processes it started (a vLLM engine's) have used."""
+    pid = os.getpid()
+    return sum(cpu_seconds(p) or 0.0 for p in (pid, *descendants(pid)))
+
+
 async def stack_one(pool: Http1Pool, model: str, i: int, max_tokens: int) -> Result:
     body = orjson.dumps(
         {
@@ -155,19 +175,35 @@ async def measure_direct(args: argparse.Namespace, spacing_s: float) -> Side:
     await engine.start()
     try:
         await direct_one(engine, 0, 4)  # warm-up
+        before = own_cpu_s()
         side = await run_streams(
             lambda i: direct_one(engine, i, args.max_tokens),
             streams=args.streams,
             rounds=args.rounds,
             spacing_s=spacing_s,
         )
+        side.cpu_s = {"direct engine": own_cpu_s() - before}
     finally:
         await engine.stop()
     side.name = "direct engine"
     return side
 
 
-async def measure_stack(args: argparse.Namespace, gateway_url: str, key: str, spacing_s: float) -> Side:
+def stack_pids(stack: dict[str, Service]) -> dict[str, list[int]]:
+    """The processes whose CPU the stack side reports: the three services, the worker's engine
+    processes, the shared servers and this process (the client)."""
+    return {
+        **{name: [stack[name].pid] for name in SERVICES},
+        "engine processes": descendants(stack["worker"].pid),
+        **server_pids(),
+        "client": [os.getpid()],
+    }
+
+
+async def measure_stack(
+    args: argparse.Namespace, gateway_url: str, key: str, spacing_s: float, pids: dict[str, list[int]]
+) -> Side:
+    meter = CpuMeter(pids)
     pool = Http1Pool(
         f"{gateway_url}/v1/chat/completions",
         headers=request_headers(key),
@@ -176,12 +212,14 @@ async def measure_stack(args: argparse.Namespace, gateway_url: str, key: str, sp
     )
     try:
         await stack_one(pool, args.model, 0, 4)  # warm-up
+        meter.start()
         side = await run_streams(
             lambda i: stack_one(pool, args.model, i, args.max_tokens),
             streams=args.streams,
             rounds=args.rounds,
             spacing_s=spacing_s,
         )
+        side.cpu_s = meter.stop()
     finally:
         await pool.aclose()
     side.name = "full stack"
@@ -229,8 +267,8 @@ def report(args: argparse.Namespace, direct: Side, stack: Side, spacing_s: float
         return "ok" if ok else "MISSED"
 
     print(
-        f"stack/direct output tok/s = {added['throughput_ratio']:.3f} (target >= 0.97: "
-        f"{verdict(added['throughput_ratio'] >= 0.97)})"
+        f"stack/direct output tok/s = {added['throughput_ratio']:.3f} (target >= 0.98: "
+        f"{verdict(added['throughput_ratio'] >= 0.98)})"
     )
     print(
         f"TTFT added: p50 {added['ttft_added_p50_ms']:+.1f} ms "
@@ -240,7 +278,29 @@ def report(args: argparse.Namespace, direct: Side, stack: Side, spacing_s: float
     print(
         f"ITL added: p50 {added['itl_added_p50_ms']:+.2f} ms (target <= 1: {verdict(added['itl_added_p50_ms'] <= 1)})"
     )
-    return {"direct": d, "stack": s, **added}
+    cpu = cpu_ms_per_token(direct, stack)
+    services = ", ".join(f"{name} {cpu[name]:.4f}" for name in SERVICES)
+    others = {*SERVICES, "services", "direct engine"}
+    beside = ", ".join(f"{name} {value:.4f}" for name, value in cpu.items() if name not in others)
+    print(
+        f"CPU ms per generated token: direct engine {cpu['direct engine']:.4f}; full stack: {services}, "
+        f"the three services {cpu['services']:.4f} (target <= {CPU_TARGET_MS}: "
+        f"{verdict(cpu['services'] <= CPU_TARGET_MS)}); beside them {beside}"
+    )
+    return {"direct": d, "stack": s, **added, "cpu_ms_per_token": cpu}
+
+
+def cpu_ms_per_token(direct: Side, stack: Side) -> dict[str, float]:
+    """CPU milliseconds per generated token of each side's processes, the three services summed."""
+
+    def per_token(seconds: float, side: Side) -> float:
+        tokens = side.figures()["tokens"]
+        return seconds * 1000 / tokens if tokens else float("nan")
+
+    cpu = {name: per_token(seconds, stack) for name, seconds in stack.cpu_s.items()}
+    cpu["services"] = sum(cpu[name] for name in SERVICES)
+    cpu["direct engine"] = per_token(direct.cpu_s["direct engine"], direct)
+    return cpu
 
 
 def main() -> int:
@@ -269,7 +329,7 @@ def main() -> int:
         key = env.create_key()
         print(f"platform ready (logs in {env.log_dir}); measuring through it...", file=sys.stderr, flush=True)
         with asyncio.Runner(loop_factory=loop) as runner:
-            stacked = runner.run(measure_stack(args, stack["gateway"].url, key, spacing_s))
+            stacked = runner.run(measure_stack(args, stack["gateway"].url, key, spacing_s, stack_pids(stack)))
     figures = report(args, direct, stacked, spacing_s)
     if args.json:
         args.json.write_text(json.dumps({"config": vars(args) | {"json": None}, **figures}, indent=2) + "\n")

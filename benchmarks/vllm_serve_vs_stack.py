@@ -19,7 +19,7 @@ closed loop of `--requests` chat requests (at least 16 a round in all) of `--max
 (`ignore_eos`, greedy), the streams starting spread over one answer's duration. The client is
 `axon bench`'s lean HTTP/1.1 client. Figures per server: output tokens/s over the round, time to
 first token p50/p99; then Axon / vLLM throughput (target >= 0.97) and the TTFT p50 Axon adds
-(target <= 5 ms), over the rounds pooled; and the CPU seconds per 1,000 output tokens of each
+(target <= 10 ms, issue 40), over the rounds pooled; and the CPU seconds per 1,000 output tokens of each
 side's processes (vLLM's: its server and engine; Axon's: gateway, session manager, worker and
 engine, Redis, RabbitMQ, PostgreSQL).
 """
@@ -230,14 +230,14 @@ def report(args: argparse.Namespace, rows: list, cpu: bool) -> None:
     for streams, v, a, idle, cpu in rows:
         ratio = a["output_tok_s"] / v["output_tok_s"] if v["output_tok_s"] else float("nan")
         added = a["ttft_p50_ms"] - v["ttft_p50_ms"]
-        verdict = "ok" if ratio >= 0.97 and added <= 5 else "MISSED"
+        verdict = "ok" if ratio >= 0.97 and added <= 10 else "MISSED"
         print(
             f"{streams:>7} | {v['output_tok_s']:>10.1f} {v['ttft_p50_ms']:>7.1f}ms {v['ttft_p99_ms']:>5.0f}ms | "
             f"{a['output_tok_s']:>10.1f} {a['ttft_p50_ms']:>7.1f}ms {a['ttft_p99_ms']:>5.0f}ms | {ratio:>6.3f} "
             f"{added:>+12.1f} ms | {cpu['vllm serve']:>14.2f}, {cpu['axon']:.2f} | "
             f"{idle['vllm serve']:.1f}, {idle['axon']:.1f}  {verdict}"
         )
-    print("targets: ratio >= 0.97, TTFT added p50 <= 5 ms")
+    print("targets: ratio >= 0.97, TTFT added p50 <= 10 ms")
 
 
 def _vllm_version() -> str:

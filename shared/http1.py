@@ -121,6 +121,10 @@ class _Connection(asyncio.Protocol):
         self._framed = False  # Content-Length or chunked: the body does not end at close
         self._head: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
+        # The read timeout of `wait`: when the current wait gives up, and the one timer that
+        # checks it (armed by a wait, moved on at its firing while later waits go on).
+        self._read_deadline = 0.0
+        self._read_timer: asyncio.TimerHandle | None = None
         self._error: Exception | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.received_any = False
@@ -242,15 +246,38 @@ class _Connection(asyncio.Protocol):
         return b""
 
     async def wait(self, timeout_s: float | None) -> None:
-        """Until more body (or the end, or an error) arrives."""
-        self._waiter = self._loop.create_future()
+        """Until more body (or the end, or an error) arrives.
+
+        A streamed body waits once for nearly every piece: a wait arms no timer of its own; one
+        timer checks at the deadline whether a wait is still on (`_check_read_deadline`).
+
+        Raises:
+            ReadTimeout: nothing arrived for `timeout_s`.
+        """
+        loop = self._loop
+        if timeout_s is not None:
+            deadline = loop.time() + timeout_s
+            self._read_deadline = deadline
+            timer = self._read_timer
+            if timer is None or timer.when() > deadline:
+                if timer is not None:
+                    timer.cancel()
+                self._read_timer = loop.call_at(deadline, self._check_read_deadline, timeout_s)
+        self._waiter = loop.create_future()
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._waiter
-        except TimeoutError:
-            raise ReadTimeout(f"no data for {timeout_s} s") from None
+            await self._waiter
         finally:
             self._waiter = None
+
+    def _check_read_deadline(self, timeout_s: float) -> None:
+        self._read_timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # the next wait arms it again
+        if self._loop.time() >= self._read_deadline:
+            waiter.set_exception(ReadTimeout(f"no data for {timeout_s} s"))
+        else:
+            self._read_timer = self._loop.call_at(self._read_deadline, self._check_read_deadline, timeout_s)
 
     @property
     def reusable(self) -> bool:
@@ -258,6 +285,9 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
         if self._transport is not None:
             self._transport.close()
 

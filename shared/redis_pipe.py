@@ -71,6 +71,10 @@ class PipeScript:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
 
+# A command queued: its bytes, its reply's future, and the script it calls (None: not a script).
+_Command = tuple[bytes, "asyncio.Future[Any]", PipeScript | None]
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self, pipe: "RedisPipe") -> None:
         self._pipe = pipe
@@ -126,8 +130,8 @@ class RedisPipe:
         self._transport: asyncio.Transport | None = None
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Task[None] | None = None
-        self._queued: list[tuple[bytes, asyncio.Future[Any]]] = []
-        self._in_flight: deque[tuple[asyncio.Future[Any], float]] = deque()
+        self._queued: list[_Command] = []
+        self._in_flight: deque[tuple[asyncio.Future[Any], float, bytes, PipeScript | None]] = deque()
         self._flush_scheduled = False
         self._watchdog: asyncio.TimerHandle | None = None
         self._setup_futures: set[asyncio.Future[Any]] = set()
@@ -146,36 +150,28 @@ class RedisPipe:
     def submit(self, *args: Arg) -> asyncio.Future[Any]:
         """Queue one command and return the future of its reply, without waiting (a caller can
         issue several, e.g. a write whose reply it does not need, and await them together)."""
-        if self._closed:
-            raise RedisConnectionError("The Redis pipe is closed.")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._queued.append((pack(args), future))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
-        return future
+        return self._enqueue(pack(args), None)
 
     async def evalsha(self, script: PipeScript, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         """Run `script`; if Redis does not have it (first use, or Redis restarted), load it and retry."""
         return await self.submit_script(script, keys, args)
 
     def submit_script(self, script: PipeScript, keys: Sequence[Arg], args: Sequence[Arg]) -> asyncio.Future[Any]:
-        """`evalsha` without waiting: the future of the script's reply (see `submit`)."""
-        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
-        result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        """`evalsha` without waiting: the future of the script's reply (see `submit`). A `NOSCRIPT`
+        reply is not the caller's: the script is loaded and the call sent again, for the same future
+        (`_reply`)."""
+        return self._enqueue(pack(("EVALSHA", script.sha, len(keys), *keys, *args)), script)
 
-        def first_reply(attempt: asyncio.Future[Any]) -> None:
-            error = None if attempt.cancelled() else attempt.exception()
-            if isinstance(error, ResponseError) and str(error).startswith("NOSCRIPT"):
-                # Both in one write: the load runs first, so the retry finds the script.
-                self.submit("SCRIPT", "LOAD", script.source).add_done_callback(_ignore)
-                self.submit(*command).add_done_callback(lambda retry: _chain(retry, result))
-            else:
-                _chain(attempt, result)
-
-        self.submit(*command).add_done_callback(first_reply)
-        return result
+    def _enqueue(self, packed: bytes, script: PipeScript | None) -> asyncio.Future[Any]:
+        if self._closed:
+            raise RedisConnectionError("The Redis pipe is closed.")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queued.append((packed, future, script))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return future
 
     async def aclose(self) -> None:
         self._closed = True
@@ -197,8 +193,8 @@ class RedisPipe:
             return  # sent once connected
         batch, self._queued = self._queued, []
         sent_at = time.monotonic()
-        self._transport.write(b"".join(packed for packed, _ in batch))
-        self._in_flight.extend((future, sent_at) for _, future in batch)
+        self._transport.write(b"".join(packed for packed, _, _ in batch))
+        self._in_flight.extend((future, sent_at, packed, script) for packed, future, script in batch)
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().call_later(self._timeout_s, self._check_overdue)
 
@@ -211,8 +207,8 @@ class RedisPipe:
             self._fail_queued(exc)
             return
         self._transport, self._protocol, self._connecting = transport, protocol, None
-        setup = [(pack(command), loop.create_future()) for command in self._setup]
-        self._setup_futures = {future for _, future in setup}
+        setup: list[_Command] = [(pack(command), loop.create_future(), None) for command in self._setup]
+        self._setup_futures = {future for _, future, _ in setup}
         self._queued[:0] = setup  # before anything else on this connection
         self._flush()
 
@@ -221,17 +217,22 @@ class RedisPipe:
     def _reply(self, reply: Any) -> None:
         if not self._in_flight:
             return  # a reply nobody waits for (its command timed out): the connection is gone anyway
-        future, _ = self._in_flight.popleft()
+        future, _, packed, script = self._in_flight.popleft()
         if self._setup_futures and future in self._setup_futures:
             self._setup_futures.discard(future)
             if isinstance(reply, ResponseError):
                 self._setup_refused(reply)
             return
-        if future.done():
-            return
         if isinstance(reply, ResponseError):
-            future.set_exception(reply)
-        else:
+            if script is not None and str(reply).startswith("NOSCRIPT"):
+                # Both in one write: the load runs first, so the retry (once) finds the script.
+                self.submit("SCRIPT", "LOAD", script.source).add_done_callback(_ignore)
+                self._queued.append((packed, future, None))
+                return
+            if not future.done():
+                future.set_exception(reply)
+            return
+        if not future.done():
             future.set_result(reply)
 
     def _setup_refused(self, reply: ResponseError) -> None:
@@ -268,34 +269,20 @@ class RedisPipe:
 
     def _fail_in_flight(self, error: Exception) -> None:
         in_flight, self._in_flight = self._in_flight, deque()
-        for future, _ in in_flight:
+        for future, *_ in in_flight:
             if not future.done():
                 future.set_exception(error)
 
     def _fail_queued(self, error: Exception) -> None:
         queued, self._queued = self._queued, []
         error = error if isinstance(error, NotSent) else NotSent(str(error))
-        for _, future in queued:
+        for _, future, _ in queued:
             if not future.done():
                 future.set_exception(error)
 
     def _fail_all(self, error: Exception) -> None:
         self._fail_in_flight(error)
         self._fail_queued(error)
-
-
-def _chain(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:
-    """Give `target` the outcome of `source` (unless `target` was cancelled meanwhile)."""
-    if target.done():
-        if not source.cancelled():
-            source.exception()  # retrieved: never "exception was never retrieved"
-        return
-    if source.cancelled():
-        target.cancel()
-    elif (error := source.exception()) is not None:
-        target.set_exception(error)
-    else:
-        target.set_result(source.result())
 
 
 def _ignore(future: asyncio.Future[Any]) -> None:

@@ -17,7 +17,8 @@ queue, each chunk tagged with its choice's index, so they are relayed in arrival
 import asyncio
 import contextlib
 import uuid
-from typing import Any
+from collections import deque
+from typing import Any, Generic, TypeVar
 
 from redis.exceptions import RedisError
 
@@ -33,6 +34,95 @@ log = get_logger(__name__)
 # subscriber connection dropped and chunks may have been lost).
 STREAM_LOST = b""
 
+_T = TypeVar("_T")
+
+
+class Inbox(Generic[_T]):
+    """A bounded first-in first-out buffer with one reader, which waits for its next item until a
+    deadline: what `asyncio.Queue` under `asyncio.timeout` gives, for less. Every chunk of every
+    stream passes one, and the reader waits for nearly each: a wait arms no timer of its own, a
+    timer armed once for the reader's deadline (a request's) checks at that deadline whether the
+    reader still waits, and sets itself again for a later deadline that a wait since gave.
+    """
+
+    __slots__ = ("_deadline", "_items", "_loop", "_maxsize", "_timer", "_waiter")
+
+    def __init__(self, maxsize: int = 0) -> None:
+        self._items: deque[_T] = deque()
+        self._maxsize = maxsize
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def full(self) -> bool:
+        return 0 < self._maxsize <= len(self._items)
+
+    def put_nowait(self, item: _T) -> None:
+        """Add `item`, waking the reader.
+
+        Raises:
+            asyncio.QueueFull: the buffer holds `maxsize` items.
+        """
+        if 0 < self._maxsize <= len(self._items):
+            raise asyncio.QueueFull
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def get_nowait(self) -> _T:
+        """The oldest item.
+
+        Raises:
+            asyncio.QueueEmpty: there is none.
+        """
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self, timeout_s: float) -> _T:
+        """The oldest item, once there is one.
+
+        Raises:
+            TimeoutError: none came within `timeout_s`.
+        """
+        while not self._items:
+            loop = self._loop or asyncio.get_running_loop()
+            self._loop = loop
+            deadline = loop.time() + timeout_s
+            self._deadline = deadline
+            if self._timer is None or self._timer.when() > deadline:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = loop.call_at(deadline, self._check_deadline)
+            self._waiter = loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def close(self) -> None:
+        """Stop the deadline's timer (the reader is gone)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # the next wait sets the timer again
+        assert self._loop is not None  # set by the wait
+        if self._loop.time() >= self._deadline:
+            waiter.set_exception(TimeoutError())
+        else:
+            self._timer = self._loop.call_at(self._deadline, self._check_deadline)
+
 
 class TokenStream:
     """Chunks of one job, in arrival order."""
@@ -40,7 +130,7 @@ class TokenStream:
     # The choice the chunk `next()` returned belongs to (a merged stream's vary).
     index = 0
 
-    def __init__(self, relay: "TokenRelay", job_id: str, channel: str, queue: asyncio.Queue[bytes]) -> None:
+    def __init__(self, relay: "TokenRelay", job_id: str, channel: str, queue: Inbox[bytes]) -> None:
         self._relay = relay
         self.job_id = job_id
         self.channel = channel
@@ -53,10 +143,7 @@ class TokenStream:
 
     async def next(self, timeout_s: float) -> bytes:
         """Return the next raw chunk; raises TimeoutError after `timeout_s`."""
-        if not self.queue.empty():
-            return self.queue.get_nowait()
-        async with asyncio.timeout(timeout_s):
-            return await self.queue.get()
+        return await self.queue.get(timeout_s)
 
     async def close(self) -> None:
         self._relay.close(self)
@@ -67,7 +154,7 @@ class _ChoiceSink:
 
     __slots__ = ("index", "queue")
 
-    def __init__(self, index: int, queue: "asyncio.Queue[tuple[int, bytes]]") -> None:
+    def __init__(self, index: int, queue: Inbox[tuple[int, bytes]]) -> None:
         self.index = index
         self.queue = queue
 
@@ -79,7 +166,7 @@ class MergedStream:
     """Chunks of several jobs (the choices of one request), in arrival order; after `next()`,
     `index` says whose."""
 
-    def __init__(self, relay: "TokenRelay", streams: list[TokenStream], queue: asyncio.Queue[tuple[int, bytes]]):
+    def __init__(self, relay: "TokenRelay", streams: list[TokenStream], queue: Inbox[tuple[int, bytes]]):
         self._relay = relay
         self.streams = streams
         self.queue = queue
@@ -92,14 +179,11 @@ class MergedStream:
     async def next(self, timeout_s: float) -> bytes:
         """Return the next raw chunk of any choice (its index in `index`); raises TimeoutError after
         `timeout_s`."""
-        if not self.queue.empty():
-            self.index, data = self.queue.get_nowait()
-            return data
-        async with asyncio.timeout(timeout_s):
-            self.index, data = await self.queue.get()
+        self.index, data = await self.queue.get(timeout_s)
         return data
 
     async def close(self) -> None:
+        self.queue.close()
         for stream in self.streams:
             self._relay.close(stream)
 
@@ -115,7 +199,7 @@ class TokenRelay:
         )
         self._names = names
         self._buffer_chunks = buffer_chunks
-        self._queues: dict[bytes, asyncio.Queue[bytes] | _ChoiceSink] = {}
+        self._queues: dict[bytes, Inbox[bytes] | _ChoiceSink] = {}
         self._spare_target = spare_streams
         self._spares: list[TokenStream] = []
         self._refilling = False
@@ -146,7 +230,7 @@ class TokenRelay:
 
     async def _subscribe(self, job_id: str) -> TokenStream:
         channel = self._names.tokens_channel(job_id)
-        queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=self._buffer_chunks)
+        queue: Inbox[bytes] = Inbox(maxsize=self._buffer_chunks)
         name = channel.encode()
         self._queues[name] = queue
         try:
@@ -178,7 +262,7 @@ class TokenRelay:
     def merge(self, streams: list[TokenStream]) -> MergedStream:
         """One stream of the chunks of `streams` (opened, their jobs not yet published), each
         tagged with its position in `streams`. Its buffer holds as many chunks as theirs did."""
-        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue(maxsize=self._buffer_chunks * len(streams))
+        queue: Inbox[tuple[int, bytes]] = Inbox(maxsize=self._buffer_chunks * len(streams))
         for index, stream in enumerate(streams):
             name, sink = stream.channel.encode(), _ChoiceSink(index, queue)
             if self._queues.get(name) is stream.queue:
@@ -190,6 +274,7 @@ class TokenRelay:
         return MergedStream(self, streams, queue)
 
     def close(self, stream: TokenStream) -> None:
+        stream.queue.close()
         if self._queues.pop(stream.channel.encode(), None) is not None:
             self._subscriber.unsubscribe(stream.channel)
 
@@ -216,10 +301,10 @@ class TokenRelay:
             _end(queue)
 
 
-def _end(sink: asyncio.Queue[bytes] | _ChoiceSink) -> None:
+def _end(sink: Inbox[bytes] | _ChoiceSink) -> None:
     """End the stream: its reader gets what is queued, then STREAM_LOST (room is made for it
     by dropping the oldest chunk if the queue is full)."""
-    queue: asyncio.Queue[Any] = sink.queue if isinstance(sink, _ChoiceSink) else sink
+    queue: Inbox[Any] = sink.queue if isinstance(sink, _ChoiceSink) else sink
     with contextlib.suppress(asyncio.QueueEmpty):
         if queue.full():
             queue.get_nowait()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
+import orjson
 from redis.exceptions import RedisError
 
 from services.worker.engines import EngineOutput
@@ -98,6 +99,9 @@ return 1
 
 # The chunk's JSON straight from pydantic's serializer (`model_dump_json` costs a little more).
 _chunk_json = TokenChunk.__pydantic_serializer__.to_json
+# Most chunks are text alone: their JSON, as `_chunk_json(..., exclude_none=True)` writes it, from
+# a template with only the text encoded (a TokenChunk built and serialised costs several times more).
+_TEXT_CHUNK = b'{"seq":%d,"text":%b,"n_tokens":%d}'
 
 # What `_PUBLISH_WITH_PROGRESS` returns for a final chunk whose usage nobody recorded, and for
 # any other chunk nobody received.
@@ -231,6 +235,10 @@ class ChunkPublisher:
         logprobs: list[TokenLogprob] | None = None
         if out.logprobs or out.prompt_logprobs:
             logprobs = [*out.prompt_logprobs, *out.logprobs]
+        if reason is None and tool_calls is None and logprobs is None:
+            payload = _TEXT_CHUNK % (self.seq, orjson.dumps(text), out.n_tokens)
+            await self._send(payload, final=False, text=out.text, token_ids=out.token_ids)
+            return
         usage = None
         if reason is not None:
             usage = self._usage(PromptTokensDetails(cached_tokens=out.cached_tokens))
@@ -244,7 +252,7 @@ class ChunkPublisher:
             logprobs=logprobs,
             stop_sequence=out.stop_sequence if reason == "stop" else None,
         )
-        await self._send(chunk, text=out.text, token_ids=out.token_ids, home=self._home)
+        await self._send_chunk(chunk, text=out.text, token_ids=out.token_ids, home=self._home)
 
     def _parse(
         self, raw: str, reason: FinishReason | None
@@ -271,22 +279,28 @@ class ChunkPublisher:
     ) -> None:
         """End the job with an error, charging the tokens published before it."""
         error = ChunkError(message=message, type=error_type, param=param, code=code)
-        await self._send(TokenChunk(seq=self.seq, finish_reason="error", error=error, usage=self._usage()))
+        await self._send_chunk(TokenChunk(seq=self.seq, finish_reason="error", error=error, usage=self._usage()))
 
     async def finish_cancelled(self) -> None:
         """End a job cancelled before it ran here, charging what earlier attempts published."""
-        await self._send(TokenChunk(seq=self.seq, finish_reason="cancelled", usage=self._usage()))
+        await self._send_chunk(TokenChunk(seq=self.seq, finish_reason="cancelled", usage=self._usage()))
 
-    async def _send(
+    async def _send_chunk(
         self, chunk: TokenChunk, *, text: str = "", token_ids: tuple[int, ...] = (), home: Home | None = None
     ) -> None:
-        """One script call: publish the chunk, log it if the job keeps a log, and record the
-        progress (or, for a final chunk, forget it, and name this worker the session's `home`), so
-        a worker dying in between never leaves half a record. `text` is the engine's raw text
-        (tool calls included), which a resumed job replays."""
+        """`_send` of `chunk` (a final one carries the worker's span's `traceparent`)."""
         final = chunk.finish_reason is not None
         if final and self._traceparent is not None:
             chunk.traceparent = self._traceparent
+        await self._send(_chunk_json(chunk, exclude_none=True), final=final, text=text, token_ids=token_ids, home=home)
+
+    async def _send(
+        self, payload: bytes, *, final: bool, text: str = "", token_ids: tuple[int, ...] = (), home: Home | None = None
+    ) -> None:
+        """One script call: publish the chunk (`payload`, its JSON), log it if the job keeps a log,
+        and record the progress (or, for a `final` chunk, forget it, and name this worker the
+        session's `home`), so a worker dying in between never leaves half a record. `text` is the
+        engine's raw text (tool calls included), which a resumed job replays."""
         expire_s = 0
         creates = (bool(text) and not self._text_expiring) or (bool(token_ids) and not self._tokens_expiring)
         if final or not self._expiry_set or creates:
@@ -304,7 +318,7 @@ class ChunkPublisher:
             keys,
             [
                 self._channel,
-                _chunk_json(chunk, exclude_none=True),
+                payload,
                 int(final),
                 self.seq + 1,
                 self.completion_tokens,

@@ -574,6 +574,7 @@ class JobRunner:
         band = BATCH if job.batch else INTERACTIVE
         meter = self._meter
         served = self._metrics.tenant_tokens.labels(model, tenant, band, "output")
+        output_tokens = self._metrics.output_tokens.labels(model)
         reason: FinishReason | None = None
         first_ns: int | None = None
         aborted = False
@@ -596,7 +597,7 @@ class JobRunner:
                 aborted = True
                 log.info("job_unheard", seq=publisher.seq - 1)
                 await self._engine.abort(job_id)
-            self._metrics.output_tokens.labels(model).inc(out.n_tokens)
+            output_tokens.inc(out.n_tokens)
             if out.finish_reason is not None:
                 reason = out.finish_reason
                 self._metrics.prompt_tokens.labels(model).inc(publisher.prompt_tokens)

@@ -108,6 +108,24 @@ async def test_tool_calls_are_split_from_content_and_the_answer_ends_tool_calls(
     assert orjson.loads(channel.raw[0]) == {"seq": 0, "text": "Let me check.", "n_tokens": 3}
 
 
+async def test_a_text_chunk_is_the_json_its_token_chunk_serialises_to(pipe, namespace, service_urls) -> None:
+    names, job_id = Names(f"{namespace}-chunks"), str(uuid.uuid4())
+    channel_name = names.tokens_channel(job_id)
+    publisher = ChunkPublisher(
+        pipe, names, job_id=job_id, channel=channel_name, deadline=time.time() + 60, progress=Progress()
+    )
+    texts = [' "quoted" \\ back', "\n\t\r\b\f\x00\x1f\x7f", "é漢字😀\u2028", "", "</script>"]
+    async with Channel(service_urls.redis, channel_name) as channel:
+        for i, text in enumerate(texts):
+            await publisher.publish(EngineOutput(text, 2, 3, 2 * i + 2))
+        await channel.chunks(len(texts))
+    expected = [
+        TokenChunk(seq=i, text=text, n_tokens=2).model_dump_json(exclude_none=True).encode()
+        for i, text in enumerate(texts)
+    ]
+    assert channel.raw == expected
+
+
 # A call forced by name: the answer is the arguments, streamed as they come.
 NAMED_OUTPUTS = [
     EngineOutput('{"tz"', 3, 9, 3),

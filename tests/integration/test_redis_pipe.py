@@ -113,3 +113,14 @@ async def test_submitted_scripts_share_a_write_and_reload_after_a_flush(pipe, re
     await redis_client.script_flush()
     replies = await asyncio.gather(*(pipe.submit_script(script, [], [i]) for i in range(3)))
     assert replies == [b"0", b"1", b"2"]
+
+
+async def test_a_script_s_own_error_reaches_its_caller_and_a_loaded_script_runs_once(pipe, redis_client) -> None:
+    key = f"test:pipe:{uuid.uuid4().hex}"
+    failing = PipeScript(f"-- {uuid.uuid4().hex}\nreturn redis.error_reply('NOT_THIS ' .. ARGV[1])")
+    with pytest.raises(ResponseError, match="NOT_THIS 1"):
+        await pipe.evalsha(failing, [], [1])
+    counting = PipeScript(f"-- {uuid.uuid4().hex}\nreturn redis.call('INCR', KEYS[1])")
+    assert await asyncio.gather(*(pipe.evalsha(counting, [key], []) for _ in range(3))) == [1, 2, 3]
+    assert await pipe.execute("GET", key) == b"3"  # each call ran once, the first ones after the load
+    await redis_client.delete(key)

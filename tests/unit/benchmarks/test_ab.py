@@ -23,7 +23,8 @@ full stack          192      0   24576         57.8         73.3       20.04    
 stack/direct output tok/s = 0.997 (target >= 0.97: ok)
 TTFT added: p50 +7.6 ms (target <= 5: MISSED), p99 +22.1 ms (target <= 25: ok)
 ITL added: p50 -0.02 ms (target <= 1: ok)
-"""
+CPU ms per generated token: direct engine 0.0213; full stack: gateway 0.0301, sessions 0.0512, worker 0.0405, the three services 0.1218 (target <= 0.06: MISSED); beside them engine processes 0.0000, redis 0.0110, rabbitmq 0.0002, postgres 0.0001, client 0.0150
+"""  # noqa: E501
 
 # capacity.py's stdout with both workloads; in the second no level was clean.
 CAPACITY_OUTPUT = """\
@@ -54,6 +55,21 @@ def test_engine_vs_stack_figures_are_read_from_its_report() -> None:
     assert figures["direct_tok_s"] == 2376.5
     assert figures["stack_ttft_p99_ms"] == 73.3
     assert figures["stack_errors"] == figures["direct_errors"] == 0
+    assert figures["cpu_ms_per_token.services"] == 0.1218
+    assert figures["cpu_ms_per_token.gateway"] == 0.0301
+    assert figures["cpu_ms_per_token.sessions"] == 0.0512
+    assert figures["cpu_ms_per_token.worker"] == 0.0405
+    assert figures["cpu_ms_per_token.direct_engine"] == 0.0213
+    assert figures["cpu_ms_per_token.engine_processes"] == 0.0
+    assert figures["cpu_ms_per_token.redis"] == 0.0110
+    assert figures["cpu_ms_per_token.client"] == 0.0150
+
+
+def test_engine_vs_stack_before_the_cpu_line_has_the_other_figures() -> None:
+    text = "\n".join(line for line in ENGINE_VS_STACK_OUTPUT.splitlines() if not line.startswith("CPU ms"))
+    figures = ab.parse_engine_vs_stack(text)
+    assert figures["ratio"] == 0.997
+    assert not any(key.startswith("cpu_ms_per_token") for key in figures)
 
 
 def test_engine_vs_stack_reads_nan_and_refuses_output_without_a_report() -> None:

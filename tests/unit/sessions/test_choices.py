@@ -8,7 +8,7 @@ import pytest
 
 from services.sessions.job_building import for_choice
 from services.sessions.job_publishing import publish_all
-from services.sessions.relay import TokenStream
+from services.sessions.relay import Inbox, TokenStream
 from shared.errors import Unavailable
 from shared.schemas import Job, Sampling
 
@@ -97,7 +97,7 @@ async def test_a_single_job_is_called_off_only_if_it_may_be_queued(failure: Exce
 
 
 def _stream(job_id: str) -> TokenStream:
-    return TokenStream(None, job_id, f"tokens:{job_id}", asyncio.Queue())  # type: ignore[arg-type]
+    return TokenStream(None, job_id, f"tokens:{job_id}", Inbox())  # type: ignore[arg-type]
 
 
 def test_each_choice_has_its_job_id_channel_and_seed_plus_its_index() -> None:

@@ -15,7 +15,7 @@ from services.sessions.catalog import ModelCatalog
 from services.sessions.chat.protocol import ResponseBuilder
 from services.sessions.cold_start import cold_start_job, first_after_cold_start
 from services.sessions.metrics import SessionsMetrics
-from services.sessions.relay import TokenStream
+from services.sessions.relay import Inbox, TokenStream
 from shared.errors import Unavailable
 from shared.internal_headers import Caller
 from shared.openai_requests import RequestLimits, parse_request
@@ -38,7 +38,7 @@ def _job(*, start_by: float | None, deadline_in_s: float = 300) -> Job:
 
 
 def _active(job: Job) -> tuple[ActiveRequest, TokenStream]:
-    stream = TokenStream(None, job.job_id, job.channel, asyncio.Queue())  # type: ignore[arg-type]
+    stream = TokenStream(None, job.job_id, job.channel, Inbox())  # type: ignore[arg-type]
     builder = ResponseBuilder(kind="chat", job_id=job.job_id, model=MODEL, include_usage=False, logprobs=False)
     active = ActiveRequest(
         choices=[Choice(0, job)],

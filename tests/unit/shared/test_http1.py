@@ -241,6 +241,33 @@ async def test_a_silent_server_times_out_on_the_head_and_mid_body() -> None:
         server.close()
 
 
+async def test_the_read_timeout_counts_from_the_last_piece_not_the_first() -> None:
+    """Pieces 0.15 s apart for 0.6 s, with a read timeout of 0.3 s, all arrive; then 1 s of
+    silence is a ReadTimeout."""
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(4):
+            await asyncio.sleep(0.15)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+        await asyncio.sleep(10)
+
+    server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+    client = client_for(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", read_timeout_s=0.3)
+    received = b""
+    try:
+        response = await client.request("GET", "/trickle")
+        with pytest.raises(ReadTimeout):
+            async for piece in response.pieces():
+                received += piece
+        assert received == b"xxxx"
+    finally:
+        await client.aclose()
+        server.close()
+
+
 async def test_an_idle_connection_past_its_timeout_is_not_reused(serve) -> None:
     async def echo(_number: int, body: bytes) -> bytes:
         return ok(body)
