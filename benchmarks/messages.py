@@ -20,8 +20,8 @@ import sys
 
 import orjson
 from engine_vs_stack import prompt
-from harness import BenchEnvironment, CpuMeter
-from responses import MODEL, Run, chat_one, round_of, sim_env
+from harness import BenchEnvironment
+from responses import MODEL, Run, alternated_pairs, chat_one, sim_env
 
 from services.cli.bench import request_headers, send_one
 from shared.http1 import Http1Pool
@@ -58,21 +58,8 @@ async def streaming(args: argparse.Namespace, gateway_url: str, key: str, pids: 
         "chat": lambda i: chat_one(chat, i, args.max_tokens),
         "messages": lambda i: messages_one(messages, i, args.max_tokens),
     }
-    spacing_s = (args.sim_ttft_ms + args.max_tokens * args.sim_itl_ms) / 1000 / args.streams
     try:
-        for one in modes.values():  # warm-up
-            await one(0)
-        pairs: list[dict[str, Run]] = []
-        for pair in range(args.pairs):
-            order = list(modes) if pair % 2 == 0 else list(reversed(modes))
-            runs = {}
-            for mode in order:
-                meter = CpuMeter(pids)
-                meter.start()
-                runs[mode] = await round_of(modes[mode], streams=args.streams, rounds=args.rounds, spacing_s=spacing_s)
-                runs[mode].cpu_s = meter.stop()
-            pairs.append(runs)
-            print(f"pair {pair + 1}/{args.pairs} done", file=sys.stderr, flush=True)
+        pairs = await alternated_pairs(modes, args, pids)
     finally:
         await chat.aclose()
         await messages.aclose()

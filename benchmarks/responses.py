@@ -35,6 +35,7 @@ import sys
 import time
 import tracemalloc
 import uuid
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import orjson
@@ -178,25 +179,37 @@ async def streaming(args: argparse.Namespace, gateway_url: str, key: str, pids: 
         "chat": lambda i: chat_one(chat, i, args.max_tokens),
         "responses": lambda i: responses_one(responses, responses_body(i)),
     }
-    spacing_s = (args.sim_ttft_ms + args.max_tokens * args.sim_itl_ms) / 1000 / args.streams
     try:
-        for one in modes.values():  # warm-up
-            await one(0)
-        pairs: list[dict[str, Run]] = []
-        for pair in range(args.pairs):
-            order = list(modes) if pair % 2 == 0 else list(reversed(modes))
-            runs = {}
-            for mode in order:
-                meter = CpuMeter(pids)
-                meter.start()
-                runs[mode] = await round_of(modes[mode], streams=args.streams, rounds=args.rounds, spacing_s=spacing_s)
-                runs[mode].cpu_s = meter.stop()
-            pairs.append(runs)
-            print(f"pair {pair + 1}/{args.pairs} done", file=sys.stderr, flush=True)
+        pairs = await alternated_pairs(modes, args, pids)
     finally:
         await chat.aclose()
         await responses.aclose()
     return report_streaming(args, pairs)
+
+
+async def alternated_pairs(
+    modes: Mapping[str, Callable[[int], Awaitable[tuple[float | None, int, str | None]]]],
+    args: argparse.Namespace,
+    pids: dict[str, list[int]],
+) -> list[dict[str, Run]]:
+    """Each of `modes` (name: one request's coroutine function) once warmed up, then `args.pairs`
+    pairs of rounds, the modes alternated (the first first in odd pairs, last in even ones), each
+    round's CPU of the `pids` measured with it."""
+    spacing_s = (args.sim_ttft_ms + args.max_tokens * args.sim_itl_ms) / 1000 / args.streams
+    for one in modes.values():  # warm-up
+        await one(0)
+    pairs: list[dict[str, Run]] = []
+    for pair in range(args.pairs):
+        order = list(modes) if pair % 2 == 0 else list(reversed(modes))
+        runs = {}
+        for mode in order:
+            meter = CpuMeter(pids)
+            meter.start()
+            runs[mode] = await round_of(modes[mode], streams=args.streams, rounds=args.rounds, spacing_s=spacing_s)
+            runs[mode].cpu_s = meter.stop()
+        pairs.append(runs)
+        print(f"pair {pair + 1}/{args.pairs} done", file=sys.stderr, flush=True)
+    return pairs
 
 
 def report_streaming(args: argparse.Namespace, pairs: list[dict[str, Run]]) -> int:
