@@ -128,9 +128,14 @@ class ResponseCreate(BaseModel):
                 {
                     "anyOf": [
                         {"properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}}},
+                        # An empty `instructions` is no system message.
+                        {
+                            "properties": {"instructions": {"type": "string", "minLength": 1}},
+                            "required": ["instructions"],
+                        },
                         *(
                             {"properties": {field: {"not": {"type": "null"}}}, "required": [field]}
-                            for field in ("instructions", "previous_response_id", "conversation")
+                            for field in ("previous_response_id", "conversation")
                         ),
                     ]
                 },

@@ -115,6 +115,7 @@ def test_completions_take_one_prompt(prompt: object, accepted: bool) -> None:
         ({"input": "hi"}, True),
         ({"input": []}, False),  # nothing to answer
         ({"input": [], "instructions": "Be brief."}, True),
+        ({"input": [], "instructions": ""}, False),  # an empty system message is none
         ({"input": [{}]}, False),
         ({"input": [USER]}, True),  # a message's `type` may be left out, as OpenAI's EasyInputMessage
         ({"input": [{"type": "function_call_output", "call_id": "", "output": "x"}]}, False),
