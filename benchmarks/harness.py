@@ -166,6 +166,12 @@ def start_gateways(env: "BenchEnvironment", affinity_wait_ms: int) -> dict[str, 
     return gateways
 
 
+def start_service_pair(env: "BenchEnvironment", label: str, sessions_env: dict[str, str]) -> Service:
+    """A session manager with `sessions_env` and a gateway in front of it (returned)."""
+    sessions = env.start_service("sessions", name=f"sessions-{label}", env=sessions_env)
+    return env.start_service("gateway", name=f"gateway-{label}", env={"AXON_SESSIONS_URL": sessions.url})
+
+
 class CpuMeter:
     """CPU seconds each watched process spends between `start()` and `stop()`."""
 

@@ -16,11 +16,20 @@ worker's KV cache. The whole rule, across the three services:
 4. Each worker consumes its own queue beside the model's; a draining worker leaves `homes` first,
    and what waits in its queue expires into the shared one within the affinity wait.
 
+5. Where workers keep a prefix index (`shared/prefix_index.py`), a request's home is rather the
+   worker whose KV cache holds the longest prefix of its prompt, weighed against its load
+   (`prefix_route`): a session's home while it holds as much as any; spilled to the least loaded
+   worker once its home runs `spill_seqs` more of this session manager's jobs than that one. No
+   worker holding any prefix of it, or the index unread (short prompt, Redis away, no indexed
+   worker): the rules above.
+
 `AXON_AFFINITY_WAIT_MS=0` turns it all off: every job goes to the shared queue.
 """
 
 import hashlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from shared.schemas import Message
 
@@ -93,3 +102,49 @@ def _first_answer(messages: Sequence[Message]) -> int | None:
         elif message.role == "assistant" and seen_user:
             return index
     return None
+
+
+# Why a request went where it did (`axon_sessions_prefix_routes_total`'s `reason`): the worker
+# holding its longest cached prefix; a less loaded worker than that one; its session's home; none
+# of these (the shared queue).
+RouteReason = Literal["cached_prefix", "load_spill", "session", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where the prefix index sends a job (`home`: that worker's own queue first)."""
+
+    home: str
+    reason: RouteReason
+
+
+def prefix_route(
+    *,
+    matches: Mapping[str, int],
+    loads: Mapping[str, int],
+    session_home: str | None,
+    spill_seqs: int,
+) -> Route | None:
+    """The worker a request goes to first, by the prefix index (None: no worker holds any prefix
+    of it, and today's rules route it, `job_home`).
+
+    Args:
+        matches: for each live indexed worker, how far into the prompt's anchors it holds it.
+        loads: this session manager's jobs in flight on each worker.
+        session_home: the worker that served the session's last turn (None: none).
+        spill_seqs: a home running this many more jobs than the least loaded worker spills to it.
+    """
+    best = max(matches.values(), default=0)
+    if best == 0:
+        return None
+    holders = [worker for worker, held in matches.items() if held == best]
+    target: str
+    reason: RouteReason
+    if session_home in holders:
+        target, reason = session_home, "session"
+    else:
+        target, reason = min(holders, key=lambda w: (loads.get(w, 0), w)), "cached_prefix"
+    least = min(matches, key=lambda w: (loads.get(w, 0), -matches[w], w))
+    if loads.get(target, 0) - loads.get(least, 0) >= spill_seqs:
+        return Route(least, "load_spill")
+    return Route(target, reason)

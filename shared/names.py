@@ -90,6 +90,12 @@ class Names:
         was last served or queued a job). Each expires a week after its last write (`shared/fair.py`)."""
         return f"{self.namespace}:fair:{model}:{band}:{part}"
 
+    def prefix_index(self, model: str, worker_id: str) -> str:
+        """Set of the prompt anchors whose prefix `worker_id`'s engine holds in its KV cache for
+        `model` (`shared/prefix_index.py`); written by that worker alone, expiring
+        `PREFIX_INDEX_TTL_S` after its last write."""
+        return f"{self.namespace}:prefix:{model}:{worker_id}"
+
     def job_progress(self, job_id: str) -> str:
         """Hash of a running job's progress: next `seq`, tokens so far (for failover). Expires at the
         job's deadline + 60 s (`shared.usage.PROGRESS_GRACE_S`)."""

@@ -72,7 +72,8 @@ class LiveModel:
     """A model some live worker serves: how many workers, the smallest context among them, the
     request parameters every one of them honours (a job may go to any of them), the ids of
     those that take jobs of their own (live and not draining: a session's home may be one), and
-    the engines they run (`vllm`, `transformers`, `sim`)."""
+    the engines they run (`vllm`, `transformers`, `sim`), and which of the homes keep a set in the
+    prefix index (`shared/prefix_index.py`)."""
 
     workers: int
     context_tokens: int
@@ -81,9 +82,16 @@ class LiveModel:
     # A LoRA adapter's base model (the queue its jobs go to); None for a base model.
     parent: str | None = None
     engines: frozenset[str] = frozenset()
+    indexed: frozenset[str] = frozenset()
 
     def joined(
-        self, *, context_tokens: int, supports: frozenset[str], homes: frozenset[str], engines: frozenset[str]
+        self,
+        *,
+        context_tokens: int,
+        supports: frozenset[str],
+        homes: frozenset[str],
+        engines: frozenset[str],
+        indexed: frozenset[str] = frozenset(),
     ) -> "LiveModel":
         """This model with one more live worker."""
         return LiveModel(
@@ -93,6 +101,7 @@ class LiveModel:
             self.homes | homes,
             self.parent,
             self.engines | engines,
+            self.indexed | indexed,
         )
 
     def route(self, name: str) -> tuple[str, str | None]:
@@ -124,11 +133,12 @@ class WorkerRegistry:
         draining: bool = False,
         adapters: Iterable[str] = (),
         engine: str = "",
+        prefix_index: bool = False,
     ) -> None:
         """Announce that `worker_id` serves `model`, and its LoRA `adapters`, with `engine` for the
         next `ttl_s` seconds, honouring the request parameters `supports`; a `draining` worker is
-        no session's home any more. Models no live worker served for `forget_model_after_s` are
-        forgotten in the same call."""
+        no session's home any more; with `prefix_index` it keeps a set in the prefix index. Models
+        no live worker served for `forget_model_after_s` are forgotten in the same call."""
         served_adapters = sorted(adapters)
         now = time.time()
         entry = {
@@ -140,6 +150,7 @@ class WorkerRegistry:
             "draining": draining,
             "adapters": served_adapters,
             "engine": engine,
+            "prefix_index": prefix_index,
         }
         names = self._names
         forgotten = await self._heartbeat(
@@ -176,12 +187,15 @@ class WorkerRegistry:
             supports = frozenset(entry.get("supports", ()))
             homes = frozenset() if entry.get("draining") else frozenset((worker_id.decode(),))
             engines = frozenset((entry["engine"],)) if entry.get("engine") else frozenset()
+            indexed = homes if entry.get("prefix_index") else frozenset()
             for name, parent in _served(entry):
                 known = live.get(name)
                 live[name] = (
-                    known.joined(context_tokens=context, supports=supports, homes=homes, engines=engines)
+                    known.joined(
+                        context_tokens=context, supports=supports, homes=homes, engines=engines, indexed=indexed
+                    )
                     if known
-                    else LiveModel(1, context, supports, homes, parent, engines)
+                    else LiveModel(1, context, supports, homes, parent, engines, indexed)
                 )
         if expired:
             await self._redis.hdel(self._names.workers_key, *expired)

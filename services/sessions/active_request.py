@@ -78,6 +78,8 @@ class ActiveRequest:
         # Choices whose final chunk has not arrived.
         self.unfinished = len(choices)
         self.closed = False
+        # The worker whose own queue its job went to by the prefix index's routing (None: another route).
+        self.worker: str | None = None
         self.usage: Usage | None = None
         # The stream ended before its chunks did (STREAM_LOST): nothing more arrives on it.
         self.lost = False

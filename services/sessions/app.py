@@ -25,6 +25,7 @@ from services.sessions.messages import router as messages_router
 from services.sessions.messages.service import MessagesService
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.models import router as models_router
+from services.sessions.prefix_routing import PrefixRouter
 from services.sessions.resources import SessionsResources, open_resources
 from services.sessions.responses import router as responses_router
 from services.sessions.responses.service import ResponsesService
@@ -40,6 +41,7 @@ from shared.keys import KeyRepository
 from shared.logging import get_logger
 from shared.middleware import NO_FASTAPI_TELEMETRY, RequestContextMiddleware
 from shared.names import Names
+from shared.prefix_index import PrefixIndex
 from shared.probes import PROBE_PATHS, install_probes
 from shared.ratelimit import RateLimiter
 from shared.tracing import Tracing
@@ -124,6 +126,14 @@ def _attach_services(
         ),
         metrics=metrics,
         tracing=tracing,
+        router=PrefixRouter(
+            PrefixIndex(opened.pipe, opened.names),
+            spill_seqs=settings.prefix_spill_seqs,
+            lookup_timeout_s=settings.prefix_lookup_timeout_ms / 1000,
+            routes=metrics.prefix_routes,
+        )
+        if settings.prefix_routing and opened.publisher.affinity
+        else None,
     )
     run_on = RunOn(
         ResponseLeases(

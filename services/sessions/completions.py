@@ -26,6 +26,7 @@ from services.sessions.job_building import JobBuilder, for_choice
 from services.sessions.job_publishing import JobPublisher, publish_all
 from services.sessions.metrics import SessionsMetrics
 from services.sessions.outbox import Outbox
+from services.sessions.prefix_routing import PrefixRouter
 from services.sessions.relay import MergedStream, TokenRelay, TokenStream
 from services.sessions.settings import SessionsSettings
 from services.sessions.turns import Turn, Turns
@@ -61,8 +62,11 @@ class CompletionService:
         turns: Turns,
         metrics: SessionsMetrics,
         tracing: Tracing | None = None,
+        router: PrefixRouter | None = None,
     ) -> None:
         self._tracing = tracing
+        # The prefix index's routing (`prefix_routing.py`); None: session affinity only.
+        self._router = router
         self._settings = settings
         self._names = Names(settings.namespace)
         self._catalog = catalog
@@ -169,8 +173,16 @@ class CompletionService:
                 homes=live.homes,
                 prefix_affinity=self._settings.prefix_affinity and self._publisher.affinity,
             )
+            router = self._router if n == 1 else None
+            if router is not None:
+                # The worker whose KV cache holds the longest prefix of the prompt, if the index knows.
+                with span(tracing, "prefix index"):
+                    route = await router.route(job, live, session_home=turn.home if turn is not None else None)
+                if route is not None:
+                    home = route.home
+                router.count(job.model, route, home=home)
             with span(tracing, "publish", kind=SpanKind.PRODUCER, attributes={"axon.job_id": job.job_id}):
-                await publish_all(
+                sent = await publish_all(
                     self._publisher,
                     jobs,
                     priority=job_priority(caller.priority, batch=caller.batch),
@@ -184,8 +196,16 @@ class CompletionService:
             if turn is not None:
                 await self._turns.abandon(turn)
             raise
+        worker = home if router is not None and sent == "home" else None
+        if router is not None and worker is not None:
+            router.started(worker)
         if turn is not None:
-            await self._record_question(turn, stream)
+            try:
+                await self._record_question(turn, stream)
+            except BaseException:
+                if router is not None and worker is not None:
+                    router.ended(worker)
+                raise
         self._metrics.jobs_published.labels(job.model).inc(n)
         self._metrics.active_streams.inc()
         builder = ResponseBuilder(
@@ -198,7 +218,11 @@ class CompletionService:
         if chat_resumable:
             self._keep_stream_meta(jobs[0], builder, caller)
         choices = [Choice(i, j) for i, j in enumerate(jobs)]
-        return ActiveRequest(choices=choices, caller=caller, stream=stream, builder=builder, started=started, turn=turn)
+        active = ActiveRequest(
+            choices=choices, caller=caller, stream=stream, builder=builder, started=started, turn=turn
+        )
+        active.worker = worker
+        return active
 
     def _keep_stream_meta(self, job: Job, builder: ResponseBuilder, caller: Caller) -> None:
         """Record who may resume the job's stream and what its events repeat (`StreamMeta`), as
@@ -316,6 +340,7 @@ class CompletionService:
         if active.closed:
             return
         active.closed = True
+        self._ended(active)
         self._metrics.active_streams.dec()
         self._metrics.outcomes.labels(active.job.model, outcome).inc()
         unfinished = [c for c in active.choices if c.answer.finish_reason is None]
@@ -353,8 +378,14 @@ class CompletionService:
         if active.closed:
             return
         active.closed = True
+        self._ended(active)
         self._metrics.active_streams.dec()
         await active.stream.close()
+
+    def _ended(self, active: ActiveRequest) -> None:
+        """The request no longer counts towards its worker's load (`PrefixRouter`)."""
+        if self._router is not None and active.worker is not None:
+            self._router.ended(active.worker)
 
     async def settle(self, caller: Caller, usage: Usage | None) -> None:
         """Settle the admission of a request whose relay handed it over (`hand_over`) to its real

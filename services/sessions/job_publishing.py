@@ -137,8 +137,9 @@ class JobPublisher:
         request_id: str,
         home: str | None = None,
         headers: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Publish `job` persistently; the broker drops it unread once its deadline passes.
+    ) -> str:
+        """Publish `job` persistently; the broker drops it unread once its deadline passes. Returns
+        the route it took (`axon_sessions_jobs_routed_total`'s: `home` when it went to `home`'s queue).
 
         A job goes to its tenant's queue (a batch line's to its tenant's batch queue), unless
         nothing waits for the model and a worker had a free sequence (reserved for it): then to
@@ -188,7 +189,7 @@ class JobPublisher:
                 )
                 if isinstance(confirmation, spec.Basic.Ack):
                     self._count(job.model, "home")
-                    return
+                    return "home"
                 log.info("job_home_missing", model=job.model, worker_id=home)
                 route = "home_missing"
             elif fair:
@@ -232,6 +233,7 @@ class JobPublisher:
         if fair:
             await self._enqueued(job)
         self._count(job.model, route)
+        return route
 
     def _count(self, model: str, route: str) -> None:
         if self._routed is not None:
@@ -262,10 +264,11 @@ async def publish_all(
     home: str | None,
     cancel: Callable[[str], "asyncio.Future[Any]"],
     headers: Mapping[str, Any] | None = None,
-) -> None:
+) -> str | None:
     """Publish every job of a request (one per choice), or none: when one fails, the others are
-    called off (`cancel`). `home`: the worker whose own queue a session's (single) job goes to
-    first; `headers`: more message headers (`JobPublisher.publish`).
+    called off (`cancel`). `home`: the worker whose own queue a single job goes to first;
+    `headers`: more message headers (`JobPublisher.publish`). Returns a single job's route
+    (`JobPublisher.publish`; None for several).
 
     Raises:
         Unavailable: a job could not be queued.
@@ -273,18 +276,16 @@ async def publish_all(
     publishes = [
         publisher.publish(job, priority=priority, request_id=request_id, home=home, headers=headers) for job in jobs
     ]
-    results: list[BaseException | None]
     if len(publishes) == 1:
         try:
-            await publishes[0]
-            return
+            return await publishes[0]
         except Unavailable as exc:
-            results = [exc]
+            results: list[BaseException | str] = [exc]
     else:
         results = await asyncio.gather(*publishes, return_exceptions=True)
-    failure = next((r for r in results if r is not None), None)
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
     if failure is None:
-        return
+        return None
     for job, result in zip(jobs, results, strict=True):
         # Unconfirmed (the broker went away before its confirm) or published, a job may be
         # queued: workers skip a job they were told was cancelled, so none answers it for nobody.

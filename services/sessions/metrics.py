@@ -27,6 +27,15 @@ class SessionsMetrics:
             ["model", "route"],
             registry=self.registry,
         )
+        self.prefix_routes = Counter(
+            "axon_sessions_prefix_routes_total",
+            "Routing decisions of single-choice jobs, by reason: cached_prefix (the worker holding the"
+            " prompt's longest cached prefix), load_spill (a less loaded worker than that one), session"
+            " (the session's home), none (the shared queue: no worker holds a prefix of it, or the"
+            " index was not read).",
+            ["model", "reason"],
+            registry=self.registry,
+        )
         self.outcomes = Counter(
             "axon_sessions_requests_total",
             "Completions by outcome.",

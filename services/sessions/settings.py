@@ -25,6 +25,26 @@ class SessionsSettings(CommonSettings):
     # to the worker their first exchange hashes to. Off by default: it pays for clients that keep
     # the conversation themselves, and piles requests sharing a few-shot example onto one worker.
     prefix_affinity: bool = False
+    # The prefix index (`shared/prefix_index.py`): a request goes first to the live worker whose KV
+    # cache holds the longest prefix of its prompt, learned from the engines' KV-cache events.
+    prefix_routing: bool = Field(
+        True,
+        description=(
+            "route a request first to the worker whose KV cache holds the longest prefix of its prompt (the"
+            " prefix index, fed by the workers' engines' KV-cache events); false: session affinity only"
+        ),
+    )
+    prefix_spill_seqs: int = Field(
+        4,
+        ge=1,
+        description=(
+            "a request's prefix home that runs this many more of this session manager's jobs than the least"
+            " loaded worker is passed over for that one (load spill)"
+        ),
+    )
+    prefix_lookup_timeout_ms: int = Field(
+        50, ge=1, le=5000, description="how long a request waits for the prefix index before today's rules route it"
+    )
     fair_share: bool = Field(
         True,
         description=(

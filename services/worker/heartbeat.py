@@ -28,6 +28,7 @@ class Heartbeat:
         ttl_s: float,
         on_engine_failure: Callable[[str], None],
         gate: RedisGate,
+        prefix_index: bool = False,
     ) -> None:
         self._registry = registry
         self._worker_id = worker_id
@@ -36,6 +37,8 @@ class Heartbeat:
         self._ttl_s = ttl_s
         self._on_engine_failure = on_engine_failure
         self._gate = gate
+        # Announced with every beat: session managers read this worker's set of the prefix index.
+        self._prefix_index = prefix_index
         # Announced with every beat: a draining worker is no session's home any more.
         self._draining = False
 
@@ -72,6 +75,7 @@ class Heartbeat:
                 draining=self._draining,
                 adapters=self._engine.adapters,
                 engine=self._engine.name,
+                prefix_index=self._prefix_index,
             )
         except Exception as exc:  # noqa: BLE001 - a failed beat must not end the loop
             if redis_unreachable(exc):

@@ -16,7 +16,8 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from services.worker.engines import Engine
 from services.worker.heartbeat import Heartbeat
 from services.worker.job_runner import JobRunner, consume, listen_for_cancellations
-from services.worker.metrics import WorkerMetrics
+from services.worker.kv_index import KvIndex
+from services.worker.metrics import KvIndexMetrics, WorkerMetrics
 from services.worker.pulling import Puller, listen_for_doorbell
 from services.worker.redis_gate import RedisGate
 from services.worker.settings import WorkerSettings
@@ -93,6 +94,29 @@ class Worker:
         # What `/ready` says while Redis is unreachable (None: it is not).
         self._redis_reason: str | None = None
         self._consuming = asyncio.Lock()
+        # This worker's part of the prefix index, when its engine publishes KV-cache events.
+        self.kv_index: KvIndex | None = None
+
+    def _start_kv_index(self) -> list[asyncio.Task[None]]:
+        """Follow the engine's KV-cache events into the prefix index (`kv_index.py`), if it
+        publishes them and the index is on; returns the tasks doing it."""
+        source = self.engine.kv_events() if self.settings.prefix_index else None
+        if source is None or not self.engine.kv_block_size:
+            return []
+        model = self.engine.model_name
+        index = KvIndex(
+            self.pipe,
+            self.names,
+            model=model,
+            worker_id=self.settings.worker_id,
+            block_size=self.engine.kv_block_size,
+            max_pending=self.settings.prefix_index_pending_anchors,
+            metrics=KvIndexMetrics(self.metrics, model),
+        )
+        self.kv_index = index
+        self.engine.prompt_observer = index.observe
+        log.info("prefix_index_started", block_size=self.engine.kv_block_size)
+        return [asyncio.create_task(index.follow(source)), asyncio.create_task(index.keep_written())]
 
     async def boot(self) -> None:
         """Load the engine, then connect and start consuming. A broken engine stops the process."""
@@ -115,6 +139,7 @@ class Worker:
             kv_cache_usage=self.engine.kv_cache_usage if self.engine.reports_kv_cache else None,
         )
         self.metrics.include(self.engine.metrics)
+        self._tasks += self._start_kv_index()
         await self._connect_until_up()
         if self._drained:
             return
@@ -126,6 +151,7 @@ class Worker:
             ttl_s=self.settings.heartbeat_ttl_s,
             on_engine_failure=self.fail,
             gate=self.gate,
+            prefix_index=self.kv_index is not None,
         )
         self.meter.start()
         self._tasks += [
@@ -324,6 +350,8 @@ class Worker:
             self._own_consumer_tag = self._consumer_tag = None
             if self._puller is not None:
                 await self._puller.pause()
+        if self.kv_index is not None:
+            await self.kv_index.withdraw()
         if getattr(self, "_heartbeat", None) is not None:
             await self._heartbeat.draining()
         left = await self.runner.drain(self.settings.drain_timeout_s)

@@ -37,6 +37,32 @@ class WorkerMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.prefix_index_blocks = Gauge(
+            "axon_worker_prefix_index_blocks",
+            "KV-cache blocks the engine holds, as its events told the prefix index.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.prefix_index_anchors = Gauge(
+            "axon_worker_prefix_index_anchors",
+            "Prompt anchors in this worker's set of the prefix index (prefixes its engine holds).",
+            ["model"],
+            registry=self.registry,
+        )
+        self.prefix_index_lag = Histogram(
+            "axon_worker_prefix_index_lag_seconds",
+            "From the engine publishing a batch of KV-cache events to the prefix index holding it in Redis.",
+            ["model"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=self.registry,
+        )
+        self.kv_event_gaps = Counter(
+            "axon_worker_kv_event_gaps_total",
+            "Gaps in the engine's KV-cache event stream, by how they healed: replay (from the engine's"
+            " buffer), resync (the worker's set started afresh), restart (the engine's publisher began again).",
+            ["model", "healed"],
+            registry=self.registry,
+        )
         self.running = Gauge(
             "axon_worker_running_sequences",
             "Sequences being generated now.",
@@ -160,3 +186,21 @@ class _Families(Collector):
 
     def collect(self) -> Iterable[Metric]:
         return self._families()
+
+
+class KvIndexMetrics:
+    """The prefix index's metrics of one model (`services/worker/kv_index.py`)."""
+
+    def __init__(self, metrics: WorkerMetrics, model: str) -> None:
+        self._metrics = metrics
+        self._model = model
+
+    def index_size(self, blocks: int, anchors: int) -> None:
+        self._metrics.prefix_index_blocks.labels(self._model).set(blocks)
+        self._metrics.prefix_index_anchors.labels(self._model).set(anchors)
+
+    def index_lag(self, seconds: float) -> None:
+        self._metrics.prefix_index_lag.labels(self._model).observe(seconds)
+
+    def gap(self, healed: str) -> None:
+        self._metrics.kv_event_gaps.labels(self._model, healed).inc()

@@ -118,6 +118,23 @@ class WorkerSettings(CommonSettings):
     # chat template asks the model to write (hermes: `<tool_call>{…}</tool_call>`, Qwen2.5, Hermes).
     tool_parser: str = Field("hermes", min_length=1)
 
+    # The prefix index (vllm and sim): the engine publishes its KV-cache events (vLLM's
+    # kv_events_config, on ipc:// sockets of the worker's own) and the worker keeps its part of
+    # the index session managers route on (`services/worker/kv_index.py`).
+    prefix_index: bool = Field(
+        True,
+        description=(
+            "publish the engine's KV-cache events (vLLM's kv_events_config; the simulator's own) and keep this "
+            "worker's part of the prefix index session managers route on; vllm and sim engines"
+        ),
+    )
+    prefix_index_pending_anchors: int = Field(
+        8192,
+        ge=1,
+        description="prompt anchors tied to blocks the engine has not stored (yet) that the worker remembers, "
+        "oldest forgotten first",
+    )
+
     # sim engine
     sim_ttft_ms: float = Field(50.0, ge=0)
     sim_itl_ms: float = Field(10.0, ge=0)
@@ -127,6 +144,10 @@ class WorkerSettings(CommonSettings):
     # first token added per prompt token not found in it.
     sim_kv_blocks: int = Field(4096, ge=0)
     sim_prefill_us_per_token: float = Field(50.0, ge=0)
+    # The simulator's KV-cache events: batches kept for replay, and (fault injection) every n-th
+    # batch not delivered, as if the message were lost (0: none lost).
+    sim_kv_events_replay: int = Field(1000, ge=0)
+    sim_kv_events_drop_every: int = Field(0, ge=0)
     # Fault injection for platform tests: the simulated engine reports itself dead this
     # many seconds after start (0: never).
     sim_fail_after_s: float = Field(0.0, ge=0)

@@ -286,6 +286,15 @@ def test_postgres_keeps_its_data_on_a_volume(compose: dict, services: dict) -> N
     assert url.password == services["postgres"]["environment"]["POSTGRES_PASSWORD"]
 
 
+def test_workers_feed_the_prefix_index_without_a_port_of_its_own(services: dict) -> None:
+    assert env_of(services["sessions"])["AXON_PREFIX_ROUTING"] == "true"
+    for name in ("worker", "worker-gpu"):
+        assert env_of(services[name])["AXON_PREFIX_INDEX"] == "true"
+        # vLLM's KV-cache events go over ipc:// sockets in the container's /tmp: only /health's port.
+        assert services[name]["expose"] == ["8002"] and "ports" not in services[name]
+        assert "/tmp" in services[name]["tmpfs"]
+
+
 def test_cpu_worker_is_default_and_gpu_worker_needs_its_profile(services: dict) -> None:
     assert not services["worker"].get("profiles")
     assert "AXON_ENGINE" not in env_of(services["worker"])  # vLLM where the image has it, else transformers

@@ -445,6 +445,25 @@ def test_batch_values_reach_the_session_manager_and_the_billing_factor_the_gatew
 # --- scaling and disruption --------------------------------------------------------------------------
 
 
+def test_the_prefix_index_reaches_the_workers_and_the_session_managers(
+    helm_home: Path, tmp_path: Path, default_manifests: list[dict]
+) -> None:
+    sessions = _api_env(default_manifests, "sessions")
+    assert sessions["AXON_PREFIX_ROUTING"] == "true"
+    assert int(str(sessions["AXON_PREFIX_SPILL_SEQS"])) == setting_default("SessionsSettings", "prefix_spill_seqs")
+    for worker in worker_deployments(default_manifests):
+        assert env_of(worker["spec"]["template"]["spec"]["containers"][0])["AXON_PREFIX_INDEX"] == "true"
+    values = tmp_path / "prefix.yaml"
+    values.write_text("prefixIndex:\n  enabled: false\n  spillSeqs: 3\n")
+    result = helm("template", RELEASE, str(CHART), *set_args(REQUIRED_SECRETS), "-f", str(values), tmp_home=helm_home)
+    assert result.returncode == 0, result.stderr
+    manifests = load_manifests(result.stdout)
+    sessions = _api_env(manifests, "sessions")
+    assert (sessions["AXON_PREFIX_ROUTING"], sessions["AXON_PREFIX_SPILL_SEQS"]) == ("false", "3")
+    for worker in worker_deployments(manifests):
+        assert env_of(worker["spec"]["template"]["spec"]["containers"][0])["AXON_PREFIX_INDEX"] == "false"
+
+
 def test_gateway_and_sessions_autoscale(manifests: list[dict]) -> None:
     hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in of_kind(manifests, "HorizontalPodAutoscaler")}
     for name in ("gateway", "sessions"):

@@ -10,6 +10,8 @@ one the same request gets online).
 One worker for the module's contract tests (about 40 s to start); the last tests start more of
 the same and kill, stop or drain them:
 
+- two workers: one-shot questions about documents go, from their second round, to the worker
+  whose cache holds the document (vLLM's KV-cache events feed the prefix index);
 - a worker killed (-9) mid-answer: another resumes the job and the client's stream is the answer
   an uninterrupted run gives, word for word (plain, and constrained by a JSON schema), with nothing
   of the dead worker left running;
@@ -21,6 +23,7 @@ core killed alone and a failed start: tests/e2e/test_vllm_parallel.py.)
 
 import asyncio
 import json
+import random
 import signal
 import statistics
 import threading
@@ -748,6 +751,47 @@ CITY = {
         },
     },
 }
+
+
+# Words of English text, about 1.2 tokens each in SmolLM2's tokenizer.
+VOCABULARY = (
+    "the river town market bridge winter harvest council road school mill farmer teacher letter "
+    "morning evening north south station garden library museum harbour ship storm record year"
+).split()
+
+
+def document(number: int, words: int = 800) -> str:
+    """Document `number`: a text of its own (its first words say which), about 1,000 tokens."""
+    rng = random.Random(number)
+    return f"Document {number}. " + " ".join(rng.choice(VOCABULARY) for _ in range(words))
+
+
+def test_one_shot_requests_about_documents_meet_them_in_two_vllm_workers_caches(
+    workers: VllmWorkers, sdk: OpenAI, sessions: Service
+) -> None:
+    """vLLM's KV-cache events feed the prefix index: after a first round, each one-shot question
+    about a document goes to the worker whose cache holds it (without the index, to either)."""
+    workers.at_least(2)
+    wait_listed(sdk, MODEL)
+    documents = [document(n) for n in range(4)]
+
+    def ask(text: str, question: str) -> tuple[int, int]:
+        content = f"{text}\n\nQuestion: {question}"
+        answer = sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=2, temperature=0
+        )
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        return answer.usage.prompt_tokens_details.cached_tokens or 0, answer.usage.prompt_tokens
+
+    for text in documents:
+        ask(text, "which town is it about?")
+    routed = metric(sessions, "axon_sessions_prefix_routes_total", model=MODEL, reason="cached_prefix")
+    second = [ask(text, "what happened in winter?") for text in documents]
+    ratio = sum(c for c, _ in second) / sum(p for _, p in second)
+    # Whole 128-token blocks of each ~1,000-token document (its last partial block and the new
+    # question are computed again).
+    assert ratio >= 0.75, second
+    assert metric(sessions, "axon_sessions_prefix_routes_total", model=MODEL, reason="cached_prefix") - routed == 4
 
 
 # vLLM's CPU kernels are not batch-invariant: the resume re-prefills the published tokens, and the

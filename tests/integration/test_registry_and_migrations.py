@@ -37,6 +37,21 @@ async def test_heartbeat_makes_a_model_live_until_it_expires(redis_client, names
     await redis_client.delete(names.workers_key, names.models_key)
 
 
+async def test_workers_that_keep_a_prefix_index_are_listed_while_they_are_homes(redis_client, namespace) -> None:
+    names = Names(f"{namespace}-idx-{uuid.uuid4().hex[:6]}")
+    registry = WorkerRegistry(redis_client, names)
+    await registry.heartbeat(worker_id="w1", model="m", ttl_s=5, max_seqs=4, context_tokens=4096, prefix_index=True)
+    await registry.heartbeat(worker_id="w2", model="m", ttl_s=5, max_seqs=4, context_tokens=4096)
+    live = (await registry.live_models())["m"]
+    assert (live.homes, live.indexed) == (frozenset({"w1", "w2"}), frozenset({"w1"}))
+    # A draining worker's set is no longer read.
+    await registry.heartbeat(
+        worker_id="w1", model="m", ttl_s=5, max_seqs=4, context_tokens=4096, prefix_index=True, draining=True
+    )
+    assert (await registry.live_models())["m"].indexed == frozenset()
+    await redis_client.delete(names.workers_key, names.models_key, names.models_seen_key)
+
+
 async def test_dead_workers_and_models_no_live_worker_served_for_long_leave_the_registry(
     redis_client, namespace, monkeypatch
 ) -> None:

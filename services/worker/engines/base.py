@@ -1,12 +1,13 @@
 """The one small interface every inference engine implements."""
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
 
 from prometheus_client.metrics_core import Metric
 
+from services.worker.engines.kv_events import KvEventSource, RenderedPrompt
 from shared.schemas import (
     Capability,
     FinishReason,
@@ -196,6 +197,16 @@ class Engine(ABC):
         from services.worker.tool_parsers import parser_for  # tool_parsers.py imports this module
 
         return parser_for(job)
+
+    # Engines that publish KV-cache events (`kv_events.py`) set their block size and return their
+    # source from `kv_events`; the worker then keeps a prefix index (`services/worker/kv_index.py`)
+    # and sets `prompt_observer`, which the engine calls with each new request's rendered prompt.
+    kv_block_size = 0
+    prompt_observer: Callable[[GenerationRequest, RenderedPrompt], None] | None = None
+
+    def kv_events(self) -> KvEventSource | None:
+        """The engine's KV-cache event stream, once started (None: it publishes none)."""
+        return None
 
     # Engines that can say how full their KV cache is set this and override `kv_cache_usage`.
     reports_kv_cache = False

@@ -21,6 +21,7 @@ def create_engine(settings: WorkerSettings) -> Engine:
             reason="vLLM is not installed here (make install installs its CPU build on Linux x86-64 only)",
         )
     if settings.engine == "sim":
+        from services.worker.engines.kv_events import SimKvEvents
         from services.worker.engines.sim import SimEngine
 
         return SimEngine(
@@ -33,6 +34,9 @@ def create_engine(settings: WorkerSettings) -> Engine:
             kv_blocks=settings.sim_kv_blocks,
             prefill_us_per_token=settings.sim_prefill_us_per_token,
             adapters=settings.lora_adapters,
+            kv_events=SimKvEvents(buffer=settings.sim_kv_events_replay, drop_every=settings.sim_kv_events_drop_every)
+            if settings.prefix_index
+            else None,
         )
     if settings.engine == "vllm":
         return _vllm_engine(settings)
@@ -82,6 +86,7 @@ def _vllm_engine(settings: WorkerSettings) -> Engine:
         max_lora_rank=settings.max_lora_rank,
         otlp_endpoint=settings.otlp_endpoint or None,
         progress_bars=settings.log_level.upper() == "DEBUG",
+        kv_events=settings.prefix_index,
     )
     cache_dir = Path(settings.model_cache_dir) if settings.model_cache_dir else default_model_cache_dir()
     return VllmEngine(options, model_cache_dir=cache_dir, grammar_limits=_grammar_limits(settings))

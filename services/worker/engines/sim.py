@@ -21,7 +21,8 @@ Each worker's simulator models a prefix cache as vLLM's automatic prefix caching
 llm-d's inference simulator does): a prompt's tokens (its whitespace-separated words, the same
 count as `prompt_tokens`) are cut into `BLOCK_TOKENS`-token blocks, each keyed by the hash of its
 tokens and of the key of the block before it, and an LRU of `kv_blocks` keys stands for the KV
-cache. The prompt's leading blocks found there are `cached_tokens`; time to first token is
+cache (a prompt's blocks are used tail first, as vLLM frees them, so its last blocks are evicted
+first). The prompt's leading blocks found there are `cached_tokens`; time to first token is
 `ttft_ms` plus `prefill_us_per_token` for every prompt token not cached. A finished (or cut off)
 answer's blocks are cached too, after its chat prompt's `assistant:` marker, so the next turn of a
 conversation, whose prompt holds this one and its answer, finds both. The cache changes only
@@ -49,6 +50,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from services.worker.engines.base import Engine, EngineError, EngineOutput, GenerationRequest, Guide, InvalidPrompt
+from services.worker.engines.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventSource,
+    RenderedPrompt,
+    SimKvEvents,
+)
 from services.worker.engines.text import StopMatcher
 from services.worker.prompts import tool_prompt_messages
 from services.worker.tool_parsers import TOOL_CALL_END, TOOL_CALL_START
@@ -473,12 +482,21 @@ def block_keys(tokens: Sequence[str]) -> list[bytes]:
     return keys
 
 
-class PrefixCache:
-    """An LRU of `capacity` block keys (0: nothing is ever cached)."""
+def token_id(word: str) -> int:
+    """The id the simulator's KV-cache events give a word (its tokens are its prompt's words)."""
+    return zlib.crc32(word.encode())
 
-    def __init__(self, capacity: int) -> None:
+
+class PrefixCache:
+    """An LRU of `capacity` block keys (0: nothing is ever cached), a prompt's blocks used tail
+    first, as vLLM frees them: its last blocks are evicted first, so a prefix is never held
+    without its start. With `events`, each block stored and each block evicted is published as
+    vLLM publishes them (`kv_events.py`): one batch per insertion."""
+
+    def __init__(self, capacity: int, events: SimKvEvents | None = None) -> None:
         self.capacity = capacity
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._events = events
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -489,19 +507,32 @@ class PrefixCache:
         for key in keys:
             if key not in self._blocks:
                 break
-            self._blocks.move_to_end(key)
             hits += 1
+        for key in reversed(keys[:hits]):
+            self._blocks.move_to_end(key)
         return hits
 
-    def insert(self, keys: Sequence[bytes]) -> None:
-        """Cache `keys` as the most recently used, evicting the least recently used past capacity."""
+    def insert(self, keys: Sequence[bytes], tokens: Sequence[str] = ()) -> None:
+        """Cache `keys` (the blocks of `tokens`) as the most recently used, evicting the least
+        recently used past capacity."""
         if self.capacity == 0:
             return
-        for key in keys:
+        events: list[KvEvent] = []
+        parent: bytes | None = None
+        for index, key in enumerate(keys):
+            if key not in self._blocks and self._events is not None:
+                words = tokens[index * BLOCK_TOKENS : (index + 1) * BLOCK_TOKENS]
+                events.append(BlockStored([key], parent, [token_id(w) for w in words], BLOCK_TOKENS))
             self._blocks[key] = None
+            parent = key
+        for key in reversed(keys):
             self._blocks.move_to_end(key)
         while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
+            evicted, _ = self._blocks.popitem(last=False)
+            if self._events is not None:
+                events.append(BlockRemoved([evicted]))
+        if self._events is not None:
+            self._events.publish(events)
 
 
 class SimEngine(Engine):
@@ -525,6 +556,7 @@ class SimEngine(Engine):
         kv_blocks: int = 0,
         prefill_us_per_token: float = 0.0,
         adapters: Iterable[str] = (),
+        kv_events: SimKvEvents | None = None,
     ) -> None:
         self.model_name = model_name
         self.max_seqs = max_seqs
@@ -537,7 +569,9 @@ class SimEngine(Engine):
         self._running = False
         self._fail_after_s = fail_after_s
         self._started_at = 0.0
-        self.prefix_cache = PrefixCache(kv_blocks)
+        self._kv_events = kv_events
+        self.prefix_cache = PrefixCache(kv_blocks, kv_events)
+        self.kv_block_size = BLOCK_TOKENS if kv_events is not None else 0
         self._prefill_s_per_token = prefill_us_per_token / 1_000_000
 
     async def start(self) -> None:
@@ -552,6 +586,9 @@ class SimEngine(Engine):
             self._aborted.add(request_id)
 
     reports_kv_cache = True
+
+    def kv_events(self) -> KvEventSource | None:
+        return self._kv_events
 
     def kv_cache_usage(self) -> float | None:
         # The simulator's "cache" holds one slot per running sequence.
@@ -570,7 +607,10 @@ class SimEngine(Engine):
         prompt_tokens = max(1, len(words))
         # At least the prompt's last token is computed, as in vLLM: only blocks before it can hit.
         cached = self.prefix_cache.match(block_keys(words[: prompt_tokens - 1])) * BLOCK_TOKENS
-        self.prefix_cache.insert(block_keys(words))
+        if self.prompt_observer is not None:
+            ends = [m.end() for m in re.finditer(r"\S+", prompt)]
+            self.prompt_observer(request, RenderedPrompt(prompt, [token_id(w) for w in words], ends))
+        self.prefix_cache.insert(block_keys(words), words)
         ttft_s = self._ttft_s + (prompt_tokens - cached) * self._prefill_s_per_token
         sampling = request.sampling
         offset = request.resume.completion_tokens if request.resume else 0
@@ -643,4 +683,5 @@ class SimEngine(Engine):
             self._running_ids.discard(request.request_id)
             self._aborted.discard(request.request_id)
             marker = [_ANSWER_MARKER] if request.messages is not None else []
-            self.prefix_cache.insert(block_keys([*words, *marker, *"".join(answer).split()]))
+            whole = [*words, *marker, *"".join(answer).split()]
+            self.prefix_cache.insert(block_keys(whole), whole)

@@ -50,6 +50,9 @@ class VllmOptions:
     # The OTLP/HTTP collector's base URL (`AXON_OTLP_ENDPOINT`): vLLM exports its own request
     # spans there, as children of the worker's job span; None: vLLM traces nothing.
     otlp_endpoint: str | None = None
+    # vLLM's KV-cache events for the prefix index (`AXON_PREFIX_INDEX`): published on the ipc://
+    # endpoints the engine makes at start (`kv_events.kv_events_endpoints`), never on a TCP port.
+    kv_events: bool = False
     # vLLM's progress bar while it loads the weights (AXON_LOG_LEVEL=DEBUG): it ignores TQDM_DISABLE.
     progress_bars: bool = False
 
@@ -80,6 +83,22 @@ def engine_kwargs(options: VllmOptions, *, on_cpu: bool) -> dict[str, Any]:
         "otlp_traces_endpoint": f"{options.otlp_endpoint.rstrip('/')}/v1/traces" if options.otlp_endpoint else None,
     } | lora_engine_kwargs(options.lora_adapters, max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
     return {name: value for name, value in chosen.items() if value is not None}
+
+
+# The topic vLLM publishes the worker's KV-cache events under.
+KV_EVENTS_TOPIC = "kv"
+
+
+def kv_events_kwargs(endpoint: str, replay_endpoint: str) -> dict[str, Any]:
+    """`vllm.config.KVEventsConfig` keyword arguments: events on, published by ZeroMQ on
+    `endpoint`, the last batches replayed on `replay_endpoint` (vLLM's `buffer_steps`)."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "replay_endpoint": replay_endpoint,
+        "topic": KV_EVENTS_TOPIC,
+    }
 
 
 def check_platform(options: VllmOptions, *, on_cpu: bool) -> None:

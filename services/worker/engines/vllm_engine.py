@@ -69,8 +69,16 @@ from services.worker.engines.base import (
 )
 from services.worker.engines.gguf import converted_model
 from services.worker.engines.grammar import GrammarLimits, SchemaGate
+from services.worker.engines.kv_events import KvEventSource, RenderedPrompt, VllmKvEvents, kv_events_endpoints
 from services.worker.engines.orphans import ChildReaper, descendants
-from services.worker.engines.vllm_config import VllmOptions, check_platform, engine_kwargs, vllm_environment
+from services.worker.engines.vllm_config import (
+    KV_EVENTS_TOPIC,
+    VllmOptions,
+    check_platform,
+    engine_kwargs,
+    kv_events_kwargs,
+    vllm_environment,
+)
 from services.worker.engines.vllm_outputs import AnswerOutputs, PrefixReplay, ReplayDiverged
 from services.worker.engines.vllm_tools import Specials, VllmToolCallParser
 from services.worker.prompts import tool_prompt_messages
@@ -294,6 +302,8 @@ class VllmEngine(Engine):
         # The tokenizer's added tokens and the tool parser's tags (`<tool_call>`, …): the tool
         # parser gets them whole, as one delta, as from vLLM's engine when they are one token.
         self._specials = Specials()
+        # vLLM's KV-cache events (`AXON_PREFIX_INDEX`), read from its publisher once it started.
+        self._kv_events: VllmKvEvents | None = None
 
     async def start(self) -> None:
         try:
@@ -315,9 +325,17 @@ class VllmEngine(Engine):
         self._on_cpu = bool(current_platform.is_cpu())
         check_platform(options, on_cpu=self._on_cpu)
         os.environ.update(vllm_environment(options, on_cpu=self._on_cpu, cores=sorted(os.sched_getaffinity(0))))
+        events: dict[str, Any] = {}
+        if options.kv_events:
+            from vllm.config import KVEventsConfig
+
+            endpoint, replay_endpoint = kv_events_endpoints()
+            events["kv_events_config"] = KVEventsConfig(**kv_events_kwargs(endpoint, replay_endpoint))
+            self._kv_events = VllmKvEvents(endpoint, replay_endpoint, topic=KV_EVENTS_TOPIC)
         args = AsyncEngineArgs(
             **engine_kwargs(options, on_cpu=self._on_cpu),
             structured_outputs_config=StructuredOutputsConfig(backend=options.structured_outputs_backend),
+            **events,
         )
         # The load takes minutes for a large model: it runs on a thread so the worker's event loop
         # keeps answering /health and /metrics. AsyncLLM is made to be built outside a running
@@ -358,6 +376,8 @@ class VllmEngine(Engine):
         engine = self._engine
         self._tokenizer = await _result(engine.get_tokenizer())
         self.context_tokens = int(engine.model_config.max_model_len)
+        if self._kv_events is not None:
+            self.kv_block_size = int(engine.vllm_config.cache_config.block_size)
         # The worker fills max_num_seqs less the headroom kept for tenants with no job running here.
         self.max_seqs = max(1, int(engine.vllm_config.scheduler_config.max_num_seqs) - self._options.headroom_seqs)
         self._defaults = dict(engine.model_config.get_diff_sampling_param() or {})
@@ -404,7 +424,12 @@ class VllmEngine(Engine):
             name: LoRARequest(**kwargs) for name, kwargs in lora_request_kwargs(self._options.lora_adapters).items()
         }
 
+    def kv_events(self) -> KvEventSource | None:
+        return self._kv_events
+
     async def stop(self) -> None:
+        if self._kv_events is not None:
+            self._kv_events.close()
         if self._gate is not None:
             gate, self._gate = self._gate, None
             gate.close()
@@ -499,11 +524,30 @@ class VllmEngine(Engine):
                 )
             except (ValueError, TypeError, RuntimeError, TemplateError) as exc:
                 raise InvalidPrompt(f"The model's chat template refused the messages: {exc}", param="messages") from exc
-            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            ids = self._encode(request, text, add_special_tokens=False, observed=continued is None)
         else:
-            ids = list(tokenizer.encode(request.prompt or "", add_special_tokens=True))
+            ids = self._encode(request, request.prompt or "", add_special_tokens=True, observed=continued is None)
         if continued is not None:
             ids += continued.token_ids or tokenizer.encode(continued.text, add_special_tokens=False)
+        return ids
+
+    def _encode(self, request: GenerationRequest, text: str, *, add_special_tokens: bool, observed: bool) -> list[int]:
+        """`text`'s token ids; with a prefix index (and a new request, `observed`), tokenized with
+        each token's place in the text, told to `prompt_observer` (one tokenization all the same). A
+        tokenizer that gives no offsets (a slow one) turns the observer off: the worker's set then
+        stays empty and its requests are routed by session affinity."""
+        tokenizer = self._tokenizer
+        observer = self.prompt_observer
+        if observer is None or not observed:
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        try:
+            encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        except (NotImplementedError, TypeError, ValueError) as exc:  # a slow tokenizer has no offsets
+            log.warning("prefix_index_no_offsets", error=repr(exc))
+            self.prompt_observer = None
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        ids = list(encoded["input_ids"])
+        observer(request, RenderedPrompt(text, ids, [end for _, end in encoded["offset_mapping"]]))
         return ids
 
     def _params(self, request: GenerationRequest, *, replay: bool, room: int) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""Which worker a sessionless chat that resends its history goes to first (prefix affinity)."""
+"""Which worker a sessionless chat that resends its history goes to first (prefix affinity), and
+which worker the prefix index sends a request to (prefix_route)."""
 
-from shared.affinity import conversation_home
+from shared.affinity import conversation_home, prefix_route
 from shared.schemas import FunctionCall, Message, ToolCall
 
 WORKERS = frozenset({"w0", "w1", "w2"})
@@ -48,3 +49,19 @@ def test_the_first_answers_tool_calls_are_part_of_the_key() -> None:
 
     homes = {conversation_home(calling(f'{{"x": {i}}}'), WORKERS) for i in range(30)}
     assert len(homes) > 1
+
+
+def test_the_route_prefers_the_longest_prefix_then_spills_past_the_load_margin() -> None:
+    matches = {"w1": 10, "w2": 3, "w3": 0}
+    first = prefix_route(matches=matches, loads={}, session_home=None, spill_seqs=2)
+    assert first is not None and (first.home, first.reason) == ("w1", "cached_prefix")
+    busy = prefix_route(matches=matches, loads={"w1": 2}, session_home=None, spill_seqs=2)
+    assert busy is not None and (busy.home, busy.reason) == ("w2", "load_spill")  # the least loaded, most held first
+    one_more = prefix_route(matches=matches, loads={"w1": 1}, session_home=None, spill_seqs=2)
+    assert one_more is not None and one_more.home == "w1"  # within the margin: the cache wins
+    both = prefix_route(matches={"w1": 10, "w2": 10}, loads={"w1": 1}, session_home=None, spill_seqs=2)
+    assert both is not None and both.home == "w2"  # equal prefixes: the less loaded
+    session = prefix_route(matches={"w1": 10, "w2": 10}, loads={"w1": 1}, session_home="w1", spill_seqs=2)
+    assert session is not None and (session.home, session.reason) == ("w1", "session")
+    # No worker holds any of it: today's rules.
+    assert prefix_route(matches={"w1": 0, "w2": 0}, loads={}, session_home="w1", spill_seqs=2) is None

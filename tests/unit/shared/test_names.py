@@ -39,6 +39,7 @@ def all_names(names: Names) -> dict[str, str]:
         "affinity": names.affinity("s1"),
         "sessions_instance": names.sessions_instance("i1"),
         "outbox": names.outbox,
+        "prefix_index": names.prefix_index(MODEL, "worker-1"),
         "job_progress": names.job_progress("j1"),
         "job_progress_text": names.job_progress_text("j1"),
         "job_progress_tokens": names.job_progress_tokens("j1"),

@@ -7,7 +7,10 @@ vLLM hands back is read from its real `RequestOutput`, `CompletionOutput` and `L
 tool-call adapter drives vLLM's real hermes parser with the bundled model's tokenizer.
 """
 
+import asyncio
+import contextlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -17,7 +20,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm.config import StructuredOutputsConfig
+from vllm.config import KVEventsConfig, StructuredOutputsConfig
+from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
+from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
+from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.logprobs import Logprob
@@ -30,12 +37,22 @@ from services.worker.engines.base import EngineError, GenerationRequest, Guide, 
 from services.worker.engines.factory import create_engine
 from services.worker.engines.gguf import bundled_gguf_path
 from services.worker.engines.grammar import GrammarLimits, SchemaGate
+from services.worker.engines.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    RenderedPrompt,
+    VllmKvEvents,
+    kv_events_endpoints,
+)
 from services.worker.engines.vllm_config import (
     GIB,
+    KV_EVENTS_TOPIC,
     VllmOptions,
     check_platform,
     cpu_threads_bind,
     engine_kwargs,
+    kv_events_kwargs,
     vllm_environment,
 )
 from services.worker.engines.vllm_engine import (
@@ -59,8 +76,11 @@ from services.worker.engines.vllm_outputs import (
     token_logprob,
 )
 from services.worker.engines.vllm_tools import Segmenter, Specials, VllmToolCallParser
+from services.worker.kv_index import KvIndex, block_key, root_key
 from services.worker.settings import WorkerSettings
 from services.worker.tool_parsers import tool_call_id
+from shared.names import Names
+from shared.prefix_index import anchors
 from shared.schemas import FunctionCall, Message, Sampling, ToolCall, ToolCallDelta
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -194,6 +214,7 @@ def test_the_factory_passes_every_vllm_setting(monkeypatch: pytest.MonkeyPatch, 
         "AXON_GRAMMAR_MAX_SCHEMA_BYTES": "4096",
         "AXON_OTLP_ENDPOINT": "http://collector:4318",
         "AXON_FAIR_HEADROOM_SEQS": "2",
+        "AXON_PREFIX_INDEX": "false",
     }
     for name, value in settings.items():
         monkeypatch.setenv(name, value)
@@ -213,6 +234,7 @@ def test_the_factory_passes_every_vllm_setting(monkeypatch: pytest.MonkeyPatch, 
         structured_outputs_backend="guidance",
         tool_parser="xlam",
         otlp_endpoint="http://collector:4318",
+        kv_events=False,
     )
 
 
@@ -727,3 +749,85 @@ async def test_an_engine_refuses_work_before_it_starts() -> None:
     with pytest.raises(EngineError, match="adapter 'fr'"):
         engine._lora_request("fr")
     assert engine._lora_request(None) is None
+
+
+def test_the_prefix_index_turns_on_vllms_kv_events_on_ipc_sockets_only() -> None:
+    endpoint, replay = kv_events_endpoints()
+    config = KVEventsConfig(**kv_events_kwargs(endpoint, replay))
+    assert config.enable_kv_cache_events and config.publisher == "zmq"
+    # No TCP port: the worker reads its own engine's events on its own sockets.
+    assert config.endpoint.startswith("ipc://") and config.replay_endpoint.startswith("ipc://")
+    assert config.topic == KV_EVENTS_TOPIC
+    assert create_engine(WorkerSettings(engine="vllm", model="m", model_path="/models/m"))._options.kv_events
+
+
+async def test_vllms_published_events_are_read_live_and_replayed() -> None:
+    endpoint, replay = kv_events_endpoints()
+    publisher = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, topic=KV_EVENTS_TOPIC)
+    source = VllmKvEvents(endpoint, replay, topic=KV_EVENTS_TOPIC)
+    try:
+        stored = VllmBlockStored(
+            block_hashes=[b"h1", b"h2"],
+            parent_block_hash=None,
+            token_ids=list(range(32)),
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        offloaded = VllmBlockRemoved(block_hashes=[b"h9"], medium="CPU")
+        # PUB/SUB drops what is sent before the subscription lands: publish until one arrives.
+        first = None
+        while first is None:
+            publisher.publish(KVEventBatch(ts=1.0, events=[stored]))
+            with contextlib.suppress(TimeoutError):
+                first = await asyncio.wait_for(source.next_batch(), 0.2)
+        assert first.events == [BlockStored([b"h1", b"h2"], None, list(range(32)), 16, None)]
+        removed = VllmBlockRemoved(block_hashes=[b"h1"], medium="GPU")
+        publisher.publish(KVEventBatch(ts=2.0, events=[removed, offloaded]))
+        publisher.publish(KVEventBatch(ts=3.0, events=[VllmAllBlocksCleared()]))
+        second, third = await source.next_batch(), await source.next_batch()
+        assert (second.seq, third.seq) == (first.seq + 1, first.seq + 2)
+        # A removal from an offloading tier is not the engine's own cache.
+        assert second.events == [BlockRemoved([b"h1"]), BlockRemoved(())]
+        assert third.events == [AllBlocksCleared()]
+        replayed = await asyncio.wait_for(source.replay(second.seq), 5)
+        assert [b.seq for b in replayed] == [second.seq, third.seq]
+        assert replayed[1].events == [AllBlocksCleared()]
+    finally:
+        publisher.shutdown()
+        source.close()
+    assert not os.path.exists(replay.removeprefix("ipc://"))  # the sockets' directory went with it
+
+
+def test_a_rendered_chat_prompt_is_told_to_the_index_with_each_tokens_place(tokenizer: Any, tmp_path: Path) -> None:
+    """One tokenization gives vLLM its ids and the prefix index their places: each anchor of the
+    document is tied to the last whole block before it in the rendered template."""
+    engine = VllmEngine(options(), model_cache_dir=tmp_path)
+    engine._tokenizer = tokenizer
+    seen: list[tuple[GenerationRequest, RenderedPrompt]] = []
+    engine.prompt_observer = lambda req, prompt: seen.append((req, prompt))
+    document = "Document 7. " + "the river town market bridge " * 120
+    chat = request(messages=[Message(role="user", content=f"{document}\n\nQuestion: why?")])
+    ids = engine._prompt_ids(chat, continued=None)
+    ((_, prompt),) = seen
+    assert list(prompt.token_ids) == ids == tokenizer.encode(prompt.text, add_special_tokens=False)
+    assert len(prompt.token_ends) == len(ids) and list(prompt.token_ends) == sorted(prompt.token_ends)
+    index = KvIndex(None, Names("t"), model="m", worker_id="w", block_size=16, max_pending=100)  # type: ignore[arg-type]
+    index.observe(chat, prompt)
+    found = anchors(messages=chat.messages, prompt=None)
+    start = prompt.text.index(document)
+    for anchor in found[:-1]:
+        tokens = sum(1 for end in prompt.token_ends if end <= start + anchor.end)
+        assert index._anchor_block[anchor.key] == block_keys_of(ids)[tokens // 16 - 1]
+    # A resumed request is not told: its prompt holds an answer already.
+    engine._prompt_ids(request(messages=chat.messages), continued=Resume(text="x", token_ids=(), completion_tokens=1))
+    assert len(seen) == 1
+
+
+def block_keys_of(ids: Sequence[int], size: int = 16) -> list[bytes]:
+    keys, parent = [], root_key(None)
+    for end in range(size, len(ids) + 1, size):
+        parent = block_key(parent, ids[end - size : end])
+        keys.append(parent)
+    return keys
