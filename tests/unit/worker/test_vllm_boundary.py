@@ -50,6 +50,8 @@ from services.worker.engines.vllm_config import (
     KV_EVENTS_TOPIC,
     VllmOptions,
     check_platform,
+    cpu_dtype,
+    cpu_flags,
     cpu_threads_bind,
     engine_kwargs,
     kv_events_kwargs,
@@ -113,8 +115,19 @@ def test_the_engine_module_does_not_import_vllm() -> None:
 
 def test_cpu_defaults_are_a_kv_cache_of_a_gib_and_eager_execution() -> None:
     kwargs = engine_kwargs(options(), on_cpu=True)
-    assert (kwargs["kv_cache_memory_bytes"], kwargs["enforce_eager"], kwargs["dtype"]) == (GIB, True, "auto")
+    assert (kwargs["kv_cache_memory_bytes"], kwargs["enforce_eager"]) == (GIB, True)
+    assert kwargs["dtype"] == cpu_dtype("auto", cpu_flags())
     assert not {"max_num_seqs", "max_model_len", "distributed_executor_backend", "enable_lora"} & set(kwargs)
+
+
+def test_auto_dtype_on_a_cpu_without_bfloat16_arithmetic_is_float32() -> None:
+    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+    assert cpu_dtype("auto", avx2) == "float32"
+    assert cpu_dtype("auto", avx2 | {"avx512f", "avx512_bf16"}) == "auto"
+    assert cpu_dtype("auto", avx2 | {"amx_bf16"}) == "auto"
+    assert cpu_dtype("bfloat16", avx2) == "bfloat16"  # asked for: kept
+    # Not on a GPU, whatever the host's CPU.
+    assert engine_kwargs(options(), on_cpu=False)["dtype"] == "auto"
 
 
 def test_vllms_loading_progress_bar_shows_only_when_asked() -> None:
