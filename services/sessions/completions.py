@@ -10,6 +10,7 @@ Order matters:
 """
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -290,21 +291,50 @@ class CompletionService:
             Unavailable: `no_worker`, the request's cold-start wait passed first.
         """
         chunks = active.chunks()
-        try:
+        async with self.finished_if_failed(active):
             # Inline for the hot path; a request queued for a cold pool waits in `first_of`.
             first = await (
                 anext(chunks) if active.job.start_by is None else self.first_of(active, chunks, on_wait=on_wait)
             )
             if first[1].finish_reason == "error":
                 raise chunk_error(first[1])
+        self._metrics.ttft.labels(active.job.model).observe(time.perf_counter() - active.started, exemplar())
+        return first, chunks
+
+    async def gather(
+        self, active: ActiveRequest, first: tuple[Choice, TokenChunk], rest: AsyncIterator[tuple[Choice, TokenChunk]]
+    ) -> tuple[Choice, TokenChunk]:
+        """Read the chunks after `first` to the final one (each choice's answer is built as they
+        come, its logprobs too), then finish the request; returns the final chunk and its choice.
+
+        Raises:
+            UpstreamError, DeadlineExceeded: the answer failed (finished as `error`).
+        """
+        choice, chunk = first
+        async with self.finished_if_failed(active):
+            while True:
+                if chunk.logprobs is not None:
+                    choice.answer.logprobs.extend(chunk.logprobs)
+                if chunk.finish_reason == "error":
+                    raise chunk_error(chunk)
+                if not active.unfinished:
+                    break
+                choice, chunk = await anext(rest)
+        await self.finish(active, outcome=chunk.finish_reason or "stop")
+        return choice, chunk
+
+    @contextlib.asynccontextmanager
+    async def finished_if_failed(self, active: ActiveRequest) -> AsyncIterator[None]:
+        """Finish `active` if the block fails: as `disconnected` if it is cancelled (its client
+        left; the finish is shielded from that cancellation), else as `error`."""
+        try:
+            yield
         except asyncio.CancelledError:
             await asyncio.shield(self.finish(active, outcome="disconnected"))
             raise
         except BaseException:
             await self.finish(active, outcome="error")
             raise
-        self._metrics.ttft.labels(active.job.model).observe(time.perf_counter() - active.started, exemplar())
-        return first, chunks
 
     async def first_of(
         self,

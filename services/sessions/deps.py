@@ -6,6 +6,8 @@ Every dependency is `async def`: FastAPI runs a plain `def` one in a thread pool
 per request.
 """
 
+import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Annotated, cast
 
@@ -24,6 +26,7 @@ from services.sessions.metrics import SessionsMetrics
 from services.sessions.responses.service import ResponsesService
 from services.sessions.run_on import RunOn
 from shared import internal_headers
+from shared.errors import AxonError
 from shared.internal_headers import Caller
 from shared.logging import bind_contextvars
 from shared.openai_requests import RequestLimits
@@ -72,6 +75,22 @@ class SessionServices:
     # The largest file an upload may store (AXON_FILE_MAX_BYTES).
     file_max_bytes: int
     tracing: Tracing | None = None
+
+    async def counted(self, path: str, model: str, answer: Awaitable[int]) -> None:
+        """Await `answer` (it returns the status it sent) and count the completion request by
+        path, model and status: an error's own status, 499 for a client gone (or the process
+        stopping), 500 for anything else."""
+        status = 500
+        try:
+            status = await answer
+        except AxonError as exc:
+            status = exc.status_code
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self.metrics.completion_requests.labels(path, self.catalog.label(model), str(status)).inc()
 
 
 def services_of(scope: Scope) -> SessionServices:

@@ -6,8 +6,6 @@ FastAPI (`HOT_ROUTES`, installed with `shared.hot_routes.HotRoutes`); the resume
 route.
 """
 
-import asyncio
-
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -33,20 +31,13 @@ def _hot_completion(kind: Kind) -> HotRoute:
 
     async def handler(scope: Scope, receive: Receive, send: Send) -> None:
         services = services_of(scope)
-        metrics = services.metrics
         caller = caller_from(scope)
         body = parse_request(kind, await read_body(scope, receive, max_bytes=MAX_BODY_BYTES), services.request_limits)
-        status = 500
-        try:
-            status = await _complete(services, body, kind=kind, caller=caller, scope=scope, receive=receive, send=send)
-        except AxonError as exc:
-            status = exc.status_code
-            raise
-        except asyncio.CancelledError:
-            status = 499  # the client went away (or the process is stopping)
-            raise
-        finally:
-            metrics.completion_requests.labels(path, services.catalog.label(body.model), str(status)).inc()
+        await services.counted(
+            path,
+            body.model,
+            _complete(services, body, kind=kind, caller=caller, scope=scope, receive=receive, send=send),
+        )
 
     return HotRoute("POST", path, handler)
 

@@ -46,23 +46,7 @@ class ChatService:
         self, active: ActiveRequest, first: tuple[Choice, TokenChunk], rest: AsyncIterator[tuple[Choice, TokenChunk]]
     ) -> dict[str, Any]:
         """Gather the whole answer into one OpenAI response object (stored before it is returned)."""
-        choice, chunk = first
-        try:
-            while True:
-                if chunk.logprobs is not None:
-                    choice.answer.logprobs.extend(chunk.logprobs)
-                if chunk.finish_reason == "error":
-                    raise chunk_error(chunk)
-                if not active.unfinished:
-                    break
-                choice, chunk = await anext(rest)
-        except asyncio.CancelledError:
-            await asyncio.shield(self._completions.finish(active, outcome="disconnected"))
-            raise
-        except BaseException:
-            await self._completions.finish(active, outcome="error")
-            raise
-        await self._completions.finish(active, outcome=chunk.finish_reason or "stop")
+        await self._completions.gather(active, first, rest)
         return active.builder.response([c.answer for c in active.choices], active.usage)
 
     async def sse(

@@ -6,8 +6,6 @@ disconnects calls its job off). Their errors take Anthropic's shape by their pat
 (`shared/http_errors.py`).
 """
 
-import asyncio
-
 import orjson
 from starlette.types import Receive, Scope, Send
 
@@ -33,17 +31,9 @@ async def _create(scope: Scope, receive: Receive, send: Send) -> None:
     body = parse_message_create(await read_body(scope, receive, max_bytes=MAX_BODY_BYTES))
     if body.metadata is not None and body.metadata.user_id is not None:
         bind_contextvars(user=body.metadata.user_id)
-    status = 500
-    try:
-        status = await _answer(services, body, caller=caller, scope=scope, receive=receive, send=send)
-    except AxonError as exc:
-        status = exc.status_code
-        raise
-    except asyncio.CancelledError:
-        status = 499  # the client went away (or the process is stopping)
-        raise
-    finally:
-        services.metrics.completion_requests.labels(PATH, services.catalog.label(body.model), str(status)).inc()
+    await services.counted(
+        PATH, body.model, _answer(services, body, caller=caller, scope=scope, receive=receive, send=send)
+    )
 
 
 async def _answer(

@@ -5,7 +5,6 @@ and its answer is translated into a `Message`, whole or as Anthropic's stream ev
 (`messages/protocol.py`). Nothing is stored: the Messages API keeps no state.
 """
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -101,21 +100,7 @@ class MessagesService:
         Raises:
             UpstreamError, DeadlineExceeded: the answer failed (its job is called off).
         """
-        choice, chunk = first
-        try:
-            while True:
-                if chunk.finish_reason == "error":
-                    raise chunk_error(chunk)
-                if not active.unfinished:
-                    break
-                choice, chunk = await anext(rest)
-        except asyncio.CancelledError:
-            await asyncio.shield(self.completions.finish(active, outcome="disconnected"))
-            raise
-        except BaseException:
-            await self.completions.finish(active, outcome="error")
-            raise
-        await self.completions.finish(active, outcome=chunk.finish_reason or "stop")
+        choice, chunk = await self.completions.gather(active, first, rest)
         return message_object(
             job_id=active.job.job_id,
             model=body.model,
@@ -177,17 +162,11 @@ class MessagesService:
             UpstreamError, DeadlineExceeded: the engine did not answer.
         """
         active = await self.start(body, caller=caller, request_id=request_id)
-        try:
+        async with self.completions.finished_if_failed(active):
             # A count's only chunk is its final one (not a first token: no TTFT is observed).
             choice, chunk = await self.completions.first_of(active, active.chunks())
             if chunk.finish_reason == "error":
                 raise chunk_error(chunk)
-        except asyncio.CancelledError:
-            await asyncio.shield(self.completions.finish(active, outcome="disconnected"))
-            raise
-        except BaseException:
-            await self.completions.finish(active, outcome="error")
-            raise
         counted = choice.answer.usage.prompt_tokens if choice.answer.usage is not None else 0
         choice.answer.usage = Usage()  # counted, not charged
         await self.completions.finish(active, outcome=chunk.finish_reason or "stop")

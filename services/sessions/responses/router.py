@@ -5,7 +5,6 @@ that disconnects cancels an unstored response's job; a stored one runs on); the 
 routes are FastAPI routes. Another tenant's response gets 404.
 """
 
-import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 from typing import Annotated, Any, Literal
@@ -48,22 +47,14 @@ def parse_response_create(raw: bytes) -> ResponseCreate:
 
 async def _create(scope: Scope, receive: Receive, send: Send) -> None:
     services = services_of(scope)
-    service, metrics = services.responses, services.metrics
+    service = services.responses
     caller = caller_from(scope)
     body = parse_response_create(await read_body(scope, receive, max_bytes=MAX_BODY_BYTES))
     if body.user is not None:
         bind_contextvars(user=body.user)
-    status = 500
-    try:
-        status = await _respond(service, body, caller=caller, scope=scope, receive=receive, send=send)
-    except AxonError as exc:
-        status = exc.status_code
-        raise
-    except asyncio.CancelledError:
-        status = 499  # the client went away (or the process is stopping)
-        raise
-    finally:
-        metrics.completion_requests.labels(PATH, services.catalog.label(body.model), str(status)).inc()
+    await services.counted(
+        PATH, body.model, _respond(service, body, caller=caller, scope=scope, receive=receive, send=send)
+    )
 
 
 async def _respond(
