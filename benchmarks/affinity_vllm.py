@@ -1,13 +1,15 @@
 """Session affinity on vLLM's real prefix cache: `affinity.py`'s workload against two vLLM workers of one
-core each (the bundled SmolLM2), affinity on and off.
+core each (the bundled SmolLM2): routing on the prefix index, session affinity alone, neither.
 
-    .venv/bin/python benchmarks/affinity_vllm.py             # about 8 minutes on 2 cores
+    .venv/bin/python benchmarks/affinity_vllm.py             # about 12 minutes on 2 cores
 
-Two workers on the vLLM engine (`AXON_CPU_THREADS_BIND` 0 and 1: one core each), and two session
-managers with a gateway each: one with `AXON_AFFINITY_WAIT_MS=250` (a session's turn goes to the
-worker that served its last one), one with 0 (every turn to the model's shared queue, so to
-either worker). Two phases of `--sessions` sessions x `--turns` turns over the public API
-(`session_id`, streamed, usage included), each phase in words of its own: affinity on, then off.
+Two workers on the vLLM engine (`AXON_CPU_THREADS_BIND` 0 and 1: one core each), and three session
+managers with a gateway each: `index` (`AXON_AFFINITY_WAIT_MS=250` and the prefix index, the
+default: a turn goes where its prefix is cached, else to the worker that served its session's
+last turn), `affinity on` (the same without the index, `AXON_PREFIX_ROUTING=false`: the rule
+before it) and `affinity off` (neither: every turn to the model's shared queue, so to either
+worker). A phase of `--sessions` sessions x `--turns` turns over the public API per session
+manager (`session_id`, streamed, usage included), each phase in words of its own, in that order.
 `--active` sessions are in progress at once, each sending its next turn as soon as its last one
 ended (a closed loop: the workers are kept busy). A conversation is `affinity.py`'s (a 50-word
 system prompt, per turn a user message and an answer of `max_tokens` tokens), shortened by
@@ -15,7 +17,8 @@ system prompt, per turn a user message and an answer of `max_tokens` tokens), sh
 
 Printed per phase: turns, turns lost, cached prompt tokens / prompt tokens (vLLM's
 `cached_tokens`: whole 128-token blocks found in the worker's prefix cache; all turns, and turns
-after the first), time to first token p50 / p99, end-to-end p50 / p99 and turns/s; then on / off.
+after the first), time to first token p50 / p99, end-to-end p50 / p99 and turns/s; then index /
+affinity on and affinity on / off.
 """
 
 import argparse
@@ -25,7 +28,7 @@ import sys
 import time
 
 from affinity import Conversation, report, run_phase, workload
-from harness import BenchEnvironment, start_gateways
+from harness import BenchEnvironment, start_service_pair
 
 from services.worker.engines.gguf import bundled_gguf_path
 
@@ -50,8 +53,13 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=0.25, help="length of messages and answers vs affinity.py")
     parser.add_argument("--affinity-wait-ms", type=int, default=250, help="AXON_AFFINITY_WAIT_MS when on")
     args = parser.parse_args()
-    phases = {"affinity on": 1, "affinity off": 2}
-    loads = {name: scaled(workload(seed, args.sessions, args.turns), args.scale) for name, seed in phases.items()}
+    # Each phase's session manager: its settings, and the seed of its workload (words of its own).
+    phases = {
+        "index": ({"AXON_AFFINITY_WAIT_MS": str(args.affinity_wait_ms)}, 3),
+        "affinity on": ({"AXON_AFFINITY_WAIT_MS": str(args.affinity_wait_ms), "AXON_PREFIX_ROUTING": "false"}, 1),
+        "affinity off": ({"AXON_AFFINITY_WAIT_MS": "0", "AXON_PREFIX_ROUTING": "false"}, 2),
+    }
+    loads = {name: scaled(workload(seed, args.sessions, args.turns), args.scale) for name, (_, seed) in phases.items()}
     results = {}
     with BenchEnvironment() as env:
         env.models.add(MODEL)
@@ -68,7 +76,9 @@ def main() -> int:
                 },
                 ready_timeout_s=600,
             )
-        gateways = start_gateways(env, args.affinity_wait_ms)
+        gateways = {
+            name: start_service_pair(env, name.replace(" ", "-"), settings) for name, (settings, _) in phases.items()
+        }
         key = env.create_key()
         print(f"stack ready (logs in {env.log_dir}); {os.cpu_count()} CPUs", file=sys.stderr, flush=True)
         for name in phases:
@@ -76,13 +86,13 @@ def main() -> int:
             started = time.perf_counter()
             results[name] = asyncio.run(
                 run_phase(
-                    gateways["on" if name == "affinity on" else "off"].url,
+                    gateways[name].url,
                     key,
                     loads[name],
                     sim_ttft=lambda _turn: float("nan"),
                     rate=1000.0,  # arrivals far faster than answers: each session's next turn at once
                     active=args.active,
-                    seed=phases[name],
+                    seed=phases[name][1],
                     model=MODEL,
                 )
             )
@@ -97,10 +107,14 @@ def main() -> int:
     )
     for name, result in results.items():
         report(name, result)
-    on, off = results["affinity on"], results["affinity off"]
-    p50, p99 = (on["ttft_ms"][q] / off["ttft_ms"][q] for q in ("p50", "p99"))
-    print(f"on / off: hit ratio {on['hit_ratio'] / off['hit_ratio']:.2f} x, TTFT p50 {p50:.2f} x, p99 {p99:.2f} x")
-    return 0 if on["lost"] == off["lost"] == 0 else 1
+    for a, b in (("index", "affinity on"), ("affinity on", "affinity off")):
+        first, second = results[a], results[b]
+        p50, p99 = (first["ttft_ms"][q] / second["ttft_ms"][q] for q in ("p50", "p99"))
+        print(
+            f"{a} / {b}: hit ratio {first['hit_ratio'] / second['hit_ratio']:.2f} x, TTFT p50 {p50:.2f} x, "
+            f"p99 {p99:.2f} x, turns/s {first['throughput'] / second['throughput']:.2f} x"
+        )
+    return 0 if all(result["lost"] == 0 for result in results.values()) else 1
 
 
 if __name__ == "__main__":
