@@ -8,8 +8,9 @@ managers with a gateway each: `index` (`AXON_AFFINITY_WAIT_MS=250` and the prefi
 default: a turn goes where its prefix is cached, else to the worker that served its session's
 last turn), `affinity on` (the same without the index, `AXON_PREFIX_ROUTING=false`: the rule
 before it) and `affinity off` (neither: every turn to the model's shared queue, so to either
-worker). A phase of `--sessions` sessions x `--turns` turns over the public API per session
-manager (`session_id`, streamed, usage included), each phase in words of its own, in that order.
+worker). After a warm-up (`--active` sessions of two turns, not measured), a phase of
+`--sessions` sessions x `--turns` turns over the public API per session manager (`session_id`,
+streamed, usage included), each phase in words of its own, in that order.
 `--active` sessions are in progress at once, each sending its next turn as soon as its last one
 ended (a closed loop: the workers are kept busy). A conversation is `affinity.py`'s (a 50-word
 system prompt, per turn a user message and an answer of `max_tokens` tokens), shortened by
@@ -31,8 +32,10 @@ from affinity import Conversation, report, run_phase, workload
 from harness import BenchEnvironment, start_service_pair
 
 from services.worker.engines.gguf import bundled_gguf_path
+from services.worker.engines.vllm_config import cpu_dtype, cpu_flags
 
 MODEL = "affinity-vllm"
+WARMUP_SEED = 99
 
 
 def scaled(conversations: list[Conversation], scale: float) -> list[Conversation]:
@@ -59,6 +62,7 @@ def main() -> int:
         "affinity on": ({"AXON_AFFINITY_WAIT_MS": str(args.affinity_wait_ms), "AXON_PREFIX_ROUTING": "false"}, 1),
         "affinity off": ({"AXON_AFFINITY_WAIT_MS": "0", "AXON_PREFIX_ROUTING": "false"}, 2),
     }
+    dtype = "float32" if cpu_dtype("auto", cpu_flags()) == "float32" else "bfloat16"
     loads = {name: scaled(workload(seed, args.sessions, args.turns), args.scale) for name, (_, seed) in phases.items()}
     results = {}
     with BenchEnvironment() as env:
@@ -81,6 +85,21 @@ def main() -> int:
         }
         key = env.create_key()
         print(f"stack ready (logs in {env.log_dir}); {os.cpu_count()} CPUs", file=sys.stderr, flush=True)
+        # Not measured: the workers' first requests (vLLM's first batches of each size are slower),
+        # so that no phase pays for them.
+        print("warm-up...", file=sys.stderr, flush=True)
+        asyncio.run(
+            run_phase(
+                gateways["affinity off"].url,
+                key,
+                scaled(workload(WARMUP_SEED, args.active, 2), args.scale),
+                sim_ttft=lambda _turn: float("nan"),
+                rate=1000.0,
+                active=args.active,
+                seed=WARMUP_SEED,
+                model=MODEL,
+            )
+        )
         for name in phases:
             print(f"{name}...", file=sys.stderr, flush=True)
             started = time.perf_counter()
@@ -98,7 +117,7 @@ def main() -> int:
             )
             print(f"  {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     print(
-        f"\n2 vLLM workers x 1 core (the bundled SmolLM2, bfloat16, eager); {args.sessions} sessions x {args.turns} "
+        f"\n2 vLLM workers x 1 core (the bundled SmolLM2, {dtype}, eager); {args.sessions} sessions x {args.turns} "
         f"turns per phase, {args.active} in progress at once, messages and answers x {args.scale:g} of affinity.py's"
     )
     print(

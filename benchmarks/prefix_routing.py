@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/prefix_routing.py --cost       # the session manager's cost only
 
 Two workers on the vLLM engine, one core each (`AXON_CPU_THREADS_BIND` 0 and 1), each with a
-small KV cache (`--kv-cache-gib`, 0.25: about 11,600 of the bundled SmolLM2's tokens), and two
+small KV cache (`--kv-cache-gib`: about 11,600 of the bundled SmolLM2's tokens, 0.25 GiB in
+bfloat16, 0.5 in float32, the worker's dtype on a CPU without bfloat16 arithmetic), and two
 session managers with a gateway each: `index` (`AXON_PREFIX_ROUTING=true`, the default) and
 `today` (`AXON_PREFIX_ROUTING=false`: session affinity only, so one-shot requests go to the
 shared queue). `--phases` picks which run, in that order; each phase asks about documents of its
@@ -40,6 +41,7 @@ from harness import INTERNAL_TOKEN, BenchEnvironment, start_service_pair
 
 from services.sessions.prefix_routing import PrefixRouter
 from services.worker.engines.gguf import bundled_gguf_path
+from services.worker.engines.vllm_config import cpu_dtype, cpu_flags
 from shared.names import Names
 from shared.prefix_index import PrefixIndex, anchors
 from shared.redis_pipe import RedisPipe
@@ -200,11 +202,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4, help="rounds per workload, the first one warming the caches")
     parser.add_argument("--in-flight", type=int, default=8, help="requests at a time in the concurrent workload")
     parser.add_argument("--hot", type=int, default=16, help="requests at once about the hot document")
-    parser.add_argument("--kv-cache-gib", type=float, default=0.25)
+    parser.add_argument(
+        "--kv-cache-gib", type=float, help="default: about 11,600 tokens (0.25 in bfloat16, 0.5 in float32)"
+    )
     parser.add_argument("--cost", action="store_true", help="measure the session manager's cost per request only")
     args = parser.parse_args()
     if args.cost:
         return cost()
+    if args.kv_cache_gib is None:
+        args.kv_cache_gib = 0.5 if cpu_dtype("auto", cpu_flags()) == "float32" else 0.25
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     results = {}
     with BenchEnvironment() as env:

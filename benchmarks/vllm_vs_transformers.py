@@ -8,8 +8,8 @@ For each concurrency, `--repeats` rounds alternate which engine goes first; the 
 idles meanwhile (its CPU is printed). Each stream is a closed loop of `--requests` chat requests of
 `--max-tokens` tokens (`ignore_eos`, greedy). Figures: output tokens/s and time to first token
 p50, then vLLM / transformers throughput (expected from the trial: >= 2 x at one stream, >= 3 x at
-16). Both engines run with their defaults (vLLM: bfloat16, eager, a 1 GiB KV cache; transformers:
-float32, its continuous batching).
+16). Both engines run with their defaults (vLLM: bfloat16, or float32 on a CPU without bfloat16
+arithmetic, eager, a 1 GiB KV cache; transformers: float32, its continuous batching).
 """
 
 import argparse

@@ -35,6 +35,10 @@ from shared.schemas import FunctionSpec, Message
 # anchor every 4 of vLLM's 16-token blocks (the index's resolution; a prefix is matched to the
 # last anchor it holds).
 ANCHOR_CHARS = 256
+# Characters of content (two anchors, ~128 tokens) a prompt needs to be routed on the index: a
+# shorter prefix saves too little prefill to route on, so session managers do not look it up and
+# workers do not tie its anchors (`routed`).
+MIN_ROUTED_CHARS = 2 * ANCHOR_CHARS
 # A worker's set expires this long after its last write (it refreshes it every few seconds while
 # it lives): a killed worker's set goes on its own.
 PREFIX_INDEX_TTL_S = 60
@@ -73,6 +77,11 @@ def anchors(
         key = _chained(key, f"\x00{message.role}\x00{message.name or ''}\x00".encode())
         key = _content_anchors(key, message.content, part, found)
     return found
+
+
+def routed(messages: Sequence[Message] | None, prompt: str | None) -> bool:
+    """Whether a prompt is long enough to be routed on the index (`MIN_ROUTED_CHARS`)."""
+    return sum(len(m.content) for m in messages or ()) + len(prompt or "") >= MIN_ROUTED_CHARS
 
 
 def _content_anchors(key: bytes, content: str, part: int, found: list[Anchor]) -> bytes:

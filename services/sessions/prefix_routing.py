@@ -3,9 +3,9 @@ prefix of a request's prompt, weighed against its load (`shared/affinity.py:pref
 
 Per request: the prompt's anchors (a hash per 256 characters, no tokenizer), then one pipelined
 round trip to Redis (an SMISMEMBER per live indexed worker of the model), bounded by
-`AXON_PREFIX_LOOKUP_TIMEOUT_MS`. Read only for a single-choice job whose prompt holds at least
-`MIN_ROUTED_CHARS` characters (a shorter prefix saves too little prefill to route on; such a
-request costs nothing here) and a model with indexed workers. Anything the index cannot answer
+`AXON_PREFIX_LOOKUP_TIMEOUT_MS`. Read only for a single-choice job whose prompt is long enough
+(`shared/prefix_index.py:routed`; a shorter one costs nothing here, nor at the worker) and a model
+with indexed workers. Anything the index cannot answer
 (Redis away or slow) leaves the request to today's rules, said once per outage.
 
 Load is this session manager's own count of the jobs it sent to each worker's queue and that have
@@ -21,14 +21,11 @@ from prometheus_client import Counter
 from shared.affinity import Route, prefix_route
 from shared.logging import get_logger
 from shared.outages import Outage
-from shared.prefix_index import ANCHOR_CHARS, PrefixIndex, anchors
+from shared.prefix_index import PrefixIndex, anchors, routed
 from shared.registry import LiveModel
 from shared.schemas import Job
 
 log = get_logger(__name__)
-
-# Characters of content (two anchors, ~128 tokens) a prompt needs before the index is read.
-MIN_ROUTED_CHARS = 2 * ANCHOR_CHARS
 
 
 class PrefixRouter:
@@ -49,7 +46,7 @@ class PrefixRouter:
         workers = live.indexed & live.homes
         if not workers:
             return None
-        if sum(len(m.content) for m in job.messages or ()) + len(job.prompt or "") < MIN_ROUTED_CHARS:
+        if not routed(job.messages, job.prompt):
             return None
         found = anchors(messages=job.messages, prompt=job.prompt, tools=job.tools, adapter=job.adapter)
         if not found:

@@ -61,6 +61,7 @@ from services.worker.engines.kv_events import (
 from services.worker.engines.text import StopMatcher
 from services.worker.prompts import tool_prompt_messages
 from services.worker.tool_parsers import TOOL_CALL_END, TOOL_CALL_START
+from shared.prefix_index import routed
 from shared.schemas import Capability, FinishReason, TokenLogprob, TopLogprob
 
 _TOKENS_PER_STEP = 64
@@ -607,7 +608,7 @@ class SimEngine(Engine):
         prompt_tokens = max(1, len(words))
         # At least the prompt's last token is computed, as in vLLM: only blocks before it can hit.
         cached = self.prefix_cache.match(block_keys(words[: prompt_tokens - 1])) * BLOCK_TOKENS
-        if self.prompt_observer is not None:
+        if self.prompt_observer is not None and routed(request.messages, request.prompt):
             ends = [m.end() for m in re.finditer(r"\S+", prompt)]
             self.prompt_observer(request, RenderedPrompt(prompt, [token_id(w) for w in words], ends))
         self.prefix_cache.insert(block_keys(words), words)

@@ -83,6 +83,7 @@ from services.worker.engines.vllm_outputs import AnswerOutputs, PrefixReplay, Re
 from services.worker.engines.vllm_tools import Specials, VllmToolCallParser
 from services.worker.prompts import tool_prompt_messages
 from shared.logging import get_logger
+from shared.prefix_index import routed
 from shared.schemas import Capability, FunctionSpec, Job, Message, Sampling
 from shared.tracing import TRACEPARENT, current_traceparent
 
@@ -533,12 +534,13 @@ class VllmEngine(Engine):
 
     def _encode(self, request: GenerationRequest, text: str, *, add_special_tokens: bool, observed: bool) -> list[int]:
         """`text`'s token ids; with a prefix index (and a new request, `observed`), tokenized with
-        each token's place in the text, told to `prompt_observer` (one tokenization all the same). A
+        each token's place in the text, told to `prompt_observer` (one tokenization all the same; a
+        prompt too short to be routed on, `prefix_index.routed`, is not told). A
         tokenizer that gives no offsets (a slow one) turns the observer off: the worker's set then
         stays empty and its requests are routed by session affinity."""
         tokenizer = self._tokenizer
         observer = self.prompt_observer
-        if observer is None or not observed:
+        if observer is None or not observed or not routed(request.messages, request.prompt):
             return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
         try:
             encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
