@@ -29,9 +29,8 @@ import sys
 import time
 
 from affinity import Conversation, report, run_phase, workload
-from harness import BenchEnvironment, start_service_pair
+from harness import BenchEnvironment, start_service_pair, start_vllm_workers_per_core
 
-from services.worker.engines.gguf import bundled_gguf_path
 from services.worker.engines.vllm_config import cpu_dtype, cpu_flags
 
 MODEL = "affinity-vllm"
@@ -67,19 +66,7 @@ def main() -> int:
     results = {}
     with BenchEnvironment() as env:
         env.models.add(MODEL)
-        for core in (0, 1):
-            env.start_service(
-                "worker",
-                name=f"worker-{core}",
-                env={
-                    "AXON_ENGINE": "vllm",
-                    "AXON_MODEL": MODEL,
-                    "AXON_MODEL_PATH": str(bundled_gguf_path()),
-                    "AXON_CPU_THREADS_BIND": str(core),
-                    "AXON_WORKER_ID": f"bench-vllm-{core}",
-                },
-                ready_timeout_s=600,
-            )
+        start_vllm_workers_per_core(env, MODEL, label="vllm")
         gateways = {
             name: start_service_pair(env, name.replace(" ", "-"), settings) for name, (settings, _) in phases.items()
         }

@@ -18,6 +18,7 @@ import asyncpg
 
 from services.cli import launcher
 from services.cli.launcher import Service
+from services.worker.engines.gguf import bundled_gguf_path
 from shared.keys import KeyLimits, KeyRepository
 from shared.migrations import drop_database, migrate, split_database_url
 
@@ -164,6 +165,29 @@ def start_gateways(env: "BenchEnvironment", affinity_wait_ms: int) -> dict[str, 
         sessions = env.start_service("sessions", name=f"sessions-{label}", env={"AXON_AFFINITY_WAIT_MS": str(wait)})
         gateways[label] = env.start_service("gateway", name=f"gateway-{label}", env={"AXON_SESSIONS_URL": sessions.url})
     return gateways
+
+
+def start_vllm_workers_per_core(
+    env: "BenchEnvironment", model: str, *, label: str, settings: dict[str, str] | None = None
+) -> list[Service]:
+    """One vLLM worker of `model` per core (0 and 1: `AXON_CPU_THREADS_BIND`), on the bundled
+    model, with more `settings`; ids `bench-<label>-<core>`."""
+    return [
+        env.start_service(
+            "worker",
+            name=f"worker-{core}",
+            env={
+                "AXON_ENGINE": "vllm",
+                "AXON_MODEL": model,
+                "AXON_MODEL_PATH": str(bundled_gguf_path()),
+                "AXON_CPU_THREADS_BIND": str(core),
+                "AXON_WORKER_ID": f"bench-{label}-{core}",
+                **(settings or {}),
+            },
+            ready_timeout_s=900,
+        )
+        for core in (0, 1)
+    ]
 
 
 def start_service_pair(env: "BenchEnvironment", label: str, sessions_env: dict[str, str]) -> Service:

@@ -37,10 +37,9 @@ import sys
 import time
 
 import httpx
-from harness import INTERNAL_TOKEN, BenchEnvironment, start_service_pair
+from harness import INTERNAL_TOKEN, BenchEnvironment, start_service_pair, start_vllm_workers_per_core
 
 from services.sessions.prefix_routing import PrefixRouter
-from services.worker.engines.gguf import bundled_gguf_path
 from services.worker.engines.vllm_config import cpu_dtype, cpu_flags
 from shared.names import Names
 from shared.prefix_index import PrefixIndex, anchors
@@ -216,21 +215,13 @@ def main() -> int:
     with BenchEnvironment() as env:
         env.models.add(MODEL)
         workers = [
-            env.start_service(
-                "worker",
-                name=f"worker-{core}",
-                env={
-                    "AXON_ENGINE": "vllm",
-                    "AXON_MODEL": MODEL,
-                    "AXON_MODEL_PATH": str(bundled_gguf_path()),
-                    "AXON_CPU_THREADS_BIND": str(core),
-                    "AXON_KV_CACHE_GIB": str(args.kv_cache_gib),
-                    "AXON_MAX_SEQS": "16",
-                    "AXON_WORKER_ID": f"bench-prefix-{core}",
-                },
-                ready_timeout_s=900,
-            ).url
-            for core in (0, 1)
+            worker.url
+            for worker in start_vllm_workers_per_core(
+                env,
+                MODEL,
+                label="prefix",
+                settings={"AXON_KV_CACHE_GIB": str(args.kv_cache_gib), "AXON_MAX_SEQS": "16"},
+            )
         ]
         gateways = {
             name: start_service_pair(env, name, {"AXON_PREFIX_ROUTING": str(name == "index").lower()}).url
