@@ -72,36 +72,29 @@ def main() -> int:
         }
         key = env.create_key()
         print(f"stack ready (logs in {env.log_dir}); {os.cpu_count()} CPUs", file=sys.stderr, flush=True)
-        # Not measured: the workers' first requests (vLLM's first batches of each size are slower),
-        # so that no phase pays for them.
-        print("warm-up...", file=sys.stderr, flush=True)
-        asyncio.run(
-            run_phase(
-                gateways["affinity off"].url,
-                key,
-                scaled(workload(WARMUP_SEED, args.active, 2), args.scale),
-                sim_ttft=lambda _turn: float("nan"),
-                rate=1000.0,
-                active=args.active,
-                seed=WARMUP_SEED,
-                model=MODEL,
-            )
-        )
-        for name in phases:
-            print(f"{name}...", file=sys.stderr, flush=True)
-            started = time.perf_counter()
-            results[name] = asyncio.run(
+
+        def phase(gateway: str, load: list[Conversation], seed: int) -> dict:
+            return asyncio.run(
                 run_phase(
-                    gateways[name].url,
+                    gateways[gateway].url,
                     key,
-                    loads[name],
+                    load,
                     sim_ttft=lambda _turn: float("nan"),
                     rate=1000.0,  # arrivals far faster than answers: each session's next turn at once
                     active=args.active,
-                    seed=phases[name][1],
+                    seed=seed,
                     model=MODEL,
                 )
             )
+
+        # Not measured: the workers' first requests (vLLM's first batches of each size are slower),
+        # so that no phase pays for them.
+        print("warm-up...", file=sys.stderr, flush=True)
+        phase("affinity off", scaled(workload(WARMUP_SEED, args.active, 2), args.scale), WARMUP_SEED)
+        for name in phases:
+            print(f"{name}...", file=sys.stderr, flush=True)
+            started = time.perf_counter()
+            results[name] = phase(name, loads[name], phases[name][1])
             print(f"  {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     print(
         f"\n2 vLLM workers x 1 core (the bundled SmolLM2, {dtype}, eager); {args.sessions} sessions x {args.turns} "
