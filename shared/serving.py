@@ -116,9 +116,15 @@ class GracefulServer(uvicorn.Server):
         self._stopping = asyncio.get_running_loop().create_task(self._stop())
 
     async def _stop(self) -> None:
+        # The drain's steps wait on brokers that may be away for good: it gets its bound and
+        # HOP_MARGIN_S more, then the stop goes on without it.
+        bound = None if self._drain_timeout_s is None else self._drain_timeout_s + HOP_MARGIN_S
         try:
             if self._drain is not None:
-                await self._drain()
+                async with asyncio.timeout(bound):
+                    await self._drain()
+        except TimeoutError:
+            log.warning("drain_timed_out", after_s=bound)
         except Exception:
             log.exception("drain_failed")
         finally:

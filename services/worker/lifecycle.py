@@ -247,14 +247,7 @@ class Worker:
         self._redis_reason = f"Redis unreachable: {reason}"
         if self.not_ready_reason is None:
             self.not_ready_reason = self._redis_reason
-        async with self._consuming:
-            for queue, tag in ((self._own_queue, self._own_consumer_tag), (self._queue, self._consumer_tag)):
-                if queue is not None and tag is not None:
-                    with contextlib.suppress(Exception):  # the broker is away too: no delivery comes anyway
-                        await queue.cancel(tag)
-            self._own_consumer_tag = self._consumer_tag = None
-            if self._puller is not None:
-                await self._puller.pause()
+        await self._stop_taking()
 
     async def _resume(self) -> None:
         """Redis answers again: ready, and taking jobs again (retried while the broker refuses)."""
@@ -342,20 +335,33 @@ class Worker:
         self.not_ready_reason = "shutting down"
         # Its own queue first: what waits there (and what session managers still send before they
         # see the draining heartbeat) expires into the shared queue within the affinity wait.
-        async with self._consuming:
-            for queue, tag in ((self._own_queue, self._own_consumer_tag), (self._queue, self._consumer_tag)):
-                if queue is not None and tag is not None:
-                    with contextlib.suppress(Exception):
-                        await queue.cancel(tag)
-            self._own_consumer_tag = self._consumer_tag = None
-            if self._puller is not None:
-                await self._puller.pause()
+        await self._stop_taking()
         if self.kv_index is not None:
             await self.kv_index.withdraw()
         if getattr(self, "_heartbeat", None) is not None:
             await self._heartbeat.draining()
         left = await self.runner.drain(self.settings.drain_timeout_s)
         log.info("worker_drained", handed_back=left)
+
+    async def _stop_taking(self) -> None:
+        """Cancel both consumers and pause the puller, together and each within the connect timeout:
+        a broker away (for good, maybe) cannot be told, its channel's close cancels the consumers
+        anyway, and a stop waits for it once, not once per step."""
+
+        async def cancel(queue: AbstractQueue, tag: str) -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(queue.cancel(tag), self.settings.connect_timeout_s)
+
+        async with self._consuming:
+            steps = [
+                cancel(queue, tag)
+                for queue, tag in ((self._own_queue, self._own_consumer_tag), (self._queue, self._consumer_tag))
+                if queue is not None and tag is not None
+            ]
+            if self._puller is not None:
+                steps.append(self._puller.pause())
+            await asyncio.gather(*steps)
+            self._own_consumer_tag = self._consumer_tag = None
 
     async def shutdown(self) -> None:
         """Drain, withdraw from the registry, release everything."""

@@ -91,7 +91,7 @@ async def test_rabbitmq_restarted_under_steady_load(own_stack: Stack, tmp_path: 
     broker.start()
     try:
         env = {"AXON_AMQP_URL": broker.url}
-        own_stack.start("worker:faults", env={**SIM, **env})
+        worker = own_stack.start("worker:faults", env={**SIM, **env})
         sessions = own_stack.start("sessions", env=env)
         gateway = own_stack.start("gateway", env={**env, "AXON_SESSIONS_URL": sessions.url})
         url = f"{gateway.url}/v1/chat/completions"
@@ -111,6 +111,11 @@ async def test_rabbitmq_restarted_under_steady_load(own_stack: Stack, tmp_path: 
     assert counts["lost"] == counts["hung"] == 0, load.problems()
     assert recovery_s <= 10
     assert counts["completed"] > 20 and load.first_completed_after(up_at + recovery_s) is not None
+    # Its broker gone for good, a worker still stops: its drain waits on the broker once, within the
+    # connect timeout (5 s), not for ever.
+    stopping = time.monotonic()
+    assert worker.stop(timeout_s=20) == 0
+    assert time.monotonic() - stopping < 10
 
 
 async def test_redis_restarted_under_steady_load_loses_no_acknowledged_history(

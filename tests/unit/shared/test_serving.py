@@ -19,7 +19,8 @@ from shared.stop_signals import StopSignals
 ROOT = Path(__file__).resolve().parents[3]
 
 # A server whose one route streams `tick` every 50 ms until the deadline hook says `end`; its
-# drain hook prints `draining`, then waits for as long as argv[2] says (seconds).
+# drain hook prints `draining`, then waits for as long as argv[2] says (seconds), its bound argv[4]
+# (argv[2] if not given).
 _SERVER = """
 import asyncio, sys
 from shared.serving import serve
@@ -53,7 +54,7 @@ serve(
     port=int(sys.argv[1]),
     grace_s=float(sys.argv[3]),
     drain=drain,
-    drain_timeout_s=float(sys.argv[2]),
+    drain_timeout_s=float(sys.argv[4] if len(sys.argv) > 4 else sys.argv[2]),
     at_deadline=at_deadline,
 )
 print("exited cleanly", flush=True)
@@ -119,12 +120,13 @@ def test_each_hop_waits_longer_than_the_one_behind_it() -> None:
 
 
 class _Server:
-    def __init__(self, tmp_path: Path, *, drain_s: float, grace_s: float) -> None:
+    def __init__(self, tmp_path: Path, *, drain_s: float, grace_s: float, drain_timeout_s: float | None = None) -> None:
         self.port = free_port()
+        bound = [] if drain_timeout_s is None else [str(drain_timeout_s)]
         self.output = tmp_path / "server.log"
         with self.output.open("wb") as sink:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _SERVER, str(self.port), str(drain_s), str(grace_s)],
+                [sys.executable, "-c", _SERVER, str(self.port), str(drain_s), str(grace_s), *bound],
                 cwd=ROOT,
                 stdout=sink,
                 stderr=subprocess.STDOUT,
@@ -177,6 +179,19 @@ def test_sigint_then_sigterm_is_one_request_and_a_third_signal_exits_at_once(slo
     slow_drain.signal(signal.SIGINT)
     assert slow_drain.process.wait(timeout=5) == 1
     assert "third stop signal" in slow_drain.text()
+
+
+def test_a_drain_past_its_bound_and_the_hop_margin_is_left_and_the_process_exits_0(tmp_path: Path) -> None:
+    """A drain hook that never returns (a worker's broker away for good) does not hold the stop."""
+    server = _Server(tmp_path, drain_s=3600, grace_s=1, drain_timeout_s=0.5)
+    try:
+        server.signal(signal.SIGTERM)
+        server.wait_for("draining")
+        assert server.process.wait(timeout=HOP_MARGIN_S + 10) == 0, server.text()
+        assert "drain_timed_out" in server.text() and "drained" not in server.text().splitlines()
+        assert "exited cleanly" in server.text()
+    finally:
+        server.close()
 
 
 def test_a_stream_still_open_at_the_deadline_is_ended_by_the_hook_and_the_process_exits_0(tmp_path: Path) -> None:
