@@ -167,6 +167,22 @@ def s3_endpoint() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def cpu_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model cache (`AXON_MODEL_CACHE_DIR`) of the workers the e2e tests start (`Stack`): the
+    first transformers worker converts the bundled GGUF into it (about 20 s), every later one
+    loads that float32 copy in under a second."""
+    return tmp_path_factory.mktemp("cpu-models")
+
+
+@pytest.fixture(scope="session")
+def cpu_model(cpu_model_cache: Path) -> Path:
+    """The bundled SmolLM2 as the transformers engine loads it: its float32 copy in the run's cache."""
+    from services.worker.engines.gguf import bundled_gguf_path, converted_model
+
+    return converted_model(bundled_gguf_path(), cpu_model_cache, dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def vllm_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The model cache (`AXON_MODEL_CACHE_DIR`) of the run's vLLM engines, with the bundled SmolLM2
     converted into it once (about 20 s), as a worker converts it at its first start."""

@@ -18,18 +18,23 @@ def steering_lora(folder: Path, *, messages: list[dict[str, str]], token: str, b
     `token`'s alone (least squares over the output embeddings), divided by the final norm's weight
     and scaled to 20 times the hidden state's norm at that position. The first answer token is then
     `token`, ahead of the next by about 19 logits for the question of tests/e2e/test_lora_cpu_model.py
-    (the base model's own choices are within 1 of each other). `base`: the model directory converted
-    for vLLM (faster to load than the GGUF, the same weights)."""
+    (the base model's own choices are within 1 of each other). `base`: a model directory converted
+    from the GGUF (`gguf.converted_model`: faster to load than the GGUF, the same weights)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = bundled_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if base is not None:
-        model = AutoModelForCausalLM.from_pretrained(base)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    source = (
+        {"pretrained_model_name_or_path": str(base)}
+        if base is not None
+        else {
+            "pretrained_model_name_or_path": str(gguf.parent),
+            "gguf_file": gguf.name,
+        }
+    )
+    tokenizer = AutoTokenizer.from_pretrained(**source)
+    model = AutoModelForCausalLM.from_pretrained(**source)
     (target,) = tokenizer.encode(token, add_special_tokens=False)
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

@@ -33,8 +33,8 @@ class WorkerSettings(CommonSettings):
     # GGUF file (transformers), or model directory, hub id or GGUF file (vllm). Empty: the bundled
     # SmolLM2 GGUF (vllm: converted once into `model_cache_dir`).
     model_path: str = ""
-    # Where the vllm engine keeps models it converted from GGUF. Empty: $XDG_STATE_HOME/axon/models,
-    # else ~/.local/state/axon/models.
+    # Where the vllm and transformers engines keep the models they converted from GGUF. Empty:
+    # $XDG_STATE_HOME/axon/models, else ~/.local/state/axon/models.
     model_cache_dir: str = ""
     # Sequences one engine runs at once; also the queue prefetch. 0: the engine's default.
     max_seqs: int = Field(0, ge=0)

@@ -24,7 +24,9 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(namespace: str, database_url: str, service_urls: ServiceUrls, log_dir: Path) -> Iterator[Stack]:
+def stack(
+    namespace: str, database_url: str, service_urls: ServiceUrls, log_dir: Path, cpu_model_cache: Path
+) -> Iterator[Stack]:
     """Processes shared by the e2e tests: one sim worker, one session manager, one gateway."""
     stack = Stack(
         namespace=namespace,
@@ -32,6 +34,7 @@ def stack(namespace: str, database_url: str, service_urls: ServiceUrls, log_dir:
         redis_url=service_urls.redis,
         amqp_url=service_urls.amqp,
         log_dir=log_dir,
+        model_cache_dir=cpu_model_cache,
     )
     try:
         stack.start("worker:sim", env=SIM_ENV)

@@ -26,6 +26,8 @@ class Stack:
     redis_url: str
     amqp_url: str
     log_dir: Path
+    # The workers' AXON_MODEL_CACHE_DIR (where they convert a GGUF once), unless a test sets its own.
+    model_cache_dir: Path | None = None
     services: list[Service] = field(default_factory=list)
     # Every service any stack of this test process started, in order: tests/e2e/conftest.py stops
     # those a module's tests started when the module ends.
@@ -42,6 +44,7 @@ class Stack:
                 "AXON_LOG_LEVEL": "INFO",
                 "AXON_ADMIN_TOKEN": ADMIN_TOKEN,
                 "AXON_INTERNAL_TOKEN": INTERNAL_TOKEN,
+                **({"AXON_MODEL_CACHE_DIR": str(self.model_cache_dir)} if self.model_cache_dir else {}),
                 **extra,
             }
         )

@@ -13,7 +13,6 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from services.cli.launcher import Service
-from services.worker.engines.gguf import bundled_gguf_path
 from tests.e2e.stack import Stack
 from tests.e2e.test_workers import wait_listed
 from tests.models import steering_lora
@@ -29,16 +28,15 @@ MAX_TOKENS = 24
 STEERED = "London"
 
 
-def make_adapter(folder: Path) -> dict[str, str]:
-    """Save a tiny LoRA adapter of the bundled model in `folder` that answers QUESTION starting with
-    STEERED (`tests.models.steering_lora`); return the greedy answers to QUESTION of peft's
-    `generate` with the adapter (`adapter`) and without it (`base`)."""
+def make_adapter(folder: Path, base: Path) -> dict[str, str]:
+    """Save a tiny LoRA adapter of the bundled model (`base`: as the worker loads it) in `folder` that
+    answers QUESTION starting with STEERED (`tests.models.steering_lora`); return the greedy answers
+    to QUESTION of peft's `generate` with the adapter (`adapter`) and without it (`base`)."""
     import torch
     from transformers import AutoTokenizer
 
-    peft_model = steering_lora(folder, messages=QUESTION, token=STEERED)
-    gguf = bundled_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    peft_model = steering_lora(folder, messages=QUESTION, token=STEERED, base=base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
     encoded = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
     prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
@@ -54,9 +52,9 @@ def make_adapter(folder: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def expected(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+def expected(tmp_path_factory: pytest.TempPathFactory, cpu_model: Path) -> tuple[Path, dict[str, str]]:
     folder = tmp_path_factory.mktemp("lora") / ADAPTER
-    answers = make_adapter(folder)
+    answers = make_adapter(folder, cpu_model)
     # What the adapter was built to do (the tests below tell the two apart by it).
     assert answers["adapter"].startswith(STEERED) and not answers["base"].startswith(STEERED), answers
     return folder, answers

@@ -1,11 +1,13 @@
 """The CPU engine with the bundled SmolLM2 model, called directly (no services): constrained decoding,
 forced tool calls, seeds, logit bias, logprobs and a constrained answer resumed mid-way.
 
-One engine for the module (loading the model takes a while on CPU); answers are short."""
+One engine for the module, loading the model from its float32 copy in the run's model cache (as a
+worker does; converted once per run); answers are short."""
 
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -37,7 +39,7 @@ WEATHER = FunctionSpec(
 
 
 @pytest.fixture(scope="module")
-async def engine() -> AsyncIterator[TransformersEngine]:
+async def engine(cpu_model_cache: Path) -> AsyncIterator[TransformersEngine]:
     engine = TransformersEngine(
         model_name="SmolLM2-135M-Instruct",
         gguf_path=bundled_gguf_path(),
@@ -45,6 +47,7 @@ async def engine() -> AsyncIterator[TransformersEngine]:
         kv_cache_blocks=64,
         max_batch_tokens=512,
         threads=None,
+        model_cache_dir=cpu_model_cache,
     )
     await engine.start()
     yield engine
@@ -57,6 +60,12 @@ async def answer(engine: TransformersEngine, request_id: str, **fields: object) 
 
 def text_of(outputs: list[EngineOutput]) -> str:
     return "".join(out.text for out in outputs)
+
+
+def test_the_model_loads_from_its_float32_copy_in_the_cache(engine: TransformersEngine, cpu_model_cache: Path) -> None:
+    (copy,) = [p for p in cpu_model_cache.iterdir() if not p.name.startswith(".")]
+    assert copy.name.startswith(bundled_gguf_path().stem) and copy.name.endswith("-float32")
+    assert engine._source() == {"pretrained_model_name_or_path": str(copy)}
 
 
 async def test_a_json_schema_answer_parses_and_validates(engine: TransformersEngine) -> None:

