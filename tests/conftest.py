@@ -14,9 +14,11 @@ import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
+import structlog
 
 from shared.keys import KeyLimits, KeyRepository
 from shared.migrations import drop_database, migrate, split_database_url
@@ -82,6 +84,22 @@ def no_process_outlives_the_run() -> Iterator[None]:
     assert not left, "processes the tests started still ran at the end of the run (now killed):\n" + "\n".join(
         f"  {pid}: {command}" for pid, command in sorted(left.items())
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def structlog_never_caches_here() -> Iterator[None]:
+    """In the test process, structlog never caches a logger: a module's logger cached under a test's
+    `configure_logging` keeps that test's processors for good, and a later test's
+    `structlog.testing.capture_logs` would not see its lines (it failed after tests/unit, never
+    alone). The services the tests start cache, as in production."""
+    configure = structlog.configure
+
+    def uncached(**settings: Any) -> None:
+        configure(**{**settings, "cache_logger_on_first_use": False})
+
+    structlog.configure = uncached
+    yield
+    structlog.configure = configure
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ import uuid
 
 import aio_pika
 import pytest
+import structlog
 
 from services.sessions.job_publishing import JobPublisher
 from shared.clients import connect_amqp
@@ -150,15 +151,17 @@ async def test_a_tenant_past_its_share_of_the_queue_is_refused_with_429(broker, 
     assert refused.value.headers["Retry-After"] == "1"
 
 
-async def test_redis_away_the_job_goes_first_in_first_out_said_once(broker, capsys) -> None:
+async def test_redis_away_the_job_goes_first_in_first_out_said_once(broker) -> None:
     connection, names = broker
     # Nothing listens on that port: every fair-share call fails at once.
     pipe = RedisPipe("redis://127.0.0.1:1/0", timeout_s=1)
     publisher = JobPublisher(connection, names, max_queued_jobs=10, publish_timeout_s=5, fair=FairShare(pipe, names))
     await publisher.start()
     jobs = [_job(names) for _ in range(3)]
-    for job in jobs:
-        await publisher.publish(job, priority=1, request_id="r")
+    # The log lines themselves, whatever an earlier test configured logging to write (not stdout).
+    with structlog.testing.capture_logs() as logs:
+        for job in jobs:
+            await publisher.publish(job, priority=1, request_id="r")
     channel = await connection.channel()
     queue = await declare_job_queue(channel, names, "m", max_queued_jobs=10)
     got = []
@@ -166,7 +169,7 @@ async def test_redis_away_the_job_goes_first_in_first_out_said_once(broker, caps
         got.append(Job.model_validate_json(message.body).job_id)
         await message.ack()
     assert got == [job.job_id for job in jobs]  # each once, in order
-    assert capsys.readouterr().out.count("fair_share_failed") == 1
+    assert [entry["event"] for entry in logs].count("fair_share_failed") == 1
     await pipe.aclose()
 
 
