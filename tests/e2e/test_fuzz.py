@@ -32,8 +32,10 @@ import httpx
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, reject, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
+from schemathesis.core.errors import InvalidSchema
 from schemathesis.generation.meta import CoverageScenario
 from schemathesis.specs.openapi.checks import (
     allow_header_conformance,
@@ -144,7 +146,7 @@ def fuzz(schema: schemathesis.BaseSchema, check: Callable[[schemathesis.Case], N
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
 
             @settings(FUZZ_SETTINGS, max_examples=max_examples)
-            @given(case=operation.as_strategy(generation_mode=mode))
+            @given(case=_cases(operation, mode))
             def run(case: schemathesis.Case) -> None:
                 check(case)
 
@@ -153,6 +155,28 @@ def fuzz(schema: schemathesis.BaseSchema, check: Callable[[schemathesis.Case], N
             except (Exception, BaseExceptionGroup) as exc:  # noqa: BLE001 - collected, reported below
                 failures.append(f"{operation.label} ({mode.value}): {_described(exc)}")
     assert not failures, "\n\n".join(failures)
+
+
+def _cases(operation: Any, mode: GenerationMode) -> st.SearchStrategy[schemathesis.Case]:
+    """The operation's cases in `mode`. A negative case is drawn from a schema schemathesis mutated,
+    which it sometimes cannot draw from (`InvalidSchema`: "Cannot generate an array with 1 demanded
+    elements", from a mutated Messages content block): that draw is rejected and another one made,
+    instead of ending the operation's run as a failure of ours. Whether a run's draws hit it
+    follows Hypothesis' seed: with seed 3 of 40 it did, and one run of this module here failed so
+    while others passed. A positive case is drawn from our own document: its InvalidSchema is a
+    failure."""
+    strategy = operation.as_strategy(generation_mode=mode)
+    if mode is not GenerationMode.NEGATIVE:
+        return strategy
+
+    @st.composite
+    def drawable(draw: st.DrawFn) -> schemathesis.Case:
+        try:
+            return draw(strategy)
+        except InvalidSchema:
+            reject()
+
+    return drawable()
 
 
 def _described(exc: BaseException) -> str:
@@ -456,7 +480,9 @@ def test_fuzz_without_key_is_always_401(gateway_schema: schemathesis.BaseSchema,
             _assert_error(response, case.path)
             assert response.json()["error"]["type"] == "authentication_error"
 
-    fuzz(gateway_schema, check, max_examples=MAX_EXAMPLES // 2)
+    # Few cases: test_fuzz_with_key's `ignored_auth` check sends each of its cases again without
+    # the key and with a wrong one; here every path and method is tried with bodies of its own.
+    fuzz(gateway_schema, check, max_examples=5)
     _report("fuzz without a key or with a wrong one", statuses)
 
 
