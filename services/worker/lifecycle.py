@@ -349,6 +349,8 @@ class Worker:
         anyway, and a stop waits for it once, not once per step."""
 
         async def cancel(queue: AbstractQueue, tag: str) -> None:
+            if self._connection is None or not self._connection.connected.is_set():
+                return  # the broker is away: nothing to tell it
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(queue.cancel(tag), self.settings.connect_timeout_s)
 

@@ -128,9 +128,11 @@ class Puller:
         session manager counts on this worker's free sequences any more."""
         self._paused.set()
         if self._task is not None:
-            # A take waits on the broker, which may be away for good: past the connect timeout the
-            # take is cancelled (a job it got unacked goes back to its queue with the channel).
-            _, pending = await asyncio.wait({self._task}, timeout=self._timeout_s)
+            # A take waits on the broker, which may be away for good: past the connect timeout (at
+            # once while the connection is down) the take is cancelled (a job it got unacked goes
+            # back to its queue with the channel).
+            timeout_s = self._timeout_s if self._connection.connected.is_set() else 0
+            _, pending = await asyncio.wait({self._task}, timeout=timeout_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
