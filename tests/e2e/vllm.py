@@ -9,6 +9,7 @@ from typing import Any
 
 from openai import OpenAI
 
+from services.cli import launcher
 from services.cli.launcher import Service
 from tests.e2e.stack import Stack
 from tests.e2e.test_workers import holder, metric
@@ -46,8 +47,10 @@ class VllmWorkers:
         return [w for w in self.started if w.process.poll() is None]
 
     def at_least(self, count: int) -> list[Service]:
-        while len(self.alive()) < count:
-            self.start()
+        """The live workers, `count` or more: those missing started together (each answers /health
+        while vLLM loads, so their loads overlap), then ready."""
+        starting = [self.start(ready_path="/health") for _ in range(count - len(self.alive()))]
+        launcher.wait_ready(starting, timeout_s=300)
         return self.alive()
 
     def stop(self) -> None:
