@@ -134,23 +134,26 @@ async def test_a_request_for_an_adapter_the_engine_lacks_is_an_engine_error() ->
         await anext(outputs)
 
 
-def test_the_gguf_loads_from_its_float32_copy_in_the_model_cache(tmp_path: Path) -> None:
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF not really")
-    cache = tmp_path / "cache"
-    engine = TransformersEngine(
+def engine_of(gguf: Path, model_cache_dir: Path | None) -> TransformersEngine:
+    return TransformersEngine(
         model_name="m",
         gguf_path=gguf,
         max_seqs=1,
         kv_cache_blocks=1,
         max_batch_tokens=16,
         threads=1,
-        model_cache_dir=cache,
+        model_cache_dir=model_cache_dir,
     )
+
+
+def test_the_gguf_loads_from_its_float32_copy_in_the_model_cache(tmp_path: Path) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF not really")
+    cache = tmp_path / "cache"
     # Converted at an earlier start (as gguf.converted_model names it): loaded from there.
     copy = cache / f"m-{_digest(gguf)}-float32"
     copy.mkdir(parents=True)
-    assert engine._source() == {"pretrained_model_name_or_path": str(copy)}
+    assert engine_of(gguf, cache)._source() == {"pretrained_model_name_or_path": str(copy)}
 
 
 def test_without_a_cache_or_with_one_that_cannot_be_written_the_gguf_loads_itself(tmp_path: Path) -> None:
@@ -159,13 +162,4 @@ def test_without_a_cache_or_with_one_that_cannot_be_written_the_gguf_loads_itsel
     itself = {"pretrained_model_name_or_path": str(tmp_path), "gguf_file": "m.gguf"}
     (tmp_path / "file").write_text("a file where the cache's folder would be")
     for cache in (None, tmp_path / "file" / "cache"):
-        engine = TransformersEngine(
-            model_name="m",
-            gguf_path=gguf,
-            max_seqs=1,
-            kv_cache_blocks=1,
-            max_batch_tokens=16,
-            threads=1,
-            model_cache_dir=cache,
-        )
-        assert engine._source() == itself
+        assert engine_of(gguf, cache)._source() == itself
