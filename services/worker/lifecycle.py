@@ -333,8 +333,8 @@ class Worker:
             return
         self._drained = True
         self.not_ready_reason = "shutting down"
-        # Its own queue first: what waits there (and what session managers still send before they
-        # see the draining heartbeat) expires into the shared queue within the affinity wait.
+        # Its own queue's consumer stops too: what waits there (and what session managers still send
+        # before they see the draining heartbeat) expires into the shared queue within the affinity wait.
         await self._stop_taking()
         if self.kv_index is not None:
             await self.kv_index.withdraw()
@@ -344,9 +344,9 @@ class Worker:
         log.info("worker_drained", handed_back=left)
 
     async def _stop_taking(self) -> None:
-        """Cancel both consumers and pause the puller, together and each within the connect timeout:
-        a broker away (for good, maybe) cannot be told, its channel's close cancels the consumers
-        anyway, and a stop waits for it once, not once per step."""
+        """Cancel both consumers and pause the puller, together. A broker away (for good, maybe) is
+        not waited for: it cannot be told, and its channel's close cancels the consumers and gives
+        back what they held anyway; a live one gets the connect timeout to answer a cancel."""
 
         async def cancel(queue: AbstractQueue, tag: str) -> None:
             if self._connection is None or not self._connection.connected.is_set():

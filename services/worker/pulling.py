@@ -128,13 +128,15 @@ class Puller:
         session manager counts on this worker's free sequences any more."""
         self._paused.set()
         if self._task is not None:
-            # A take waits on the broker, which may be away for good: past the connect timeout (at
-            # once while the connection is down) the take is cancelled (a job it got unacked goes
-            # back to its queue with the channel).
-            timeout_s = self._timeout_s if self._connection.connected.is_set() else 0
-            _, pending = await asyncio.wait({self._task}, timeout=timeout_s)
-            for task in pending:
-                task.cancel()
+            # A take ends by itself while the broker answers. With the broker away (for good,
+            # maybe) it would wait for the reconnect: it is cancelled then, which loses nothing (a
+            # job it got unacked goes back to its queue with the channel), where cancelling it
+            # beside a live broker could strand a job it got on the open channel.
+            while not self._task.done():
+                if not self._connection.connected.is_set():
+                    self._task.cancel()
+                    break
+                await asyncio.wait({self._task}, timeout=POLL_S)
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         self._reported = (-1, -math.inf)
