@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from services.cli import launcher
 from services.cli.launcher import Service, ServiceExited
 from tests.e2e.stack import Stack
 from tests.e2e.test_workers import client_for, metric, wait_listed
@@ -52,10 +51,7 @@ def workers(stack: Stack, tiny: Path) -> Iterator[VllmWorkers]:
 
 @pytest.fixture(scope="module")
 def pair(workers: VllmWorkers) -> list[Service]:
-    # Started together (each answers /health while vLLM loads): their loads overlap.
-    one = workers.start(ready_path="/health")
-    two = workers.start(ready_path="/health", AXON_TENSOR_PARALLEL_SIZE="2")
-    launcher.wait_ready([one, two], timeout_s=300)
+    one, two = workers.start_together({}, {"AXON_TENSOR_PARALLEL_SIZE": "2"})
     assert '"threads_bind":"0|1"' in two.log_text()  # one core per rank
     assert '"threads_bind":"0-1"' in one.log_text()
     return [one, two]

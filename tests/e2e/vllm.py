@@ -46,11 +46,16 @@ class VllmWorkers:
     def alive(self) -> list[Service]:
         return [w for w in self.started if w.process.poll() is None]
 
-    def at_least(self, count: int) -> list[Service]:
-        """The live workers, `count` or more: those missing started together (each answers /health
-        while vLLM loads, so their loads overlap), then ready."""
-        starting = [self.start(ready_path="/health") for _ in range(count - len(self.alive()))]
+    def start_together(self, *envs: dict[str, str]) -> list[Service]:
+        """One more worker for each of `envs`, started at once (each answers /health while vLLM
+        loads, so their loads overlap), once all are ready."""
+        starting = [self.start(ready_path="/health", **env) for env in envs]
         launcher.wait_ready(starting, timeout_s=300)
+        return starting
+
+    def at_least(self, count: int) -> list[Service]:
+        """The live workers, `count` or more (those missing started together)."""
+        self.start_together(*({} for _ in range(count - len(self.alive()))))
         return self.alive()
 
     def stop(self) -> None:
