@@ -1,4 +1,4 @@
-"""Polls, every few seconds, how many jobs wait in each model's queue and how many workers serve it
+"""Polls, every `AXON_QUEUE_POLL_INTERVAL_S`, how many jobs wait in each model's queue and how many workers serve it
 (and exports each model's cold-start wait beside them, for alerts on pools that may be at zero),
 and, from the fair share's state in Redis, each tenant's waiting jobs and Jain's fairness index of
 what the tenants with jobs waiting were served since the last poll (`shared/fair.py`).
@@ -24,7 +24,6 @@ from shared.outages import Outage
 
 log = get_logger(__name__)
 
-POLL_INTERVAL_S = 5.0
 _DECLARE_TIMEOUT_S = 5.0
 
 
@@ -44,7 +43,7 @@ class QueueDepthPoller:
         names: Names,
         metrics: SessionsMetrics,
         fair: FairShare | None = None,
-        interval_s: float = POLL_INTERVAL_S,
+        interval_s: float,
     ) -> None:
         self._fair = fair
         # The fair share's state at the last poll, per model and band; the tenants reported waiting.

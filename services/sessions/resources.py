@@ -155,6 +155,7 @@ async def open_resources(settings: SessionsSettings, metrics: SessionsMetrics) -
             names=names,
             metrics=metrics,
             fair=fair,
+            interval_s=settings.queue_poll_interval_s,
         )
         polling = asyncio.create_task(poller.run())
         async with open_file_store(settings, db) as files:

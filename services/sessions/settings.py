@@ -53,6 +53,14 @@ class SessionsSettings(CommonSettings):
             " Fair share); false: the model's shared queue, first in, first out"
         ),
     )
+    queue_poll_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "how often the session manager polls each model's queue depth and live workers and the"
+            " tenants' waiting jobs for its metrics (a passive declare per model, a Redis read per band)"
+        ),
+    )
     cold_start_wait_s: float = Field(
         0.0,
         ge=0,

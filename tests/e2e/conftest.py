@@ -16,6 +16,9 @@ SIM_MODEL = "sim-model"
 # module's tests start is stopped when the module ends (`services_stopped_with_the_module`).
 SESSION_SERVICES: set[int] = set()
 SIM_ENV = {"AXON_ENGINE": "sim", "AXON_MODEL": SIM_MODEL, "AXON_SIM_TTFT_MS": "20", "AXON_SIM_ITL_MS": "5"}
+# The shared session manager polls its queue-depth and fair-share gauges every second, so a test
+# sees a backlog of a few seconds counted by the gauges (the default, 5 s, could miss it).
+SESSIONS_ENV = {"AXON_QUEUE_POLL_INTERVAL_S": "1"}
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +41,7 @@ def stack(
     )
     try:
         stack.start("worker:sim", env=SIM_ENV)
-        sessions = stack.start("sessions")
+        sessions = stack.start("sessions", env=SESSIONS_ENV)
         stack.start("gateway", env={"AXON_SESSIONS_URL": sessions.url})
         SESSION_SERVICES.update(id(service) for service in stack.services)
         yield stack

@@ -140,8 +140,9 @@ def _run_batch(gateway: Service, api_key: str) -> None:
 @pytest.fixture(scope="module")
 def backlog(stack: Stack, gateway: Service, sessions: Service, api_key: str) -> dict:
     """Three requests of one tenant at once to a model whose only worker runs one sequence, 4 s an
-    answer: two of them wait in the tenant's queue long enough for a queue-depth poll (every 5 s)
-    to count them. Returns the model and the worker's scrape once the three were answered."""
+    answer: the first runs, the worker takes the second to start next, and the third waits in the
+    tenant's queue until the first ends, about 4 s, four of the shared session manager's queue-depth
+    polls (`SESSIONS_ENV`). Returns the model and the worker's scrape once the three were answered."""
     model = f"obs-tenant-{uuid.uuid4().hex[:6]}"
     env = {"AXON_SIM_MAX_SEQS": "1", "AXON_FAIR_HEADROOM_SEQS": "0", "AXON_SIM_ITL_MS": "50"}
     worker = stack.start(f"worker:{model}", env={"AXON_ENGINE": "sim", "AXON_MODEL": model, **env})

@@ -174,7 +174,8 @@ def test_past_the_wait_503_with_retry_after_and_the_late_worker_skips_the_job(co
         time.sleep(0.2)
     assert metric(worker, "axon_worker_jobs_total", model="late-sim", outcome="completed") == 0
     assert _queued(cold.namespace, cold.stack.amqp_url, "late-sim") == 0
-    # Polled with its queue (every 5 s) once a worker served it: what keeps AxonNoLiveWorker quiet.
+    # Polled with its queue (every AXON_QUEUE_POLL_INTERVAL_S, 5 s) once a worker served it: what keeps
+    # AxonNoLiveWorker quiet.
     while metric(cold.sessions, "axon_sessions_cold_start_wait_seconds", model="late-sim") != 2:
         assert time.monotonic() < deadline + 10, "the cold-start wait is not exported"
         time.sleep(0.5)
