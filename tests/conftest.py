@@ -201,11 +201,11 @@ def cpu_model(cpu_model_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The model cache (`AXON_MODEL_CACHE_DIR`) of the run's vLLM engines, with the bundled SmolLM2
-    converted into it once (about 20 s), as a worker converts it at its first start."""
+def vllm_model_cache(cpu_model_cache: Path, cpu_model: Path) -> Path:
+    """The model cache (`AXON_MODEL_CACHE_DIR`) of the run's vLLM engines: the run's cache, with the
+    bundled SmolLM2's bfloat16 copy made in it from its float32 copy (`cpu_model`: about 2 s, where
+    the GGUF takes about 20), as a worker makes it at its first start beside a transformers one."""
     from services.worker.engines.gguf import bundled_gguf_path, converted_model
 
-    cache = tmp_path_factory.mktemp("models")
-    converted_model(bundled_gguf_path(), cache)
-    return cache
+    converted_model(bundled_gguf_path(), cpu_model_cache)
+    return cpu_model_cache

@@ -37,10 +37,12 @@ import httpx
 import instructor
 import openai
 import pytest
+import torch
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
 from openai.types import Batch
 from pydantic import BaseModel, Field
+from safetensors.torch import load_file
 
 from services.cli import launcher
 from services.cli.launcher import Service
@@ -120,7 +122,7 @@ def workers(
     they trace to `receiver`; stopped with the module (their memory and cores are not the later
     modules' to share). Their torch.compile cache starts empty, as on a fresh machine: what vLLM
     compiles at a first use is compiled in full, not found in an earlier run's cache."""
-    (converted,) = [p for p in vllm_model_cache.iterdir() if not p.name.startswith(".")]
+    converted = converted_model(bundled_gguf_path(), vllm_model_cache)
     adapter = tmp_path_factory.mktemp("lora") / ADAPTER
     steering_lora(adapter, messages=STORY, token=STEERED, base=converted)
     env = {
@@ -478,11 +480,24 @@ def test_vllms_own_metrics_are_on_the_workers_metrics(vllm_worker: Service, sdk:
     assert "axon_worker_kv_cache_usage_ratio" in text
 
 
-def test_the_bundled_model_was_converted_once_into_the_cache(vllm_model_cache: Path, sdk: OpenAI) -> None:
-    (converted,) = [p for p in vllm_model_cache.iterdir() if not p.name.startswith(".")]
-    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
-        p.name for p in converted.iterdir()
-    }
+def test_the_bundled_model_was_converted_once_into_the_cache(
+    vllm_model_cache: Path, cpu_model: Path, sdk: OpenAI
+) -> None:
+    """The bfloat16 copy, made from the float32 one (`vllm_model_cache`), holds the GGUF's weights
+    as its loader casts them, and the same tokenizer, chat template and config; it is found, not
+    made again."""
+    (converted,) = [p for p in vllm_model_cache.iterdir() if not p.name.startswith(".") and p != cpu_model]
+    files = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"}
+    assert files <= {p.name for p in converted.iterdir()}
+    for name in files - {"config.json", "model.safetensors"}:
+        assert (converted / name).read_bytes() == (cpu_model / name).read_bytes(), name
+    config, exact = (json.loads((d / "config.json").read_text()) for d in (converted, cpu_model))
+    assert {k: v for k, v in config.items() if k != "dtype"} == {k: v for k, v in exact.items() if k != "dtype"}
+    assert (config["dtype"], exact["dtype"]) == ("bfloat16", "float32")
+    weights, exact_weights = (load_file(d / "model.safetensors") for d in (converted, cpu_model))
+    assert weights.keys() == exact_weights.keys()
+    for key, tensor in weights.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, exact_weights[key].to(torch.bfloat16)), key
     began = time.monotonic()
     assert converted_model(bundled_gguf_path(), vllm_model_cache) == converted  # found, not converted again
     assert time.monotonic() - began < 2

@@ -6,7 +6,9 @@ it slowly (it dequantizes in Python: about 20 s for the 135M model on 2 cores, a
 each engine converts it once: transformers loads it dequantized (`GgufConfig(dequantize=True)`)
 and saves weights, config, tokenizer and chat template as a model directory, in about 20 s;
 vLLM's copy in bfloat16, the transformers engine's in float32 (the weights exactly as it reads
-them from the GGUF; it then starts in under a second). The result is kept in the model cache,
+them from the GGUF; it then starts in under a second). A copy in another dtype is made from the
+float32 one where the cache holds it, in about 2 s: the same bytes as from the GGUF (the loader
+casts the dequantized float32 weights alike). The result is kept in the model cache,
 named after the file, a digest of its contents and its dtype when not bfloat16, so a new GGUF is
 converted again and an unchanged one never is. It
 is written into a temporary directory beside its final place and renamed into place under a file
@@ -69,7 +71,8 @@ def converted_model(gguf: Path, cache_dir: Path, *, dtype: str = "bfloat16") -> 
     """
     if not gguf.is_file():
         raise EngineError(f"The model file {gguf} does not exist.")
-    target = cache_dir / f"{gguf.stem}-{_digest(gguf)}{'' if dtype == 'bfloat16' else f'-{dtype}'}"
+    stem = f"{gguf.stem}-{_digest(gguf)}"
+    target = cache_dir / f"{stem}{'' if dtype == 'bfloat16' else f'-{dtype}'}"
     if target.is_dir():
         return target
     try:
@@ -77,28 +80,36 @@ def converted_model(gguf: Path, cache_dir: Path, *, dtype: str = "bfloat16") -> 
         with (cache_dir / f".{target.name}.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be converting it: wait for it
             if not target.is_dir():
-                _convert(gguf, target, dtype)
+                _convert(gguf, target, dtype, exact=cache_dir / f"{stem}-float32")
     except OSError as exc:
         raise EngineError(f"Cannot convert {gguf.name} into {cache_dir} (AXON_MODEL_CACHE_DIR): {exc}") from exc
     return target
 
 
-def _convert(gguf: Path, target: Path, dtype: str) -> None:
+def _convert(gguf: Path, target: Path, dtype: str, *, exact: Path) -> None:
+    """Convert `gguf` into `target`: from `exact`, its float32 copy, where the cache holds one (the
+    GGUF's weights as dequantized, cast to `dtype` as the GGUF's loader casts them: the same
+    weights in about a second), else from the GGUF itself."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     started = time.monotonic()
-    log.info("gguf_converting", model=gguf.name, dtype=dtype, into=str(target))
+    source = exact if exact.is_dir() else gguf
+    log.info("gguf_converting", model=gguf.name, dtype=dtype, source=str(source), into=str(target))
     scratch = target.with_name(f".{target.name}.partial")
     shutil.rmtree(scratch, ignore_errors=True)  # left by a conversion that was killed
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent,
-            gguf_file=gguf.name,
-            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
-            dtype=getattr(torch, dtype),
-        )
+        if source == exact:
+            tokenizer = AutoTokenizer.from_pretrained(exact)
+            model = AutoModelForCausalLM.from_pretrained(exact, dtype=getattr(torch, dtype))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent,
+                gguf_file=gguf.name,
+                quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+                dtype=getattr(torch, dtype),
+            )
     except (OSError, ValueError) as exc:
         raise EngineError(f"{gguf.name} cannot be loaded for conversion: {exc}") from exc
     # Dequantized, the weights are plain tensors: without the GGUF quantizer transformers saves them.
