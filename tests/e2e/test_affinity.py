@@ -95,12 +95,16 @@ def workers(stack: Stack) -> Iterator[dict[str, Service]]:
 
 @pytest.fixture(scope="module")
 def sessions(workers: dict[str, Service], gateway: Service, api_key: str, stack: Stack) -> Sessions:
-    api = Sessions(gateway, api_key, stack)
-    deadline = time.monotonic() + 10
-    while MODEL not in api.http.get("/v1/models").text:
-        assert time.monotonic() < deadline, f"{MODEL} not listed"
-        time.sleep(0.1)
-    return api
+    """Turns through the shared stack, once its session manager counts the three workers live: a
+    worker is a home only once the manager's model catalog (cached up to 1 s) lists it, and a turn
+    whose home it does not list goes to the shared queue (the polled gauge reads that catalog)."""
+    manager = next(s for s in stack.services if s.name == "sessions")
+    wait_for(
+        lambda: metric(manager, "axon_sessions_live_workers", model=MODEL) == len(workers),
+        timeout_s=30,
+        what=f"the session manager counting the {len(workers)} workers of {MODEL} live",
+    )
+    return Sessions(gateway, api_key, stack)
 
 
 def homed_pair(sessions: Sessions, live: set[str]) -> tuple[str, str, str]:
