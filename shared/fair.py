@@ -24,7 +24,8 @@ or a worker holds is lost when it dies. The steps:
 1. A session manager, before it publishes a job, asks `admit`: a tenant may have at most its
    weight's share of `AXON_MAX_QUEUED_JOBS` waiting (429 past it, before anyone within theirs
    is refused), and a session's job may go to its home worker only while nothing waits at all
-   (affinity never jumps a queue).
+   (affinity never jumps a queue). While nothing waits the job may not wait at all (a free
+   sequence, its session's home), so `admit` lifts an idle tenant then, as step 2 does.
 2. Once the broker confirmed the job in the tenant's queue, `enqueued`: the tenant's count goes
    up; a tenant that had nothing waiting and was neither served nor queued anything for
    `IDLE_AFTER_MS` starts at the least score of those waiting (or at the last pick's when none
@@ -80,9 +81,11 @@ local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 """
 
-# KEYS: waiting, weights, free. ARGV: tenant, limit, whether the job may go straight to a free
-# sequence (1/0). Returns {within its share (1/0), nothing waits (1/0), its allowance, a free
-# sequence reserved for it (1/0)}.
+# KEYS: waiting, weights, free, served, vtime, active. ARGV: tenant, limit, whether the job may go
+# straight to a free sequence (1/0), idle_ms, ttl_s. Returns {within its share (1/0), nothing waits
+# (1/0), its allowance, a free sequence reserved for it (1/0)}. While nothing waits the job may not
+# wait at all (a free sequence, its session's home), so an idle tenant is lifted here, as
+# `_ENQUEUED` lifts one whose job waits: to the last pick's score (nothing waits: no least).
 _ADMIT = PipeScript(
     _WEIGHT
     + _NOW_MS
@@ -104,7 +107,18 @@ local allowance = math.max(1, math.floor(tonumber(ARGV[2]) * own / wsum))
 local within = 0
 if mine < allowance then within = 1 end
 local idle = 0
-if total == 0 then idle = 1 end
+if total == 0 then
+  idle = 1
+  local last = tonumber(redis.call('HGET', KEYS[6], tenant) or '0')
+  if now_ms - last > tonumber(ARGV[4]) then
+    local score = tonumber(redis.call('HGET', KEYS[4], tenant) or '0')
+    local floor = tonumber(redis.call('GET', KEYS[5]) or '0')
+    if floor > score then redis.call('HSET', KEYS[4], tenant, tostring(floor)) end
+  end
+  redis.call('HSET', KEYS[6], tenant, now_ms)
+  redis.call('EXPIRE', KEYS[4], ARGV[5])
+  redis.call('EXPIRE', KEYS[6], ARGV[5])
+end
 local reserved = 0
 if idle == 1 and ARGV[3] == '1' then
   local free = redis.call('HGETALL', KEYS[3])
@@ -248,9 +262,14 @@ class FairShare:
         Raises:
             redis errors: Redis is unreachable (the caller falls back to first in, first out).
         """
-        keys = [self._names.fair(model, band, "waiting"), self._names.tenant_weights, self._free_key(model)]
+        keys = [
+            self._names.fair(model, band, "waiting"),
+            self._names.tenant_weights,
+            self._free_key(model),
+            *self._keys(model, band, "served", "vtime", "active"),
+        ]
         within, idle, allowance, reserved = await self._pipe.evalsha(
-            _ADMIT, keys, [tenant, limit, int(band == INTERACTIVE)]
+            _ADMIT, keys, [tenant, limit, int(band == INTERACTIVE), IDLE_AFTER_MS, FAIR_TTL_S]
         )
         return Admission(within_share=bool(within), idle=bool(idle), allowance=int(allowance), reserved=bool(reserved))
 

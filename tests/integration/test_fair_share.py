@@ -85,6 +85,23 @@ async def test_with_none_waiting_a_new_tenant_starts_at_the_last_pick(fair) -> N
     assert (await served(share))["late"] == 300.0
 
 
+async def test_a_tenant_back_from_idle_is_lifted_too_when_its_job_takes_a_free_sequence(fair) -> None:
+    """A job that goes straight to a free sequence (nothing waits) lifts its idle tenant as a
+    waiting one would: a tenant served that way without the lift kept its old counter, and one
+    arriving a moment later was lifted to the last pick's, far above it, and waited behind it."""
+    share, _pipe, _names = fair
+    await share.enqueued(MODEL, "earlier", band=INTERACTIVE)
+    await share.settle(MODEL, INTERACTIVE, {"earlier": 300.0})
+    assert await share.claim(MODEL, band=INTERACTIVE) == "earlier"  # the last pick: 300
+    await share.report_free(MODEL, "w", 1, valid_ms=3000)
+    assert (await share.admit(MODEL, "direct", band=INTERACTIVE, limit=10)).reserved
+    await share.settle(MODEL, INTERACTIVE, {"direct": 10.0})
+    await share.enqueued(MODEL, "late", band=INTERACTIVE)  # nothing waits: lifted to the last pick
+    await share.enqueued(MODEL, "direct", band=INTERACTIVE)  # served a moment ago: its own counter
+    assert await served(share) == {"earlier": 300.0, "direct": 310.0, "late": 300.0}
+    assert await share.claim(MODEL, band=INTERACTIVE) == "late"
+
+
 async def test_served_tokens_are_divided_by_the_weight_and_bands_count_apart(fair) -> None:
     share, pipe, names = fair
     await pipe.execute("HSET", names.tenant_weights, "heavy", "4")
