@@ -3,7 +3,7 @@
 #   make test       install everything into .venv, then run the test suite
 #   make lint       ruff (lint and format check) and mypy, strict for shared/ and services/
 #   make format     let ruff rewrite imports and formatting in place
-#   make test-fast  unit and integration tests only (about 30 s)
+#   make test-fast  unit and integration tests only (about two and a half minutes on 2 cores)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
