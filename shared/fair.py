@@ -81,6 +81,20 @@ local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 """
 
+# After `_NOW_MS`: a tenant neither served nor queuing for `idle_ms` (by `active`) starts at `floor`
+# if that is above its `served` counter (no credit for idle time); returns its counter.
+_LIFT = """
+local function lift(served, active, tenant, floor, idle_ms)
+  local score = tonumber(redis.call('HGET', served, tenant) or '0')
+  local last = tonumber(redis.call('HGET', active, tenant) or '0')
+  if now_ms - last > idle_ms and floor > score then
+    score = floor
+    redis.call('HSET', served, tenant, tostring(score))
+  end
+  return score
+end
+"""
+
 # KEYS: waiting, weights, free, served, vtime, active. ARGV: tenant, limit, whether the job may go
 # straight to a free sequence (1/0), idle_ms, ttl_s. Returns {within its share (1/0), nothing waits
 # (1/0), its allowance, a free sequence reserved for it (1/0)}. While nothing waits the job may not
@@ -89,6 +103,7 @@ local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 _ADMIT = PipeScript(
     _WEIGHT
     + _NOW_MS
+    + _LIFT
     + """
 local waiting = redis.call('HGETALL', KEYS[1])
 local tenant = ARGV[1]
@@ -109,12 +124,7 @@ if mine < allowance then within = 1 end
 local idle = 0
 if total == 0 then
   idle = 1
-  local last = tonumber(redis.call('HGET', KEYS[6], tenant) or '0')
-  if now_ms - last > tonumber(ARGV[4]) then
-    local score = tonumber(redis.call('HGET', KEYS[4], tenant) or '0')
-    local floor = tonumber(redis.call('GET', KEYS[5]) or '0')
-    if floor > score then redis.call('HSET', KEYS[4], tenant, tostring(floor)) end
-  end
+  lift(KEYS[4], KEYS[6], tenant, tonumber(redis.call('GET', KEYS[5]) or '0'), tonumber(ARGV[4]))
   redis.call('HSET', KEYS[6], tenant, now_ms)
   redis.call('EXPIRE', KEYS[4], ARGV[5])
   redis.call('EXPIRE', KEYS[6], ARGV[5])
@@ -140,21 +150,15 @@ return {within, idle, allowance, reserved}
 # KEYS: waiting, backlog, served, vtime, active. ARGV: tenant, how many, ttl_s, doorbell channel, idle_ms.
 _ENQUEUED = PipeScript(
     _NOW_MS
+    + _LIFT
     + """
 local tenant = ARGV[1]
 local n = redis.call('HINCRBY', KEYS[1], tenant, tonumber(ARGV[2]))
-local last = tonumber(redis.call('HGET', KEYS[5], tenant) or '0')
-local idle = now_ms - last > tonumber(ARGV[5])
 if not redis.call('ZSCORE', KEYS[2], tenant) then
-  local score = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
   local floor
   local least = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
   if #least > 0 then floor = tonumber(least[2]) else floor = tonumber(redis.call('GET', KEYS[4]) or '0') end
-  if idle and floor > score then
-    score = floor
-    redis.call('HSET', KEYS[3], tenant, tostring(score))
-  end
-  redis.call('ZADD', KEYS[2], score, tenant)
+  redis.call('ZADD', KEYS[2], lift(KEYS[3], KEYS[5], tenant, floor, tonumber(ARGV[5])), tenant)
 end
 redis.call('HSET', KEYS[5], tenant, now_ms)
 for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
