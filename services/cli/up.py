@@ -166,7 +166,7 @@ Try it:
     -H "Authorization: Bearer $AXON_API_KEY" \\
     -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "stream": true, "temperature": 0,
-         "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+         "messages": [{{"role": "user", "content": "Name the capital of France."}}]}}'
 
 Or with the openai client: OpenAI(base_url="{scheme}://127.0.0.1:{port}/v1", api_key=os.environ["AXON_API_KEY"])
 Or in the browser, with the key above: {scheme}://127.0.0.1:{port}/playground
