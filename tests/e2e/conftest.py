@@ -12,6 +12,10 @@ from tests.e2e.stack import Stack
 from tests.services import ServiceUrls
 
 SIM_MODEL = "sim-model"
+# Greedy, every token of the answer ("The capital of France is Paris.") leads the next by about
+# 1 nat in float32 and bfloat16 alike. "What is the capital of France?" starts "The" at -1.88
+# against "L" at -1.97: vLLM in bfloat16 (AVX-512 BF16 or AMX CPUs) answers "L'Étoile, la ...".
+FRANCE = [{"role": "user", "content": "Name the capital of France."}]
 # The shared stack's three services (by id), which live for the session; every other service a
 # module's tests start is stopped when the module ends (`services_stopped_with_the_module`).
 SESSION_SERVICES: set[int] = set()

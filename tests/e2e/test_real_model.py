@@ -10,6 +10,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from services.cli.launcher import Service
+from tests.e2e.conftest import FRANCE
 from tests.e2e.hostile_schemas import ADMITTED, NOWHERE, REFUSED, TOO_COMPLEX, Sender, check, health_watched
 from tests.e2e.load import report
 from tests.e2e.stack import Stack
@@ -18,10 +19,6 @@ from tests.e2e.test_workers import holder, wait_listed
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 MODEL = "smollm2-transformers"  # the default name is the default engine's (vLLM: test_vllm_engine.py)
-# Greedy, every token of the answer ("The capital of France is Paris.") leads the next by about
-# 1 nat in float32 and bfloat16 alike. "What is the capital of France?" starts "The" at -1.88
-# against "L" at -1.97: vLLM in bfloat16 (AVX-512 BF16 or AMX CPUs) answers "L'Étoile, la ...".
-FRANCE = [{"role": "user", "content": "Name the capital of France."}]
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,7 @@ from shared.keys import KeyLimits
 from shared.settings import DEFAULT_MODEL
 from tests.conftest import create_key
 from tests.contract.transport import ContractTransport
+from tests.e2e.conftest import FRANCE
 from tests.e2e.hostile_schemas import ADMITTED, NOWHERE, REFUSED, TOO_COMPLEX, Sender, check, health_watched
 from tests.e2e.load import report
 from tests.e2e.otlp import OtlpReceiver
@@ -67,10 +68,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(300)]
 MODEL = DEFAULT_MODEL
 ADAPTER = "smollm2-e2e-lora"
 STEERED = "London"  # the first token of the adapter's answer to STORY (tests.models.steering_lora)
-# Greedy, every token of the answer ("The capital of France is Paris.") leads the next by about
-# 1 nat in float32 and bfloat16 alike. "What is the capital of France?" starts "The" at -1.88
-# against "L" at -1.97: vLLM in bfloat16 (AVX-512 BF16 or AMX CPUs) answers "L'Étoile, la ...".
-FRANCE = [{"role": "user", "content": "Name the capital of France."}]
 STORY = [{"role": "user", "content": "Tell me a story about a dog."}]
 ENDED = {"completed", "failed", "expired", "cancelled"}  # a batch's final statuses
 WEATHER = {
