@@ -86,8 +86,10 @@ class Names:
         """The fair share's state of one model and band (`interactive` or `batch`), `part` one of
         `waiting` (hash: tenant -> its jobs waiting), `backlog` (sorted set: the tenants with jobs
         waiting, scored by their weighted served tokens), `served` (hash: tenant -> weighted served
-        tokens), `vtime` (the score of the tenant picked last) and `active` (hash: tenant -> when it
-        was last served or queued a job). Each expires a week after its last write (`shared/fair.py`)."""
+        tokens), `vtime` (the score of the tenant picked last), `active` (hash: tenant -> when it
+        was last served or queued a job) and, for `interactive`, `free` (hash: worker -> its free
+        sequences and until when that holds). Each expires a week after its last write, `free`
+        with its last report (`shared/fair.py`)."""
         return f"{self.namespace}:fair:{model}:{band}:{part}"
 
     def prefix_index(self, model: str, worker_id: str) -> str:

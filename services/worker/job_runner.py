@@ -7,8 +7,9 @@ any more (no subscriber on its channel, no chunk log) is stopped within a step.
 """
 
 import asyncio
+import contextlib
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -120,8 +121,12 @@ class JobRunner:
         on_engine_failure: Callable[[str], None] | None = None,
         tracing: Tracing | None = None,
         meter: ServiceMeter | None = None,
+        headroom: int = 0,
     ) -> None:
         self._engine = engine
+        # Sequences past the engine's for a tenant with no job running here (the fair share's
+        # headroom, `AXON_FAIR_HEADROOM_SEQS`).
+        self._headroom = headroom
         # Counts the tokens each tenant is served, for the fair share (None: not counted).
         self._meter = meter
         self._tracing = tracing
@@ -141,6 +146,9 @@ class JobRunner:
         # The batch lines' jobs among them, oldest first, and those preempted (being handed back).
         self._batch: dict[asyncio.Task[None], None] = {}
         self._preempted: set[asyncio.Task[None]] = set()
+        # Jobs pushed while every sequence was taken, oldest first: each starts as the next one
+        # frees, ahead of anything pulled (see `on_message`).
+        self._held: deque[tuple[AbstractIncomingMessage, str | None]] = deque()
         self._freed = asyncio.Event()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         # How many jobs of each tenant run here (the fair share's headroom is for the others).
@@ -149,7 +157,13 @@ class JobRunner:
 
     @property
     def in_flight(self) -> int:
-        """Jobs taken from the queue and not yet finished (generating or about to)."""
+        """Jobs taken from the queue and not yet finished (generating, about to, or held for a
+        sequence)."""
+        return len(self._tasks) + len(self._held)
+
+    @property
+    def running(self) -> int:
+        """Jobs started (generating or about to), not counting those held for a sequence."""
         return len(self._tasks)
 
     @property
@@ -160,11 +174,11 @@ class JobRunner:
     def has_free_sequence(self, reserved: int = 0) -> bool:
         """Whether the worker runs fewer jobs than its engine has sequences, less `reserved` of
         them (at least one stays takeable): a batch line may be taken."""
-        return len(self._tasks) < max(1, self._engine.max_seqs - reserved)
+        return self.in_flight < max(1, self._engine.max_seqs - reserved)
 
     def has_room_for_interactive(self) -> bool:
         """Whether an interactive job may start: a free sequence, or a batch line's to take."""
-        return len(self._tasks) < self._engine.max_seqs or bool(self._batch)
+        return self.in_flight < self._engine.max_seqs or bool(self._batch)
 
     @property
     def max_seqs(self) -> int:
@@ -173,12 +187,12 @@ class JobRunner:
     @property
     def free_sequences(self) -> int:
         """Sequences no interactive job holds (a batch line's may be taken)."""
-        return max(0, self._engine.max_seqs - (len(self._tasks) - len(self._batch)))
+        return max(0, self._engine.max_seqs - (self.in_flight - len(self._batch)))
 
     @property
     def tenants_running(self) -> frozenset[str]:
-        """The tenants with a job running here."""
-        return frozenset(self._tenants)
+        """The tenants with a job running or held for a sequence here."""
+        return frozenset(self._tenants).union(tenant for _, tenant in self._held if tenant is not None)
 
     @property
     def freed(self) -> asyncio.Event:
@@ -186,13 +200,32 @@ class JobRunner:
         return self._freed
 
     async def on_message(self, message: AbstractIncomingMessage) -> None:
-        """Start one job in a task of its own (which `drain` tracks). Not in the delivery's task:
-        aiormq cancels those when the broker connection drops, and a broker restart must not
+        """Start one pushed job in a task of its own (which `drain` tracks). Not in the delivery's
+        task: aiormq cancels those when the broker connection drops, and a broker restart must not
         abort the generations in flight. Past the worker's sequences (an interactive job arrived
-        while batch lines filled the rest), a batch line's job gives up its sequence."""
+        while batch lines filled the rest), a batch line's job gives up its sequence.
+
+        With every sequence taken by interactive jobs, the job is held until one frees, unless its
+        tenant has none running here and the headroom has room (as a pulled job would start). A
+        session manager sends a job straight to a worker that reported a free sequence while
+        nothing waited; the worker's puller may fill that sequence from the tenants' queues before
+        the job arrives, and the job must not run past the engine's sequences for it."""
+        if not self.has_room_for_interactive():
+            tenant = _tenant_of(message)
+            if not self._in_headroom(tenant):
+                self._held.append((message, tenant))
+                return
         self.start(message)
         if len(self._tasks) > self._engine.max_seqs:
             self._preempt()
+
+    def _in_headroom(self, tenant: str | None) -> bool:
+        """Whether a pushed job of `tenant` may start past the engine's sequences: the headroom
+        has room and the tenant has no job running or held here (an unreadable job starts, to be
+        dead-lettered)."""
+        if len(self._tasks) >= self._engine.max_seqs + self._headroom:
+            return False
+        return tenant is None or tenant not in self.tenants_running
 
     def start(self, message: AbstractIncomingMessage) -> None:
         """Start one job in a task of its own (a batch line's, taken into a free sequence)."""
@@ -204,6 +237,10 @@ class JobRunner:
         self._tasks.discard(task)
         self._batch.pop(task, None)
         self._preempted.discard(task)
+        while self._held and len(self._tasks) < self._engine.max_seqs:
+            message, _tenant = self._held.popleft()
+            if _settleable(message):
+                self.start(message)
         self._freed.set()
 
     def _preempt(self) -> None:
@@ -227,15 +264,20 @@ class JobRunner:
         """Wait up to `timeout_s` for in-flight jobs; hand the rest back to the queue.
 
         Returns:
-            How many jobs were handed back.
+            How many jobs were handed back (those held for a sequence among them, given back
+            to their queue at once).
         """
+        held, self._held = list(self._held), deque()
+        for message, _tenant in held:
+            with contextlib.suppress(Exception):  # the broker is away: it took the job back with the channel
+                await message.nack(requeue=True)
         if not self._tasks:
-            return 0
+            return len(held)
         _done, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        return len(pending)
+        return len(held) + len(pending)
 
     async def _handle(self, message: AbstractIncomingMessage) -> None:
         clear_contextvars()
@@ -605,6 +647,23 @@ class JobRunner:
             elif pace_s:
                 await outputs.gather(pace_s)
         return reason, first_ns
+
+
+def _tenant_of(message: AbstractIncomingMessage) -> str | None:
+    """The tenant of a job message, or None when it is not a job (it fails when handled)."""
+    try:
+        return Job.model_validate_json(message.body).tenant
+    except ValidationError:
+        return None
+
+
+def _settleable(message: AbstractIncomingMessage) -> bool:
+    """Whether a delivery's channel is open: one closed with the broker connection was given back
+    to its queue by the broker, and starting it would run the job twice."""
+    try:
+        return not message.channel.is_closed
+    except ChannelInvalidStateError:
+        return False
 
 
 async def _ack_or_requeue(message: AbstractIncomingMessage, *, requeue: bool = False) -> None:

@@ -75,6 +75,7 @@ class Worker:
             on_engine_failure=self.fail,
             tracing=self.tracing,
             meter=self.meter,
+            headroom=settings.fair_headroom_seqs,
         )
         self.not_ready_reason: str | None = "starting"
         # Why the process must exit non-zero (the engine failed), so an orchestrator restarts it.

@@ -2,8 +2,10 @@
 sequences nobody else wants.
 
 Jobs pushed to the worker (`basic.consume`, prefetch = the engine's sequences) are those that do
-not wait for a share: a session's turn to its home worker while nothing waits, a job handed back
-or spilled from a worker's queue, and every job while the fair share is off or Redis away. The
+not wait for a share: while nothing waits, a job sent to a free sequence a session manager
+reserved (`_report_free`) or a session's turn to its home worker; a job handed back or spilled from
+a worker's queue; every job while the fair share is off or Redis away. One pushed after this
+puller filled the sequence reserved for it waits in the runner for the next (`JobRunner.on_message`). The
 others wait in their tenant's queue (`shared/topology.py`), which no worker consumes: `Puller`
 asks the fair share which tenant's job comes next (`FairShare.claim`, `shared/fair.py`) and takes
 one from that tenant's queue (`basic.get`) whenever the worker has a free sequence (or a batch
@@ -201,7 +203,7 @@ class Puller:
             if message is not None:
                 await runner.on_message(message)
                 return True
-        elif runner.in_flight < runner.max_seqs + self._headroom:
+        elif runner.running < runner.max_seqs + self._headroom:
             # Full: the least served tenant, if it has no job running here, still starts at once,
             # in the headroom (jobs that start together end together: it would wait for a wave).
             message = await self._take_fair(INTERACTIVE, excluded=runner.tenants_running, least_only=True)
