@@ -7,7 +7,8 @@ greedy requests (`ignore_eos`) one at a time and 16 at once.
 
 Printed per configuration: seconds from the engine's start to ready (loading and, compiled,
 torch.compile's work; the Python imports of the process are not counted), and output tokens/s at
-1 and 16 streams (the best of `--repeats` rounds each).
+1 and 16 streams (the best of `--repeats` rounds each). A configuration named twice runs twice
+(one row each, in the order named), so the table shows how far two runs of one differ.
 """
 
 import argparse
@@ -73,17 +74,17 @@ def main() -> int:
     if args.one:
         print(json.dumps(asyncio.run(measure(args.one, args.repeats, args.max_tokens))))
         return 0
-    rows = {}
+    rows = []  # one per run: a configuration named twice shows how far its runs differ
     for config in args.configs:
         print(f"{config}...", file=sys.stderr, flush=True)
         argv = [sys.executable, str(Path(__file__)), "--one", config, "--repeats", str(args.repeats)]
         out = subprocess.run([*argv, "--max-tokens", str(args.max_tokens)], capture_output=True, text=True, check=True)
-        rows[config] = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append((config, json.loads(out.stdout.strip().splitlines()[-1])))
     print(
         f"\nvLLM engine on the CPU, the bundled SmolLM2; {args.max_tokens}-token greedy answers, best of {args.repeats}"
     )
     print(f"{'configuration':<18} {'start s':>8} {'1 stream tok/s':>15} {'16 streams tok/s':>17}")
-    for config, f in rows.items():
+    for config, f in rows:
         print(f"{config:<18} {f['start_s']:>8.1f} {f['tok_s_1']:>15.1f} {f['tok_s_16']:>17.1f}")
     return 0
 
