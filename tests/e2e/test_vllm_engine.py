@@ -836,7 +836,7 @@ def test_a_worker_killed_mid_answer_is_resumed_word_for_word(workers: VllmWorker
         victims.append(victim)
         victim.kill()
 
-    assert stream_killing(sdk, live, kill, model=MODEL, **body) == reference
+    assert stream_killing(sdk, workers, kill, model=MODEL, **body) == reference
     survivors = [w for w in live if w is not victims[0]]
     now = sum(metric(w, "axon_worker_jobs_total", model=MODEL, outcome="resumed") for w in survivors)
     assert now == sum(resumed[w.port] for w in survivors) + 1  # resumed once, by one of them

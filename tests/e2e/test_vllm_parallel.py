@@ -89,7 +89,7 @@ def test_a_dead_engine_core_fails_its_worker_and_the_answer_resumes(
         victims.append(victim)
         os.kill(engine_core_of(victim), signal.SIGKILL)
 
-    text = stream_killing(client, pair, kill_engine_core, extra_body={"ignore_eos": True}, **body)
+    text = stream_killing(client, workers, kill_engine_core, extra_body={"ignore_eos": True}, **body)
     assert text == reference.choices[0].message.content
     victim = victims[0]
     assert victim.process.wait(timeout=60) == 1

@@ -1,12 +1,16 @@
 """Workers on the real vLLM engine for end-to-end tests, and what a test needs to kill them and check
 that nothing of them is left."""
 
+import json
 import os
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from openai import OpenAI
 
 from services.cli import launcher
@@ -21,7 +25,7 @@ class VllmWorkers:
     `AXON_WORKER_ID` of its own, which its processes (vLLM's too) carry in their environment."""
 
     def __init__(self, stack: Stack, name: str, env: dict[str, str]) -> None:
-        self._stack = stack
+        self.stack = stack
         self._name = name
         self._env = env
         self.started: list[Service] = []
@@ -33,7 +37,7 @@ class VllmWorkers:
         """One more worker (with `env` on top of the module's), once `ready_path` answers."""
         worker_id = f"{self._name}-{uuid.uuid4().hex[:8]}"
         self.worker_ids.append(worker_id)
-        worker = self._stack.start(
+        worker = self.stack.start(
             f"worker:{self._name}-{len(self.worker_ids)}",
             env={**self._env, **env, "AXON_WORKER_ID": worker_id},
             ready_timeout_s=300,
@@ -93,30 +97,88 @@ def engine_core_of(worker: Service) -> int:
     raise AssertionError("no engine-core process")
 
 
-def stream_killing(client: OpenAI, workers: list[Service], kill: Callable[[Service], None], **body: Any) -> str:
-    """Stream a greedy chat answer of `body["model"]`, calling `kill(worker)` on the worker generating
-    it as soon as its first text arrives; the whole text received.
+def stream_killing(client: OpenAI, pool: VllmWorkers, kill: Callable[[Service], None], **body: Any) -> str:
+    """Stream a greedy chat answer of `body["model"]` from `pool`'s live workers, calling
+    `kill(worker)` on the worker generating it once its first token is published; the whole text
+    received.
 
-    The first text, not the n-th chunk: a loaded worker merges tokens into fewer chunks, so a count
-    of chunks may never be reached, while the first text goes out as soon as it exists. Fails
-    unless the kill landed mid-answer as the servers count it: the other workers generated tokens
-    of it after the kill. (Text the client reads after the kill proves nothing: the dead worker may
-    have produced all of it before, buffered on the way.)"""
+    The kill must land mid-answer, and an answer of a small model on vLLM takes a few hundred
+    milliseconds: on a loaded machine the first text could reach the client, through the session
+    manager and the gateway, after the last token was generated. So the first token is caught where
+    the worker publishes it (its job's channel in Redis) and every worker's vLLM processes are
+    stopped at once (SIGSTOP: no token is generated while the test finds the one generating and
+    kills it), then continued. Fails unless the kill landed mid-answer as the servers count it: the
+    other workers generated tokens of it after the kill."""
     model = body["model"]
+    workers = pool.alive()
+    frozen = _FrozenAtFirstToken(pool, workers)
     pieces: list[str] = []
     victim: Service | None = None
     generated: dict[int, float] = {}  # the other workers' tokens generated, by port, before the kill
-    for chunk in client.chat.completions.create(temperature=0, stream=True, **body):
-        pieces.append(chunk.choices[0].delta.content or "")
-        if victim is None and pieces[-1]:
-            victim = holder(workers, model)
-            generated = {w.port: tokens_generated(w, model) for w in workers if w is not victim}
-            kill(victim)
+    try:
+        for chunk in client.chat.completions.create(temperature=0, stream=True, **body):
+            pieces.append(chunk.choices[0].delta.content or "")
+            if victim is None and pieces[-1]:
+                frozen.wait()
+                victim = holder(workers, model)
+                generated = {w.port: tokens_generated(w, model) for w in workers if w is not victim}
+                kill(victim)
+                frozen.thaw()
+    finally:
+        frozen.thaw()
     text = "".join(pieces)
     assert victim is not None, "the stream ended without any text: kill() was never called"
     after = sum(tokens_generated(w, model) - generated[w.port] for w in workers if w.port in generated)
     assert after >= 1, f"no other worker generated any of {text!r} after the kill: the answer was complete before it"
     return text
+
+
+class _FrozenAtFirstToken:
+    """Stops (SIGSTOP) the vLLM processes of `workers` (every process of theirs but the worker's
+    own, which keeps answering) as soon as a chunk with text is published on any job channel of
+    the pool's namespace; `thaw` continues them (and a killed worker's, so they can exit)."""
+
+    def __init__(self, pool: VllmWorkers, workers: list[Service]) -> None:
+        self._engines = [
+            pid for worker in workers for pid in processes_of(pool.ids[worker.process.pid]) if pid != worker.process.pid
+        ]
+        assert self._engines, "no vLLM process found to stop"
+        self._stopped: list[int] = []
+        self._done = threading.Event()
+        self._pubsub = redis.Redis.from_url(pool.stack.redis_url).pubsub()
+        self._pubsub.psubscribe(pool.stack.namespace + ":tokens:*")
+        deadline = time.monotonic() + 10
+        while (message := self._pubsub.get_message(timeout=1)) is None or message["type"] != "psubscribe":
+            assert time.monotonic() < deadline, "no confirmation of the subscription to the job channels"
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            message = self._pubsub.get_message(timeout=0.05)
+            if message is not None and message["type"] == "pmessage" and json.loads(message["data"]).get("text"):
+                for pid in self._engines:
+                    try:
+                        os.kill(pid, signal.SIGSTOP)
+                    except ProcessLookupError:
+                        continue
+                    self._stopped.append(pid)
+                self._done.set()
+
+    def wait(self) -> None:
+        """Until the first token's chunk was seen and the vLLM processes stopped."""
+        assert self._done.wait(10), "the first token's chunk was not seen on the job channels"
+
+    def thaw(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+        stopped, self._stopped = self._stopped, []
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                continue
+        self._pubsub.close()
 
 
 def tokens_generated(worker: Service, model: str) -> float:
