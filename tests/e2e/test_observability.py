@@ -12,10 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import aio_pika
 import httpx
 import pytest
+import redis
 from openai import OpenAI
 
 from services.cli.launcher import Service
 from shared.keys import KeyLimits
+from shared.names import Names
 from tests.conftest import create_key
 from tests.e2e.conftest import SIM_MODEL
 from tests.e2e.stack import ADMIN_TOKEN, INTERNAL_AUTH, Stack
@@ -139,22 +141,37 @@ def _run_batch(gateway: Service, api_key: str) -> None:
 
 @pytest.fixture(scope="module")
 def backlog(stack: Stack, gateway: Service, sessions: Service, api_key: str) -> dict:
-    """Three requests of one tenant at once to a model whose only worker runs one sequence, 4 s an
-    answer: the first runs, the worker takes the second to start next, and the third waits in the
-    tenant's queue until the first ends, about 4 s, four of the shared session manager's queue-depth
-    polls (`SESSIONS_ENV`). Returns the model and the worker's scrape once the three were answered."""
+    """Three requests of one tenant to a model whose only worker runs one sequence, 4 s an answer:
+    the first runs, then two more at once: the worker takes one to start next, and the other waits
+    in the tenant's queue until the first ends, about 4 s, four of the shared session manager's
+    queue-depth polls (`SESSIONS_ENV`). Returns the model and the worker's scrape once the three
+    were answered.
+
+    The two are sent once the first runs and the worker has reported its sequence taken: before
+    that, its report of one free sequence (every second) can come between the first's reservation
+    and its start, and the second would be pushed to the worker on a reservation too (held there,
+    unseen by the fair share's count), the third taken to start next, and nothing ever waits."""
     model = f"obs-tenant-{uuid.uuid4().hex[:6]}"
     env = {"AXON_SIM_MAX_SEQS": "1", "AXON_FAIR_HEADROOM_SEQS": "0", "AXON_SIM_ITL_MS": "50"}
     worker = stack.start(f"worker:{model}", env={"AXON_ENGINE": "sim", "AXON_MODEL": model, **env})
+    free_key = Names(stack.namespace).fair(model, "interactive", "free")
     try:
         wait_listed(client_for(gateway, api_key), model)
+
+        def first_runs() -> bool:
+            running = _scrape(worker).value("axon_worker_tenant_sequences", model=model, tenant=TENANT)
+            with redis.Redis.from_url(stack.redis_url) as client:
+                free = client.hvals(free_key)
+            return running == 1 and bool(free) and all(value.startswith(b"0:") for value in free)
 
         def waiting_seen() -> bool:
             labels = {"model": model, "tenant": TENANT, "band": "interactive"}
             return (_scrape(sessions).value("axon_sessions_tenant_waiting_jobs", **labels) or 0) > 0
 
         with ThreadPoolExecutor(3) as pool:
-            answers = [pool.submit(_chat, gateway, api_key, model=model, max_tokens=80) for _ in range(3)]
+            answers = [pool.submit(_chat, gateway, api_key, model=model, max_tokens=80)]
+            _eventually(first_runs, timeout_s=15, message="the first request never ran alone on the worker")
+            answers += [pool.submit(_chat, gateway, api_key, model=model, max_tokens=80) for _ in range(2)]
             _eventually(waiting_seen, timeout_s=15, message="no poll counted the tenant's waiting jobs")
             assert [a.result().status_code for a in answers] == [200] * 3
         return {"model": model, "worker": _scrape(worker)}
@@ -246,7 +263,8 @@ def test_a_tenants_waiting_jobs_and_their_wait_are_counted(backlog: dict, sessio
         message="the tenant's jobs were all taken but it is still reported waiting",
     )
     assert worker.value("axon_worker_tenant_queue_wait_seconds_count", **labels, band="interactive") == 3
-    # One answer is 80 tokens at 50 ms (4 s): the second waited about one answer, the third two.
+    # One answer is 80 tokens at 50 ms (4 s): the second waited about one answer, the third two
+    # (less what the first had run when they were sent, well under a second).
     assert worker.value("axon_worker_tenant_queue_wait_seconds_sum", **labels, band="interactive") >= 8
     assert worker.value("axon_worker_tenant_tokens_total", **labels, band="interactive", kind="output") == 240
     assert worker.value("axon_worker_tenant_tokens_total", **labels, band="interactive", kind="prompt") > 0
