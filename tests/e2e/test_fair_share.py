@@ -22,7 +22,8 @@ from tests.e2e.stack import ADMIN_TOKEN, Stack
 from tests.e2e.test_batches import _jsonl, _line, upload, wait_status
 from tests.e2e.test_workers import client_for, metric, sim_worker, wait_listed
 
-pytestmark = pytest.mark.e2e
+# `alone` (make test runs it with no other test beside it): it times first tokens beside a burst.
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 MODEL = "fair-sim"
 SEQS = 4

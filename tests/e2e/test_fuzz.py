@@ -59,7 +59,9 @@ from tests.e2e.stack import ADMIN_TOKEN, INTERNAL_AUTH
 # The fuzz is bounded by its number of examples, not by time: on two cores with a load average of 8
 # the with-key fuzz alone took 120 to 140 s (the whole module takes about 60 s on an idle machine),
 # which pytest's default timeout of 120 s cut; each request still has its own TIMEOUT_S.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+# `alone` (make test runs it with no other test beside it):
+# generating its cases keeps a core busy for minutes, and each request has its own timeout.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.alone]
 
 MAX_EXAMPLES = 50
 # Per request: the slowest legitimate answer is a sim generation of at most `_MAX_SIM_TOKENS` for

@@ -17,7 +17,8 @@ from tests.e2e.stack import Stack
 from tests.e2e.test_workers import wait_listed
 from tests.models import steering_lora
 
-pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(600)]
+# `alone` (make test runs it with no other test beside it): the real model keeps both cores busy.
+pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(600), pytest.mark.alone]
 
 # A model name of this module's own: no other worker of the run consumes its queue.
 BASE = "smollm2-lora-base"

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+# `alone` (make test runs it with no other test beside it):
+# it measures its own stack's capacity, then holds 70 % of it for a minute.
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 SOAK = Path(__file__).parents[2] / "benchmarks" / "soak.py"
 

@@ -18,7 +18,8 @@ from services.worker.engines.gguf import bundled_gguf_path
 from services.worker.engines.transformers_engine import TransformersEngine
 from shared.schemas import FunctionSpec, Job, Message, NamedToolChoice, Sampling
 
-pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
+# `alone` (make test runs it with no other test beside it): the real model keeps both cores busy.
+pytestmark = [pytest.mark.model, pytest.mark.timeout(600), pytest.mark.alone]
 
 PERSON = {
     "type": "object",

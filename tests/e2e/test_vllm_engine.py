@@ -62,7 +62,9 @@ from tests.metric_names import Scrape, queried_metrics
 from tests.models import steering_lora
 from tests.waiting import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(300)]
+# `alone` (make test runs it with no other test beside it):
+# vLLM keeps both cores busy, and its tests time first tokens beside a burst.
+pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(300), pytest.mark.alone]
 
 # Nothing chosen: the default engine serves the default model under its own name.
 MODEL = DEFAULT_MODEL

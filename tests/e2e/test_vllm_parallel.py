@@ -31,7 +31,9 @@ from tests.e2e.test_workers import client_for, metric, wait_listed
 from tests.e2e.vllm import VllmWorkers, engine_core_of, no_process_left, stream_killing
 from tests.models import random_llama
 
-pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(300)]
+# `alone` (make test runs it with no other test beside it):
+# vLLM (two engines, one a tensor-parallel pair) keeps both cores busy.
+pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(300), pytest.mark.alone]
 
 MODEL = "tiny-llama"
 PROMPTS = ["Hello there", "The capital of France is", "One, two, three,"]
