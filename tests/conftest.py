@@ -116,6 +116,16 @@ def structlog_never_caches_here() -> Iterator[None]:
     structlog.configure = configure
 
 
+@pytest.fixture(autouse=True)
+def structlog_configuration_restored() -> Iterator[None]:
+    """Each test ends with structlog configured as it began: a test that configures logging (the
+    CLI's `main` sets WARNING) would otherwise filter the next test's lines, which then passed or
+    failed by which tests ran before it (`capture_logs` saw no info line after a CLI test)."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
 @pytest.fixture(scope="session")
 def service_urls(request: pytest.FixtureRequest) -> Iterator[ServiceUrls]:
     """Redis, RabbitMQ and PostgreSQL of this run: started in containers on first use, or the local ones."""
