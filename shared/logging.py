@@ -75,7 +75,9 @@ def configure_logging(*, service: str, level: str = "INFO", log_format: str = "j
             foreign_renderer,
         ],
     )
-    handler = logging.StreamHandler(sys.stderr)
+    # Like structlog's lines, the standard library's go to whatever `sys.stderr` is when written: a
+    # handler holding the stream of its configuration writes to a closed file once that is swapped.
+    handler = logging.StreamHandler(cast(TextIO, _CurrentStderrText()))
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]

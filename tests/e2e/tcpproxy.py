@@ -19,6 +19,7 @@ class TcpProxy:
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[asyncio.Task] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     @classmethod
@@ -47,9 +48,14 @@ class TcpProxy:
         self._call(self._listen())
 
     def close(self) -> None:
+        """Drops every connection, waits for their tasks to end, then stops and closes the loop: a
+        task left pending is destroyed with the loop at some later garbage collection, whose
+        "Task was destroyed but it is pending!" then lands in whatever test runs at that moment."""
         self._call(self._cut())
+        self._call(self._end_connections())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self._loop.close()
 
     def _call(self, coro) -> None:
         asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=10)
@@ -65,7 +71,19 @@ class TcpProxy:
             writer.transport.abort()
         self._writers.clear()
 
+    async def _end_connections(self) -> None:
+        if not self._connections:
+            return
+        _, pending = await asyncio.wait(self._connections, timeout=5)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        task.add_done_callback(self._connections.discard)
         try:
             up_reader, up_writer = await asyncio.open_connection(*self._target)
         except OSError:
