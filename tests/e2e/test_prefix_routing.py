@@ -96,8 +96,10 @@ def workers(stack: Stack) -> Iterator[dict[str, Service]]:
 
 @pytest.fixture(scope="module")
 def api(workers: dict[str, Service], stack: Stack) -> Api:
-    # A session manager of the module's own, whose index reads may take a loaded machine's time.
-    env = {"AXON_PREFIX_LOOKUP_TIMEOUT_MS": "2000", "AXON_PREFIX_SPILL_SEQS": "2"}
+    # A session manager of the module's own, whose index reads may take a loaded machine's time,
+    # and which reads the live workers per request (no cache): a worker whose heartbeat a test saw
+    # come or go is then in or out of its routing at once, not up to a cache's age later.
+    env = {"AXON_PREFIX_LOOKUP_TIMEOUT_MS": "2000", "AXON_PREFIX_SPILL_SEQS": "2", "AXON_MODELS_CACHE_TTL_S": "0"}
     manager = stack.start("sessions:prefix", env=env)
     client = Api(stack, manager)
     wait_for(lambda: MODEL in client.http.get("/v1/models").text, timeout_s=10, what=f"{MODEL} listed")
@@ -178,6 +180,7 @@ def test_a_dead_workers_documents_cost_one_miss_and_no_request_and_a_new_worker_
     assert cached(api.ask(f"{document} third")) >= 300 - 16  # the survivor holds it now
     assert api.holder(document, [survivor]) == survivor
     stack.start("worker:px-new", env={**WORKER_ENV, "AXON_WORKER_ID": "px-new"})
+    wait_for(lambda: api.alive("px-new"), timeout_s=10, what="the new worker's heartbeat")
     fresh = [words(f"fresh{i}x") for i in range(4)]
     for document in fresh:  # new documents spread over both live workers, then stay where they landed
         api.ask(f"{document} first")
