@@ -1,6 +1,7 @@
 """Workers on the real vLLM engine for end-to-end tests, and what a test needs to kill them and check
 that nothing of them is left."""
 
+import contextlib
 import json
 import os
 import signal
@@ -104,11 +105,11 @@ def stream_killing(client: OpenAI, pool: VllmWorkers, kill: Callable[[Service], 
 
     The kill must land mid-answer, and an answer of a small model on vLLM takes a few hundred
     milliseconds: on a loaded machine the first text could reach the client, through the session
-    manager and the gateway, after the last token was generated. So the first token is caught where
-    the worker publishes it (its job's channel in Redis) and every worker's vLLM processes are
-    stopped at once (SIGSTOP: no token is generated while the test finds the one generating and
-    kills it), then continued. Fails unless the kill landed mid-answer as the servers count it: the
-    other workers generated tokens of it after the kill."""
+    manager and the gateway, after the last token was generated. So every worker's vLLM processes
+    run in short slices until the first token is caught where the worker publishes it (its job's
+    channel in Redis), and stay stopped (no token is generated while the test finds the one
+    generating and kills it), then are continued. Fails unless the kill landed mid-answer as the
+    servers count it: the other workers generated tokens of it after the kill."""
     model = body["model"]
     workers = pool.alive()
     frozen = _FrozenAtFirstToken(pool, workers)
@@ -134,50 +135,61 @@ def stream_killing(client: OpenAI, pool: VllmWorkers, kill: Callable[[Service], 
 
 
 class _FrozenAtFirstToken:
-    """Stops (SIGSTOP) the vLLM processes of `workers` (every process of theirs but the worker's
-    own, which keeps answering) as soon as a chunk with text is published on any job channel of
-    the pool's namespace; `thaw` continues them (and a killed worker's, so they can exit)."""
+    """Runs the vLLM processes of `workers` (every process of theirs but the worker's own, which keeps
+    answering) in slices, `SLICE_S` of every `SLICE_S + BETWEEN_S` (SIGCONT, then SIGSTOP), until a
+    chunk with text is published on any job channel of the pool's namespace, then keeps them
+    stopped; `thaw` continues them (and a killed worker's, so they can exit).
+
+    In slices, because a vLLM engine running freely keeps every core busy and starves the worker
+    that publishes and the test that watches: on a fast machine a 64-token answer was generated
+    whole before its first chunk was seen (the worker published it as 2 chunks, and the watcher
+    stopped the engines after the end). Between slices both have the cores, so the first token is
+    seen while the engines are stopped, at most one slice's tokens after it was generated."""
+
+    SLICE_S = 0.01
+    BETWEEN_S = 0.04
 
     def __init__(self, pool: VllmWorkers, workers: list[Service]) -> None:
         self._engines = [
             pid for worker in workers for pid in processes_of(pool.ids[worker.process.pid]) if pid != worker.process.pid
         ]
         assert self._engines, "no vLLM process found to stop"
-        self._stopped: list[int] = []
+        self._seen = threading.Event()
         self._done = threading.Event()
         self._pubsub = redis.Redis.from_url(pool.stack.redis_url).pubsub()
         self._pubsub.psubscribe(pool.stack.namespace + ":tokens:*")
         deadline = time.monotonic() + 10
         while (message := self._pubsub.get_message(timeout=1)) is None or message["type"] != "psubscribe":
             assert time.monotonic() < deadline, "no confirmation of the subscription to the job channels"
-        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._signal(signal.SIGSTOP)
+        self._thread = threading.Thread(target=self._run_in_slices, daemon=True)
         self._thread.start()
 
-    def _watch(self) -> None:
+    def _signal(self, signum: int) -> None:
+        for pid in self._engines:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    def _run_in_slices(self) -> None:
         while not self._done.is_set():
-            message = self._pubsub.get_message(timeout=0.05)
-            if message is not None and message["type"] == "pmessage" and json.loads(message["data"]).get("text"):
-                for pid in self._engines:
-                    try:
-                        os.kill(pid, signal.SIGSTOP)
-                    except ProcessLookupError:
-                        continue
-                    self._stopped.append(pid)
-                self._done.set()
+            self._signal(signal.SIGCONT)
+            time.sleep(self.SLICE_S)
+            self._signal(signal.SIGSTOP)
+            deadline = time.monotonic() + self.BETWEEN_S
+            while (left := deadline - time.monotonic()) > 0:
+                message = self._pubsub.get_message(timeout=left)
+                if message is not None and message["type"] == "pmessage" and json.loads(message["data"]).get("text"):
+                    self._seen.set()
+                    return
 
     def wait(self) -> None:
-        """Until the first token's chunk was seen and the vLLM processes stopped."""
-        assert self._done.wait(10), "the first token's chunk was not seen on the job channels"
+        """Until the first token's chunk was seen, the vLLM processes stopped."""
+        assert self._seen.wait(60), "the first token's chunk was not seen on the job channels"
 
     def thaw(self) -> None:
         self._done.set()
         self._thread.join(timeout=5)
-        stopped, self._stopped = self._stopped, []
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                continue
+        self._signal(signal.SIGCONT)
         self._pubsub.close()
 
 
