@@ -24,6 +24,9 @@ NO_WORKER_RETRY_AFTER_S = 5
 # supported (its worker refuses what it does not honour, `Job.requires`) and no context bound (the
 # worker refuses a prompt longer than its context).
 UNSEEN_MODEL = LiveModel(0, 2**31 - 1, frozenset(get_args(Capability)))
+# How old the cached view may be and still be trusted when it lacks a session's home (`with_home`):
+# turns of sessions whose home died read the registry again at most this often.
+RECHECK_HOME_AFTER_S = 0.1
 
 
 class ModelCatalog:
@@ -49,10 +52,11 @@ class ModelCatalog:
         self._fetched_at = float("-inf")
         self._fetching: asyncio.Future[None] | None = None
 
-    async def _refresh(self) -> None:
-        """Fetch again once the cache is older than its TTL. Requests that find it stale together
-        share one fetch (under load, every request in flight would otherwise fetch at once)."""
-        if time.monotonic() - self._fetched_at <= self._cache_ttl_s:
+    async def _refresh(self, max_age_s: float | None = None) -> None:
+        """Fetch again once the cache is older than its TTL (or `max_age_s`). Requests that find it
+        stale together share one fetch (under load, every request in flight would otherwise fetch
+        at once)."""
+        if time.monotonic() - self._fetched_at <= (self._cache_ttl_s if max_age_s is None else max_age_s):
             return
         if self._fetching is None:
             self._fetching = asyncio.ensure_future(self._fetch())
@@ -95,6 +99,18 @@ class ModelCatalog:
         """Models live workers serve, at most `cache_ttl_s` old."""
         await self._refresh()
         return self._live
+
+    async def with_home(self, model: str, live: LiveModel, home: str | None) -> LiveModel:
+        """`live` (`model`'s state), read again if it lacks `home`, a session's home worker, and is
+        older than `RECHECK_HOME_AFTER_S`: a worker that started after the cached view was read
+        stays its sessions' home from their next turn, not passed over (and the sessions moved off
+        it) until the cache expires. A home that is gone is still missing; the state read now, or
+        `live` if the model has no live worker any more, is returned. No home (not a session's
+        turn, or its first): `live`, no I/O."""
+        if home is None or home in live.homes:
+            return live
+        await self._refresh(min(self._cache_ttl_s, RECHECK_HOME_AFTER_S))
+        return self._live.get(model, live)
 
     async def aliases(self) -> dict[str, str]:
         """Public name -> served model, at most `cache_ttl_s` old."""

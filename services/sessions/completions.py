@@ -165,9 +165,11 @@ class CompletionService:
                 if wait_s > 0:
                     job = cold_start_job(job, body, wait_s)
                 jobs = [job, *(for_choice(job, i, s) for i, s in enumerate(streams[1:], 1))]
+            session_home = turn.home if turn is not None else None
+            live = await self._catalog.with_home(model, live, session_home)
             # The worker whose prefix cache holds the conversation, first (`shared/affinity.py`).
             home = job_home(
-                session_home=turn.home if turn is not None else None,
+                session_home=session_home,
                 session=turn is not None,
                 messages=messages,
                 choices=n,
@@ -178,7 +180,7 @@ class CompletionService:
             if router is not None:
                 # The worker whose KV cache holds the longest prefix of the prompt, if the index knows.
                 with span(tracing, "prefix index"):
-                    route = await router.route(job, live, session_home=turn.home if turn is not None else None)
+                    route = await router.route(job, live, session_home=session_home)
                 if route is not None:
                     home = route.home
                 router.count(job.model, route, home=home)

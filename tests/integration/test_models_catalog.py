@@ -5,6 +5,7 @@ import uuid
 
 import pytest
 
+from services.sessions import catalog as catalog_module
 from services.sessions.catalog import ModelCatalog
 from shared.errors import ModelNotFound, Unavailable
 from shared.names import Names
@@ -121,3 +122,27 @@ async def test_adapters_are_models_of_their_own_routed_to_their_base_models_queu
         assert gone.code == "no_worker"
     finally:
         await redis_client.delete(names.workers_key, names.models_key, names.adapters_key, names.aliases_key)
+
+
+async def test_a_sessions_home_newer_than_the_cached_view_is_read_again(
+    redis_client, namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    names = Names(f"{namespace}-cat-{uuid.uuid4().hex[:6]}")
+    registry = WorkerRegistry(redis_client, names)
+    catalog = ModelCatalog(registry, cache_ttl_s=60)
+    try:
+        await registry.heartbeat(worker_id="w1", model="m", ttl_s=30, max_seqs=4, context_tokens=2048)
+        _, live = await catalog.require("m")
+        assert live.homes == {"w1"}
+        await registry.heartbeat(worker_id="w2", model="m", ttl_s=30, max_seqs=4, context_tokens=2048)
+        # A view younger than the recheck age is trusted: turns of sessions whose home died do not
+        # each read the registry.
+        monkeypatch.setattr(catalog_module, "RECHECK_HOME_AFTER_S", 60.0)
+        assert (await catalog.with_home("m", live, "w2")).homes == {"w1"}
+        monkeypatch.setattr(catalog_module, "RECHECK_HOME_AFTER_S", 0.0)
+        assert (await catalog.with_home("m", live, "w2")).homes == {"w1", "w2"}
+        # The cache holds the new view; a home that is gone is still missing from it.
+        assert (await catalog.require("m"))[1].homes == {"w1", "w2"}
+        assert (await catalog.with_home("m", live, "gone")).homes == {"w1", "w2"}
+    finally:
+        await redis_client.delete(names.workers_key, names.models_key, names.aliases_key)
