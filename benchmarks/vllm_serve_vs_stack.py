@@ -3,6 +3,7 @@ settings and cores, driven by the same client with the same requests.
 
     .venv/bin/python benchmarks/vllm_serve_vs_stack.py                       # 1, 8, 32 streams, ~12 min
     .venv/bin/python benchmarks/vllm_serve_vs_stack.py --streams 8 --repeats 1
+    .venv/bin/python benchmarks/vllm_serve_vs_stack.py --engine-nice 0 10   # two Axon stacks, ~20 min
 
 Both servers are started here and stay up for the whole run (each idles while the other is
 measured; their idle CPU is printed): vLLM's own OpenAI server (`python -m
@@ -22,6 +23,12 @@ first token p50/p99; then Axon / vLLM throughput (target >= 0.97) and the TTFT p
 (target <= 10 ms, issue 40), over the rounds pooled; and the CPU seconds per 1,000 output tokens of each
 side's processes (vLLM's: its server and engine; Axon's: gateway, session manager, worker and
 engine, Redis, RabbitMQ, PostgreSQL).
+
+`--engine-nice` compares values of the worker's `AXON_ENGINE_NICE` in the same run: one Axon stack
+(worker, session manager, gateway) per value, each serving its own model name, measured in turn
+beside `vllm serve` (whose engine runs at its default priority). They share Redis, RabbitMQ and
+PostgreSQL, whose CPU counts in each stack's figures, so a stack's idle CPU includes theirs while
+another stack is measured.
 """
 
 import argparse
@@ -137,6 +144,12 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-seqs", type=int, default=64)
     parser.add_argument("--model-path", help="default: the bundled SmolLM2, converted for vLLM")
+    parser.add_argument(
+        "--engine-nice",
+        type=int,
+        nargs="+",
+        help="AXON_ENGINE_NICE of Axon's worker, one stack per value (default: one stack, the worker's default)",
+    )
     parser.add_argument("--cpu-threads-bind", default="", help="AXON_CPU_THREADS_BIND of both (default: every core)")
     args = parser.parse_args()
 
@@ -162,15 +175,19 @@ def main() -> int:
     rows = []
     with BenchEnvironment() as env:
         serve = start_vllm_serve(env, options, cpu)
-        stack = env.start_stack(worker_env)
+        stacks = start_stacks(env, worker_env, args.engine_nice)
         key = env.create_key()
-        servers = {"vllm serve": (serve.url, None), "axon": (stack["gateway"].url, key)}
+        servers: dict[str, tuple[str, str | None, str]] = {"vllm serve": (serve.url, None, MODEL)}
+        servers |= {label: (stack["gateway"].url, key, model) for label, (model, stack) in stacks.items()}
         # Every process of each side: vLLM's server and its engine's processes; Axon's three services
         # with the worker's engine processes, and the Redis, RabbitMQ and PostgreSQL it uses.
         shared = [pid for pids in server_pids().values() for pid in pids]
         watched = {
             "vllm serve": [serve.process.pid, *descendants(serve.process.pid)],
-            "axon": [pid for p in stack.values() for pid in (p.process.pid, *descendants(p.process.pid))] + shared,
+            **{
+                label: [pid for p in stack.values() for pid in (p.process.pid, *descendants(p.process.pid))] + shared
+                for label, (_model, stack) in stacks.items()
+            },
         }
         print(f"both up (logs in {env.log_dir}); measuring...", file=sys.stderr, flush=True)
         with asyncio.Runner(loop_factory=loop) as runner:
@@ -185,9 +202,8 @@ def main() -> int:
                 for repeat in range(args.repeats):
                     order = list(servers) if repeat % 2 == 0 else list(reversed(servers))
                     for name in order:
-                        other = next(n for n in servers if n != name)
                         before = {n: sum(cpu_seconds(pid) or 0.0 for pid in watched[n]) for n in servers}
-                        url, api_key = servers[name]
+                        url, api_key, model = servers[name]
                         side = runner.run(
                             measure(
                                 url,
@@ -196,10 +212,12 @@ def main() -> int:
                                 requests=requests,
                                 max_tokens=args.max_tokens,
                                 spacing_s=answer_s / streams,
+                                model=model,
                             )
                         )
                         after = {n: sum(cpu_seconds(pid) or 0.0 for pid in watched[n]) for n in servers}
-                        idle_cpu[other] += after[other] - before[other]
+                        for other in servers.keys() - {name}:
+                            idle_cpu[other] += after[other] - before[other]
                         busy_cpu[name] += after[name] - before[name]
                         sides[name].append(side)
                         f = side.figures()
@@ -210,9 +228,35 @@ def main() -> int:
                             flush=True,
                         )
                 cpu_per_k = {n: busy_cpu[n] / max(1, pooled(sides[n])["tokens"]) * 1000 for n in servers}
-                rows.append((streams, pooled(sides["vllm serve"]), pooled(sides["axon"]), idle_cpu, cpu_per_k))
+                for label in stacks:
+                    idle = {"vllm serve": idle_cpu["vllm serve"], "axon": idle_cpu[label]}
+                    per_k = {"vllm serve": cpu_per_k["vllm serve"], "axon": cpu_per_k[label]}
+                    rows.append((streams, label, pooled(sides["vllm serve"]), pooled(sides[label]), idle, per_k))
     report(args, rows, cpu)
-    return 0 if all(v["errors"] == a["errors"] == 0 for _, v, a, *_ in rows) else 1
+    return 0 if all(v["errors"] == a["errors"] == 0 for _, _, v, a, *_ in rows) else 1
+
+
+def start_stacks(
+    env: BenchEnvironment, worker_env: dict[str, str], nices: list[int] | None
+) -> dict[str, tuple[str, dict[str, launcher.Service]]]:
+    """Axon's stack (`axon`, serving MODEL), or one per engine niceness (`axon nice N`, serving
+    `MODEL-nN`): by label, the model it serves and its services."""
+    if nices is None:
+        return {"axon": (MODEL, env.start_stack(worker_env))}
+    stacks = {}
+    for nice in nices:
+        model, label = f"{MODEL}-n{nice}", f"axon nice {nice}"
+        env.models.add(model)
+        worker = env.start_service(
+            "worker",
+            name=f"worker-n{nice}",
+            env={**worker_env, "AXON_MODEL": model, "AXON_ENGINE_NICE": str(nice)},
+            ready_timeout_s=900,
+        )
+        sessions = env.start_service("sessions", name=f"sessions-n{nice}")
+        gateway = env.start_service("gateway", name=f"gateway-n{nice}", env={"AXON_SESSIONS_URL": sessions.url})
+        stacks[label] = (model, {"worker": worker, "sessions": sessions, "gateway": gateway})
+    return stacks
 
 
 def report(args: argparse.Namespace, rows: list, cpu: bool) -> None:
@@ -224,15 +268,16 @@ def report(args: argparse.Namespace, rows: list, cpu: bool) -> None:
     )
     side = f"{'tok/s':>10} {'TTFT p50':>9} {'p99':>7}"
     print(
-        f"{'streams':>7} | vllm {side} | axon {side} | {'ratio':>6} {'TTFT added p50':>15} | "
+        f"{'streams':>7} {'axon':<13} | vllm {side} | axon {side} | {'ratio':>6} {'TTFT added p50':>15} | "
         "CPU s / 1k tokens (vllm, axon) | idle CPU s (vllm, axon)"
     )
-    for streams, v, a, idle, cpu in rows:
+    for streams, label, v, a, idle, cpu in rows:
         ratio = a["output_tok_s"] / v["output_tok_s"] if v["output_tok_s"] else float("nan")
         added = a["ttft_p50_ms"] - v["ttft_p50_ms"]
         verdict = "ok" if ratio >= 0.97 and added <= 10 else "MISSED"
         print(
-            f"{streams:>7} | {v['output_tok_s']:>10.1f} {v['ttft_p50_ms']:>7.1f}ms {v['ttft_p99_ms']:>5.0f}ms | "
+            f"{streams:>7} {label:<13} | "
+            f"{v['output_tok_s']:>10.1f} {v['ttft_p50_ms']:>7.1f}ms {v['ttft_p99_ms']:>5.0f}ms | "
             f"{a['output_tok_s']:>10.1f} {a['ttft_p50_ms']:>7.1f}ms {a['ttft_p99_ms']:>5.0f}ms | {ratio:>6.3f} "
             f"{added:>+12.1f} ms | {cpu['vllm serve']:>14.2f}, {cpu['axon']:.2f} | "
             f"{idle['vllm serve']:.1f}, {idle['axon']:.1f}  {verdict}"

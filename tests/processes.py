@@ -47,3 +47,9 @@ def started_by_this_run() -> dict[int, str]:
         if not any(helper in command for helper in _OWN_HELPERS):
             left[pid] = command
     return left
+
+
+def niceness(pid: int) -> dict[int, int]:
+    """Each thread of process `pid` (Linux): its niceness (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return {int(t.name): int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()}

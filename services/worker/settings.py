@@ -111,6 +111,15 @@ class WorkerSettings(CommonSettings):
             "two ranks), or nobind; empty: the cores this process may use, split evenly between the ranks"
         ),
     )
+    engine_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description=(
+            "vLLM on CPU: the niceness of the engine's processes, so the services sharing its cores run first when "
+            "they wake; 0: the same priority as the services"
+        ),
+    )
     # vLLM's structured-output backend (`StructuredOutputsConfig.backend`) for response_format and
     # required or named tool calls; xgrammar is the library the transformers engine uses too.
     structured_outputs_backend: Literal["auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"] = "xgrammar"

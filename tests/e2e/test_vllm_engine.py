@@ -23,6 +23,7 @@ core killed alone and a failed start: tests/e2e/test_vllm_parallel.py.)
 
 import asyncio
 import json
+import os
 import random
 import signal
 import statistics
@@ -47,6 +48,7 @@ from safetensors.torch import load_file
 from services.cli import launcher
 from services.cli.launcher import Service
 from services.worker.engines.gguf import bundled_gguf_path, converted_model
+from services.worker.engines.orphans import descendants
 from shared.keys import KeyLimits
 from shared.settings import DEFAULT_MODEL
 from tests.conftest import create_key
@@ -60,6 +62,7 @@ from tests.e2e.test_workers import holder, metric, wait_listed
 from tests.e2e.vllm import VllmWorkers, no_process_left, stream_killing
 from tests.metric_names import Scrape, queried_metrics
 from tests.models import steering_lora
+from tests.processes import niceness
 from tests.waiting import wait_for
 
 # `alone` (make test runs it with no other test beside it):
@@ -195,6 +198,15 @@ def test_the_libraries_print_no_notes_warnings_or_progress_bars_at_info(sdk: Ope
     log = vllm_worker.log_text()
     for noise in ("Loading safetensors checkpoint shards", "Triton not", "Warning", "NUMA binding"):
         assert noise not in log, noise
+
+
+def test_vllms_processes_run_below_the_services_and_the_worker_does_not(vllm_worker: Service) -> None:
+    """`AXON_ENGINE_NICE` (10 unset): every thread of vLLM's processes, none of the worker's own."""
+    worker = vllm_worker.process.pid
+    engine = [pid for pid in descendants(worker) if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::")]
+    assert len(engine) >= 2  # the engine core and its CPU worker
+    assert {nice for pid in engine for nice in niceness(pid).values()} == {10}
+    assert set(niceness(worker).values()) == {os.getpriority(os.PRIO_PROCESS, 0)}
 
 
 def test_vllms_own_span_is_a_child_of_the_workers_job_span(sdk: OpenAI, receiver: OtlpReceiver) -> None:

@@ -80,6 +80,7 @@ def _vllm_engine(settings: WorkerSettings) -> Engine:
         kv_cache_gib=settings.kv_cache_gib,
         enforce_eager=settings.enforce_eager,
         cpu_threads_bind=settings.cpu_threads_bind,
+        engine_nice=settings.engine_nice,
         structured_outputs_backend=settings.structured_outputs_backend,
         tool_parser=settings.tool_parser,
         lora_adapters=settings.lora_adapters,

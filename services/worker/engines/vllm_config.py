@@ -45,6 +45,8 @@ class VllmOptions:
     kv_cache_gib: float | None = None
     enforce_eager: bool | None = None
     cpu_threads_bind: str = ""
+    # vLLM on CPU: the niceness of the engine's processes (`AXON_ENGINE_NICE`, `cpu_share.py`).
+    engine_nice: int = 0
     structured_outputs_backend: str = "xgrammar"
     tool_parser: str = "hermes"
     lora_adapters: Mapping[str, str] = field(default_factory=dict)

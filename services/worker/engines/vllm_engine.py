@@ -67,6 +67,7 @@ from services.worker.engines.base import (
     ToolCallParser,
     context_exceeded,
 )
+from services.worker.engines.cpu_share import renice
 from services.worker.engines.gguf import converted_model
 from services.worker.engines.grammar import GrammarLimits, SchemaGate
 from services.worker.engines.kv_events import KvEventSource, RenderedPrompt, VllmKvEvents, kv_events_endpoints
@@ -345,8 +346,13 @@ class VllmEngine(Engine):
         self._engine = await asyncio.to_thread(
             AsyncLLM.from_engine_args, args, usage_context=UsageContext.OPENAI_API_SERVER
         )
+        engine_processes = descendants(os.getpid())
         # vLLM's engine core outlives a worker killed with SIGKILL: a watcher kills it then.
-        self._reaper = ChildReaper.watching(descendants(os.getpid()))
+        self._reaper = ChildReaper.watching(engine_processes)
+        if self._on_cpu and options.engine_nice:
+            # The services sharing the cores run first when they wake (`cpu_share.py`).
+            threads = renice(engine_processes, options.engine_nice)
+            log.info("vllm_engine_reniced", nice=options.engine_nice, processes=len(engine_processes), threads=threads)
         try:
             await self._configure()
             await self._warm_up()
