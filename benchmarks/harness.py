@@ -139,12 +139,14 @@ class BenchEnvironment:
         launcher.wait_ready([process], timeout_s=ready_timeout_s)
         return process
 
-    def start_stack(self, worker_env: dict[str, str]) -> dict[str, Service]:
-        """Worker, session manager and gateway, as `axon up` starts them."""
+    def start_stack(self, worker_env: dict[str, str], *, label: str = "") -> dict[str, Service]:
+        """Worker, session manager and gateway, as `axon up` starts them (`label`, for several stacks
+        in one run: put after their names, `worker-<label>`, …)."""
+        suffix = f"-{label}" if label else ""
         self.models.add(worker_env["AXON_MODEL"])
-        worker = self.start_service("worker", env=worker_env)
-        sessions = self.start_service("sessions")
-        gateway = self.start_service("gateway", env={"AXON_SESSIONS_URL": sessions.url})
+        worker = self.start_service("worker", env=worker_env, name=f"worker{suffix}")
+        sessions = self.start_service("sessions", name=f"sessions{suffix}")
+        gateway = self.start_service("gateway", name=f"gateway{suffix}", env={"AXON_SESSIONS_URL": sessions.url})
         return {"worker": worker, "sessions": sessions, "gateway": gateway}
 
 

@@ -245,17 +245,9 @@ def start_stacks(
         return {"axon": (MODEL, env.start_stack(worker_env))}
     stacks = {}
     for nice in nices:
-        model, label = f"{MODEL}-n{nice}", f"axon nice {nice}"
-        env.models.add(model)
-        worker = env.start_service(
-            "worker",
-            name=f"worker-n{nice}",
-            env={**worker_env, "AXON_MODEL": model, "AXON_ENGINE_NICE": str(nice)},
-            ready_timeout_s=900,
-        )
-        sessions = env.start_service("sessions", name=f"sessions-n{nice}")
-        gateway = env.start_service("gateway", name=f"gateway-n{nice}", env={"AXON_SESSIONS_URL": sessions.url})
-        stacks[label] = (model, {"worker": worker, "sessions": sessions, "gateway": gateway})
+        model = f"{MODEL}-n{nice}"
+        env_of_nice = {**worker_env, "AXON_MODEL": model, "AXON_ENGINE_NICE": str(nice)}
+        stacks[f"axon nice {nice}"] = (model, env.start_stack(env_of_nice, label=f"n{nice}"))
     return stacks
 
 
