@@ -22,7 +22,8 @@ closed loop of `--requests` chat requests (at least 16 a round in all) of `--max
 first token p50/p99; then Axon / vLLM throughput (target >= 0.97) and the TTFT p50 Axon adds
 (target <= 10 ms, issue 40), over the rounds pooled; and the CPU seconds per 1,000 output tokens of each
 side's processes (vLLM's: its server and engine; Axon's: gateway, session manager, worker and
-engine, Redis, RabbitMQ, PostgreSQL).
+engine, Redis, RabbitMQ, PostgreSQL), and after the table the same figure by part (the engine
+being the server's or worker's child processes: vLLM's engine core and CPU workers).
 
 `--engine-nice` compares values of the worker's `AXON_ENGINE_NICE` in the same run: one Axon stack
 (worker, session manager, gateway) per value, each serving its own model name, measured in turn
@@ -179,13 +180,17 @@ def main() -> int:
         key = env.create_key()
         servers: dict[str, tuple[str, str | None, str]] = {"vllm serve": (serve.url, None, MODEL)}
         servers |= {label: (stack["gateway"].url, key, model) for label, (model, stack) in stacks.items()}
-        # Every process of each side: vLLM's server and its engine's processes; Axon's three services
-        # with the worker's engine processes, and the Redis, RabbitMQ and PostgreSQL it uses.
-        shared = [pid for pids in server_pids().values() for pid in pids]
-        watched = {
-            "vllm serve": [serve.process.pid, *descendants(serve.process.pid)],
+        # Every process of each side, by part: vLLM's server and its engine's processes; Axon's three
+        # services, the worker's engine processes, and the Redis, RabbitMQ and PostgreSQL it uses.
+        shared = server_pids()
+        watched: dict[str, dict[str, list[int]]] = {
+            "vllm serve": {"server": [serve.process.pid], "engine": descendants(serve.process.pid)},
             **{
-                label: [pid for p in stack.values() for pid in (p.process.pid, *descendants(p.process.pid))] + shared
+                label: {
+                    **{part: [p.process.pid] for part, p in stack.items()},
+                    "engine": descendants(stack["worker"].process.pid),
+                    **shared,
+                }
                 for label, (_model, stack) in stacks.items()
             },
         }
@@ -198,11 +203,11 @@ def main() -> int:
                 requests = max(args.requests, -(-16 // streams))
                 sides: dict[str, list[Side]] = {name: [] for name in servers}
                 idle_cpu: dict[str, float] = dict.fromkeys(servers, 0.0)
-                busy_cpu: dict[str, float] = dict.fromkeys(servers, 0.0)
+                busy_cpu: dict[str, dict[str, float]] = {n: dict.fromkeys(watched[n], 0.0) for n in servers}
                 for repeat in range(args.repeats):
                     order = list(servers) if repeat % 2 == 0 else list(reversed(servers))
                     for name in order:
-                        before = {n: sum(cpu_seconds(pid) or 0.0 for pid in watched[n]) for n in servers}
+                        before = {n: cpu_by_part(watched[n]) for n in servers}
                         url, api_key, model = servers[name]
                         side = runner.run(
                             measure(
@@ -215,10 +220,11 @@ def main() -> int:
                                 model=model,
                             )
                         )
-                        after = {n: sum(cpu_seconds(pid) or 0.0 for pid in watched[n]) for n in servers}
+                        after = {n: cpu_by_part(watched[n]) for n in servers}
                         for other in servers.keys() - {name}:
-                            idle_cpu[other] += after[other] - before[other]
-                        busy_cpu[name] += after[name] - before[name]
+                            idle_cpu[other] += sum(after[other].values()) - sum(before[other].values())
+                        for part in watched[name]:
+                            busy_cpu[name][part] += after[name][part] - before[name][part]
                         sides[name].append(side)
                         f = side.figures()
                         print(
@@ -227,13 +233,21 @@ def main() -> int:
                             file=sys.stderr,
                             flush=True,
                         )
-                cpu_per_k = {n: busy_cpu[n] / max(1, pooled(sides[n])["tokens"]) * 1000 for n in servers}
+                cpu_per_k = {
+                    n: {part: s / max(1, pooled(sides[n])["tokens"]) * 1000 for part, s in busy_cpu[n].items()}
+                    for n in servers
+                }
                 for label in stacks:
                     idle = {"vllm serve": idle_cpu["vllm serve"], "axon": idle_cpu[label]}
                     per_k = {"vllm serve": cpu_per_k["vllm serve"], "axon": cpu_per_k[label]}
                     rows.append((streams, label, pooled(sides["vllm serve"]), pooled(sides[label]), idle, per_k))
     report(args, rows, cpu)
     return 0 if all(v["errors"] == a["errors"] == 0 for _, _, v, a, *_ in rows) else 1
+
+
+def cpu_by_part(parts: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds used so far by each part's processes."""
+    return {part: sum(cpu_seconds(pid) or 0.0 for pid in pids) for part, pids in parts.items()}
 
 
 def start_stacks(
@@ -263,7 +277,7 @@ def report(args: argparse.Namespace, rows: list, cpu: bool) -> None:
         f"{'streams':>7} {'axon':<13} | vllm {side} | axon {side} | {'ratio':>6} {'TTFT added p50':>15} | "
         "CPU s / 1k tokens (vllm, axon) | idle CPU s (vllm, axon)"
     )
-    for streams, label, v, a, idle, cpu in rows:
+    for streams, label, v, a, idle, per_k in rows:
         ratio = a["output_tok_s"] / v["output_tok_s"] if v["output_tok_s"] else float("nan")
         added = a["ttft_p50_ms"] - v["ttft_p50_ms"]
         verdict = "ok" if ratio >= 0.97 and added <= 10 else "MISSED"
@@ -271,10 +285,26 @@ def report(args: argparse.Namespace, rows: list, cpu: bool) -> None:
             f"{streams:>7} {label:<13} | "
             f"{v['output_tok_s']:>10.1f} {v['ttft_p50_ms']:>7.1f}ms {v['ttft_p99_ms']:>5.0f}ms | "
             f"{a['output_tok_s']:>10.1f} {a['ttft_p50_ms']:>7.1f}ms {a['ttft_p99_ms']:>5.0f}ms | {ratio:>6.3f} "
-            f"{added:>+12.1f} ms | {cpu['vllm serve']:>14.2f}, {cpu['axon']:.2f} | "
+            f"{added:>+12.1f} ms | {sum(per_k['vllm serve'].values()):>14.2f}, {sum(per_k['axon'].values()):.2f} | "
             f"{idle['vllm serve']:.1f}, {idle['axon']:.1f}  {verdict}"
         )
     print("targets: ratio >= 0.97, TTFT added p50 <= 10 ms")
+    if not rows:
+        return
+    vllm_parts, axon_parts = list(rows[0][5]["vllm serve"]), list(rows[0][5]["axon"])
+    print(
+        f"\nCPU s / 1k output tokens by part\n{'streams':>7} {'axon':<13} | vllm: "
+        + " ".join(f"{p:>8}" for p in vllm_parts)
+        + " | axon: "
+        + " ".join(f"{p:>8}" for p in axon_parts)
+    )
+    for streams, label, _v, _a, _idle, per_k in rows:
+        print(
+            f"{streams:>7} {label:<13} |       "
+            + " ".join(f"{per_k['vllm serve'][p]:>8.2f}" for p in vllm_parts)
+            + " |       "
+            + " ".join(f"{per_k['axon'][p]:>8.2f}" for p in axon_parts)
+        )
 
 
 def _vllm_version() -> str:
