@@ -23,7 +23,9 @@ first token p50/p99; then Axon / vLLM throughput (target >= 0.97) and the TTFT p
 (target <= 10 ms, issue 40), over the rounds pooled; and the CPU seconds per 1,000 output tokens of each
 side's processes (vLLM's: its server and engine; Axon's: gateway, session manager, worker and
 engine, Redis, RabbitMQ, PostgreSQL), and after the table the same figure by part (the engine
-being the server's or worker's child processes: vLLM's engine core and CPU workers).
+being the server's or worker's child processes: vLLM's engine core and CPU workers). The header
+names how the local RabbitMQ binds its schedulers (`+stbt`): bound to the cores, beside vLLM's
+threads, one starves and Axon's jobs wait for it (docs/performance.md).
 
 `--engine-nice` compares values of the worker's `AXON_ENGINE_NICE` in the same run: one Axon stack
 (worker, session manager, gateway) per value, each serving its own model name, measured in turn
@@ -43,7 +45,7 @@ from typing import Any
 import httpx
 import orjson
 from engine_vs_stack import Result, Side, run_streams
-from harness import BenchEnvironment, cpu_seconds, loop_factory, server_pids
+from harness import BenchEnvironment, cpu_seconds, loop_factory, rabbitmq_scheduler_binding, server_pids
 
 from services.cli import launcher
 from services.cli.bench import request_headers, send_one
@@ -270,7 +272,7 @@ def report(args: argparse.Namespace, rows: list, cpu: bool) -> None:
     print(
         f"\n{platform}; chat streams of {args.max_tokens} tokens (ignore_eos, greedy), {args.requests} requests "
         f"a stream, {args.repeats} rounds pooled; dtype {args.dtype}, engine threads on cores "
-        f"{args.cpu_threads_bind or 'all'}"
+        f"{args.cpu_threads_bind or 'all'}; RabbitMQ's schedulers +stbt {rabbitmq_scheduler_binding()}"
     )
     side = f"{'tok/s':>10} {'TTFT p50':>9} {'p99':>7}"
     print(

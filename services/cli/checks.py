@@ -13,10 +13,16 @@ from shared.migrations import split_database_url
 from shared.settings import CommonSettings
 
 # Each dependency's default port (where docker-compose.yml publishes it), how to start it on a
-# port, and its compose service.
+# port, and its compose service. RabbitMQ's Erlang schedulers float across the cores: bound to
+# them (its default), one starves for seconds beside vLLM's CPU engine threads, holding the jobs
+# it serves (docs/performance.md, "RabbitMQ's schedulers beside the engine").
 _HOW_TO_START = {
     "Redis": (6379, "redis-server --daemonize yes --port {port}", "redis"),
-    "RabbitMQ": (5672, "RABBITMQ_NODE_PORT={port} rabbitmq-server -detached", "rabbitmq"),
+    "RabbitMQ": (
+        5672,
+        "RABBITMQ_NODE_PORT={port} RABBITMQ_SCHEDULER_BIND_TYPE=u rabbitmq-server -detached",
+        "rabbitmq",
+    ),
     "PostgreSQL": (5432, "pg_ctlcluster <version> main start   (its postgresql.conf saying port = {port})", "postgres"),
 }
 

@@ -14,7 +14,11 @@ from tests.services import ServiceUrls
     ("name", "url", "hint"),
     [
         ("Redis", "redis://127.0.0.1:6380/0", "redis-server --daemonize yes --port 6380"),
-        ("RabbitMQ", "amqp://guest:***@127.0.0.1:5673/", "RABBITMQ_NODE_PORT=5673 rabbitmq-server -detached"),
+        (
+            "RabbitMQ",
+            "amqp://guest:***@127.0.0.1:5673/",
+            "RABBITMQ_NODE_PORT=5673 RABBITMQ_SCHEDULER_BIND_TYPE=u rabbitmq-server -detached",
+        ),
         ("PostgreSQL", "postgresql://postgres@127.0.0.1:5433/axon", "port = 5433"),
     ],
 )
