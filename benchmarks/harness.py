@@ -50,19 +50,6 @@ def server_pids() -> dict[str, list[int]]:
     return pids
 
 
-def rabbitmq_scheduler_binding() -> str:
-    """How the local RabbitMQ binds its Erlang schedulers to cores (`+stbt`: `db` bound, RabbitMQ's
-    default; `u` unbound), from its command line; "unknown" if it is not found here."""
-    for pid in server_pids()["rabbitmq"]:
-        try:
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"-stbt" in args[:-1]:
-            return args[args.index(b"-stbt") + 1].decode()
-    return "unknown"
-
-
 @dataclass
 class BenchEnvironment:
     """A database (`axon_bench_<id>`), Redis namespace and log folder of one benchmark run."""

@@ -45,10 +45,11 @@ from typing import Any
 import httpx
 import orjson
 from engine_vs_stack import Result, Side, run_streams
-from harness import BenchEnvironment, cpu_seconds, loop_factory, rabbitmq_scheduler_binding, server_pids
+from harness import BenchEnvironment, cpu_seconds, loop_factory, server_pids
 
 from services.cli import launcher
 from services.cli.bench import request_headers, send_one
+from services.cli.checks import local_rabbitmq_binding
 from services.worker.engines.gguf import bundled_gguf_path, converted_model, default_model_cache_dir
 from services.worker.engines.orphans import descendants
 from services.worker.engines.vllm_config import VllmOptions, engine_kwargs, vllm_environment
@@ -272,7 +273,7 @@ def report(args: argparse.Namespace, rows: list, cpu: bool) -> None:
     print(
         f"\n{platform}; chat streams of {args.max_tokens} tokens (ignore_eos, greedy), {args.requests} requests "
         f"a stream, {args.repeats} rounds pooled; dtype {args.dtype}, engine threads on cores "
-        f"{args.cpu_threads_bind or 'all'}; RabbitMQ's schedulers +stbt {rabbitmq_scheduler_binding()}"
+        f"{args.cpu_threads_bind or 'all'}; RabbitMQ's schedulers +stbt {local_rabbitmq_binding() or 'unknown'}"
     )
     side = f"{'tok/s':>10} {'TTFT p50':>9} {'p99':>7}"
     print(

@@ -3,6 +3,7 @@
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -25,6 +26,41 @@ _HOW_TO_START = {
     ),
     "PostgreSQL": (5432, "pg_ctlcluster <version> main start   (its postgresql.conf saying port = {port})", "postgres"),
 }
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def local_rabbitmq_binding(proc: Path = Path("/proc")) -> str | None:
+    """How the RabbitMQ running on this machine binds its Erlang schedulers to cores: its `+stbt`
+    (`db`, bound, is RabbitMQ's default; `u` unbound, Erlang's own default), read from its command
+    line; None when none runs here (or there is no `/proc`)."""
+    for cmdline in proc.glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if not args[0].endswith(b"beam.smp") or b"rabbit" not in args:
+            continue
+        if b"-stbt" in args[:-1]:
+            return args[args.index(b"-stbt") + 1].decode(errors="replace")
+        return "u"
+    return None
+
+
+def rabbitmq_binding_note(amqp_url: str, proc: Path = Path("/proc")) -> str | None:
+    """What to say when the RabbitMQ at `amqp_url` runs on this machine with its schedulers bound to
+    the cores: beside vLLM's CPU engine, whose threads are bound too, one of them starves and the
+    jobs it holds wait seconds (docs/performance.md); None otherwise."""
+    if urlsplit(amqp_url).hostname not in _LOOPBACK:
+        return None
+    binding = local_rabbitmq_binding(proc)
+    if binding in (None, "u"):
+        return None
+    return (
+        f"the local RabbitMQ binds its schedulers to the cores (+stbt {binding}): beside vLLM's CPU engine"
+        " a job can wait seconds for it; restart RabbitMQ with RABBITMQ_SCHEDULER_BIND_TYPE=u (docs/performance.md)"
+    )
 
 
 def how_to_start(name: str, url: str) -> str:

@@ -6,7 +6,7 @@ import sys
 
 from services.cli.batches import add_batches_command
 from services.cli.bench import add_bench_command
-from services.cli.checks import check_dependencies, how_to_start
+from services.cli.checks import check_dependencies, how_to_start, rabbitmq_binding_note
 from services.cli.keys import add_keys_command
 from services.cli.models import add_models_command
 from services.cli.tenants import add_tenants_command
@@ -29,9 +29,13 @@ def _migrate(_args: argparse.Namespace) -> int:
 
 
 def _check(_args: argparse.Namespace) -> int:
-    results = asyncio.run(check_dependencies(CommonSettings()))
+    settings = CommonSettings()
+    results = asyncio.run(check_dependencies(settings))
     for result in results:
         print(f"{result.name:<10} {result.url:<50} {'ok' if result.ok else result.error}")
+    note = rabbitmq_binding_note(settings.amqp_url)
+    if note is not None:
+        print(f"note: {note}")
     return 0 if all(r.ok for r in results) else 1
 
 

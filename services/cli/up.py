@@ -20,7 +20,7 @@ from types import FrameType
 
 import httpx
 
-from services.cli.checks import check_dependencies, how_to_start
+from services.cli.checks import check_dependencies, how_to_start, rabbitmq_binding_note
 from services.cli.launcher import (
     PORT_VARIABLES,
     NotReadyInTime,
@@ -86,6 +86,9 @@ def _check_or_explain(settings: CommonSettings, say: Say) -> bool:
         else:
             say(f"{result.name} is NOT reachable at {result.url} ({result.error})")
             say(f"  start it with: {how_to_start(result.name, result.url)}")
+    note = rabbitmq_binding_note(settings.amqp_url)
+    if note is not None:
+        say(f"note: {note}")
     return all(r.ok for r in results)
 
 
