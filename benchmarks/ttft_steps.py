@@ -40,9 +40,6 @@ import engine_vs_stack
 from harness import BenchEnvironment, loop_factory
 from trace_picture import ReceivedSpan, SpanStore, start_receiver
 
-from services.cli.bench.client import request_headers
-from shared.http1 import Http1Pool
-
 # (label, service, span name, which edge of it): the edges of one request's path, in order.
 EDGES = [
     ("gateway: key checked", "axon-gateway", "authenticate", "end"),
@@ -80,31 +77,6 @@ def wait_quiet(store: SpanStore, quiet_s: float, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and time.monotonic() - store.last_arrival < quiet_s:
         time.sleep(0.2)
-
-
-async def drive(args: argparse.Namespace, gateway_url: str, key: str, spacing_s: float) -> tuple[list[float], int]:
-    """The load; returns the client's TTFTs (ms) and the start of the measured requests (Unix ns)."""
-    pool = Http1Pool(
-        f"{gateway_url}/v1/chat/completions",
-        headers=request_headers(key),
-        max_idle_connections=args.streams,
-        connect_timeout_s=10,
-    )
-    try:
-        await engine_vs_stack.stack_one(pool, args.model, 0, 4)  # warm-up, not counted
-        started_ns = time.time_ns()
-        side = await engine_vs_stack.run_streams(
-            lambda i: engine_vs_stack.stack_one(pool, args.model, i, args.max_tokens),
-            streams=args.streams,
-            rounds=args.rounds,
-            spacing_s=spacing_s,
-        )
-    finally:
-        await pool.aclose()
-    errors = [r.error for r in side.results if r.error]
-    if errors:
-        raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
-    return [r.ttft_s * 1000 for r in side.results], started_ns
 
 
 def report(args: argparse.Namespace, traces: list[list[float]], ttfts_ms: list[float]) -> None:
@@ -152,21 +124,22 @@ def main() -> int:
             print(f"platform ready (logs in {env.log_dir}); measuring through it...", file=sys.stderr, flush=True)
             with asyncio.Runner(loop_factory=loop_factory()) as runner:
                 spacing_s = runner.run(engine_vs_stack.answer_duration_s(args)) / args.streams
-                ttfts_ms, started_ns = runner.run(drive(args, stack["gateway"].url, key, spacing_s))
+                side = runner.run(engine_vs_stack.measure_stack(args, stack["gateway"].url, key, spacing_s, {}))
             wait_quiet(store, args.quiet_s, timeout_s=60)
     finally:
         receiver.shutdown()
+    errors = [r.error for r in side.results if r.error]
+    if errors:
+        raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
     by_trace: dict[str, list[ReceivedSpan]] = defaultdict(list)
     for span in store.spans:
         by_trace[span.trace_id].append(span)
-    traces = [
-        times
-        for spans in by_trace.values()
-        if min(s.start_ns for s in spans) >= started_ns and (times := edges_of(spans)) is not None
-    ]
+    # The first request was the warm-up, answered before the measured ones were sent.
+    measured = sorted(by_trace.values(), key=lambda spans: min(s.start_ns for s in spans))[1:]
+    traces = [times for spans in measured if (times := edges_of(spans)) is not None]
     if not traces:
         raise SystemExit("no whole trace arrived: is tracing on in the services?")
-    report(args, traces, ttfts_ms)
+    report(args, traces, [r.ttft_s * 1000 for r in side.results])
     return 0
 
 
