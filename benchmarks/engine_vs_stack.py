@@ -303,20 +303,37 @@ def cpu_ms_per_token(direct: Side, stack: Side) -> dict[str, float]:
     return cpu
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=["sim", "transformers", "vllm"], default="sim")
-    parser.add_argument("--streams", type=int, help="requests in flight (default: 64 sim, else 16)")
+def add_load_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    engines: tuple[str, ...] = ("sim", "transformers", "vllm"),
+    other_streams: int = 16,
+) -> None:
+    """The load's options, shared by the scripts that drive the stack side this way
+    (`load_settings` completes them once parsed): the engine, `--streams` (64 on the simulator,
+    else `other_streams`), `--rounds`, `--max-tokens` and the simulator's timings."""
+    parser.add_argument("--engine", choices=list(engines), default="sim")
+    parser.add_argument("--streams", type=int, help=f"requests in flight (default: 64 sim, else {other_streams})")
     parser.add_argument("--rounds", type=int, default=3, help="requests per stream")
     parser.add_argument("--max-tokens", type=int, help="tokens per answer (default: 128 sim, else 64)")
-    parser.add_argument("--arrival", choices=["steady", "burst"], default="steady")
     parser.add_argument("--sim-ttft-ms", type=float, default=50.0)
     parser.add_argument("--sim-itl-ms", type=float, default=20.0)
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    args = parser.parse_args()
-    args.streams = args.streams or (64 if args.engine == "sim" else 16)
+
+
+def load_settings(args: argparse.Namespace, *, other_streams: int = 16) -> None:
+    """Fill in `add_load_arguments`' defaults that depend on the engine, and the model served."""
+    args.streams = args.streams or (64 if args.engine == "sim" else other_streams)
     args.max_tokens = args.max_tokens or (128 if args.engine == "sim" else 64)
     args.model = "sim" if args.engine == "sim" else "SmolLM2-135M-Instruct"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_load_arguments(parser)
+    parser.add_argument("--arrival", choices=["steady", "burst"], default="steady")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args()
+    load_settings(args)
 
     loop = loop_factory()
     with asyncio.Runner(loop_factory=loop) as runner:

@@ -39,7 +39,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_vs_stack import SERVICES, Side, answer_duration_s, cpu_ms_per_token, measure_stack, stack_pids, worker_env
+from engine_vs_stack import (
+    SERVICES,
+    Side,
+    add_load_arguments,
+    answer_duration_s,
+    cpu_ms_per_token,
+    load_settings,
+    measure_stack,
+    stack_pids,
+    worker_env,
+)
 from harness import BenchEnvironment, loop_factory
 
 PY_SPY = Path(sys.executable).with_name("py-spy")
@@ -413,18 +423,11 @@ def _no_direct() -> Side:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim")
-    parser.add_argument("--streams", type=int, help="requests in flight (default: 64 sim, else 32)")
-    parser.add_argument("--rounds", type=int, default=3, help="requests per stream")
-    parser.add_argument("--max-tokens", type=int, help="tokens per answer (default: 128 sim, else 64)")
-    parser.add_argument("--sim-ttft-ms", type=float, default=50.0)
-    parser.add_argument("--sim-itl-ms", type=float, default=20.0)
+    add_load_arguments(parser, engines=("sim", "vllm"), other_streams=32)
     parser.add_argument("--rate", type=int, default=200, help="py-spy's samples per second (default: 200)")
     parser.add_argument("--output-dir", type=Path, required=True, help="where the samples and flame graphs go")
     args = parser.parse_args()
-    args.streams = args.streams or (64 if args.engine == "sim" else 32)
-    args.max_tokens = args.max_tokens or (128 if args.engine == "sim" else 64)
-    args.model = "sim" if args.engine == "sim" else "SmolLM2-135M-Instruct"
+    load_settings(args, other_streams=32)
     args.output_dir.mkdir(parents=True, exist_ok=True)
 
     loop = loop_factory()

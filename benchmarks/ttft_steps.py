@@ -102,17 +102,10 @@ def report(args: argparse.Namespace, traces: list[list[float]], ttfts_ms: list[f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=["sim", "transformers", "vllm"], default="sim")
-    parser.add_argument("--streams", type=int, help="requests in flight (default: 64 sim, else 16)")
-    parser.add_argument("--rounds", type=int, default=3, help="requests per stream")
-    parser.add_argument("--max-tokens", type=int, help="tokens per answer (default: 128 sim, else 64)")
-    parser.add_argument("--sim-ttft-ms", type=float, default=50.0)
-    parser.add_argument("--sim-itl-ms", type=float, default=20.0)
+    engine_vs_stack.add_load_arguments(parser)
     parser.add_argument("--quiet-s", type=float, default=7.0, help="no span for this long: all have arrived")
     args = parser.parse_args()
-    args.streams = args.streams or (64 if args.engine == "sim" else 16)
-    args.max_tokens = args.max_tokens or (128 if args.engine == "sim" else 64)
-    args.model = "sim" if args.engine == "sim" else "SmolLM2-135M-Instruct"
+    engine_vs_stack.load_settings(args)
 
     store = SpanStore()
     receiver = start_receiver(store)
