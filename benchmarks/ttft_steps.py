@@ -21,8 +21,8 @@ server span:
     session manager  first chunk received (`first chunk` ends: the token's publish to Redis, and
                      the relay)
 
-and prints, for each step between two edges, its median over the requests, with the client's
-time to first token beside them. What follows the session manager's first chunk (its event
+and prints, for each step between two edges, its median and 90th percentile over the requests,
+with the client's time to first token beside them. What follows the session manager's first chunk (its event
 written, the gateway's read of it and write to the client, the client's read) has no span: it is
 the client's TTFT less the last edge. Tracing costs each service a little CPU and time (a span's
 bookkeeping, its export in the background); docs/performance.md compares with a run timed
@@ -92,7 +92,9 @@ def report(args: argparse.Namespace, traces: list[list[float]], ttfts_ms: list[f
         p90 = steps[min(len(steps) - 1, int(len(steps) * 0.9))]
         print(f"{label:<48} {statistics.median(steps):>8.2f} {p90:>8.2f} {at:>10.2f}")
         previous = [t[i] for t in traces]
-    engine = statistics.median(t[7] - t[6] for t in traces)
+    labels = [label for label, *_rest in EDGES]
+    asked, first = labels.index("worker: engine asked"), labels.index("worker: first token")
+    engine = statistics.median(t[first] - t[asked] for t in traces)
     ttft = statistics.median(ttfts_ms)
     print(
         f"client TTFT p50 {ttft:.2f} ms; of it the engine's first token {engine:.2f} ms (the steps' `prefill`), "
