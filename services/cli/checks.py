@@ -1,6 +1,7 @@
 """Dependency checks that tell an operator which service is missing and how to start it."""
 
 import asyncio
+import ipaddress
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,12 @@ _HOW_TO_START = {
 }
 
 
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine by its loopback interface (`localhost` or a loopback address)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def local_rabbitmq_binding(proc: Path = Path("/proc")) -> str | None:
@@ -52,7 +58,8 @@ def rabbitmq_binding_note(amqp_url: str, proc: Path = Path("/proc")) -> str | No
     """What to say when the RabbitMQ at `amqp_url` runs on this machine with its schedulers bound to
     the cores: beside vLLM's CPU engine, whose threads are bound too, one of them starves and the
     jobs it holds wait seconds (docs/performance.md); None otherwise."""
-    if urlsplit(amqp_url).hostname not in _LOOPBACK:
+    host = urlsplit(amqp_url).hostname
+    if host is None or not is_loopback(host):
         return None
     binding = local_rabbitmq_binding(proc)
     if binding in (None, "u"):

@@ -8,7 +8,6 @@ SIGTERM), a third kills them at once: the stop rule every Axon process keeps (`s
 """
 
 import asyncio
-import ipaddress
 import os
 import secrets
 import signal
@@ -20,7 +19,7 @@ from types import FrameType
 
 import httpx
 
-from services.cli.checks import check_dependencies, how_to_start, rabbitmq_binding_note
+from services.cli.checks import check_dependencies, how_to_start, is_loopback, rabbitmq_binding_note
 from services.cli.launcher import (
     PORT_VARIABLES,
     NotReadyInTime,
@@ -129,13 +128,6 @@ def _child_environment() -> tuple[dict[str, str], bool]:
     return env, admin_token_generated
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name
-        return False
-
-
 def _examples(env: dict[str, str], key: LocalKey, *, admin_token: Path | None, terminal: bool) -> str:
     """What to do now. Secrets go to a terminal only: when the console is a file or a pipe (a log),
     it names the files that hold them instead. `admin_token`: the file of the admin token made for
@@ -154,7 +146,7 @@ def _examples(env: dict[str, str], key: LocalKey, *, admin_token: Path | None, t
     host = env["AXON_HOST"]
     reach = (
         f"It listens on {host} only: set AXON_HOST=0.0.0.0 to reach it from other machines.\n"
-        if _is_loopback(host)
+        if is_loopback(host)
         else f"It listens on {host}: other machines can reach it.\n"
     )
     return f"""
