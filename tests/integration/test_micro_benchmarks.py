@@ -1,5 +1,6 @@
 """The micro-benchmarks of `benchmarks/micro/` still run: each one's `main` with a few calls gives a
-positive figure for every contender of every comparison (real Redis, a real upstream process)."""
+positive figure for every contender of every comparison (real Redis, a real upstream process); and
+so does `benchmarks/hop_floor.py` with a few streams for a moment."""
 
 import asyncio
 import os
@@ -7,6 +8,7 @@ import secrets
 
 import pytest
 
+from benchmarks import hop_floor
 from benchmarks.micro import hot_routes, http1, redis_pipe
 from shared.clients import create_redis
 
@@ -55,3 +57,15 @@ def test_http1_benchmark_measures_every_client() -> None:
 def test_hot_routes_benchmark_measures_both_routes() -> None:
     figures = hot_routes.main([*FEW, "--loop", "asyncio"])
     _assert_figures(figures, 2, {"HotRoute", "FastAPI"})
+
+
+def test_hop_floor_carries_every_token_in_both_styles(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    figures = hop_floor.main(["--streams", "4", "--seconds", "0.5", "--redis-url", redis_url])
+    assert figures is not None
+    assert set(figures) == {"callbacks", "tasks"}
+    for per_process in figures.values():
+        assert set(per_process) == {"worker", "sessions", "gateway"}
+        # /proc counts the servers' CPU in clock ticks (10 ms), more than a moment's relay may take
+        assert per_process["worker"] > 0 and min(per_process.values()) >= 0, per_process
+    # 4 streams, a token every 20 ms for 0.5 s: 25 tokens each, all of them received in both runs
+    assert "tokens received callbacks 100, tasks 100" in capsys.readouterr().out
