@@ -101,7 +101,9 @@ def test_the_openai_client_completes_and_streams_over_https(
 
         stream = client.chat.completions.create(model=SIM_MODEL, messages=messages, max_tokens=12, stream=True)
         pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
-        assert len([p for p in pieces if p]) == 12
+        # Streamed in pieces: one a token, or fewer where the worker, slowed by a busy machine,
+        # put tokens that came while it was publishing into one chunk (its `Coalescer`).
+        assert 1 < len([p for p in pieces if p]) <= 12
         assert len("".join(pieces).split()) == 12
 
 
