@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,10 @@ EVENT = (
     b'"logprobs":null,"finish_reason":null}]}\n\n'
 )
 RESPONSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def tokens_per_stream(args: argparse.Namespace) -> int:
+    return int(args.seconds * 1000 / args.itl_ms)
 
 
 def channel(run: str, stream: int) -> bytes:
@@ -99,7 +104,7 @@ async def redis_connection(url: str, protocol: Replies) -> asyncio.Transport:
 
 async def worker(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
-    itl_s, ticks = args.itl_ms / 1000, int(args.seconds * 1000 / args.itl_ms)
+    itl_s, ticks = args.itl_ms / 1000, tokens_per_stream(args)
     channels = [channel(args.run, k) for k in range(args.streams)]
     start = loop.time() + 0.05
     cpu = time.process_time()
@@ -115,16 +120,17 @@ async def worker(args: argparse.Namespace) -> None:
         await pipe.aclose()
     else:
         transport = await redis_connection(args.redis_url, Replies())
-        left = [args.streams]
+        left = args.streams
         done = loop.create_future()
 
         def tick(k: int, seq: int) -> None:
+            nonlocal left
             transport.write(pack((b"PUBLISH", channels[k], WORKER_CHUNK % seq)))
             if seq + 1 < ticks:
                 loop.call_at(start + (k / args.streams + seq + 1) * itl_s, tick, k, seq + 1)
                 return
-            left[0] -= 1
-            if not left[0]:
+            left -= 1
+            if not left:
                 done.set_result(None)
 
         for k in range(args.streams):
@@ -229,34 +235,51 @@ async def gateway(args: argparse.Namespace) -> None:
     await server.serve_forever()
 
 
+@dataclass
+class Tally:
+    """What the client has received: every stream's answer begun (`opened`), every event (`done`)."""
+
+    streams: int
+    total: int
+    opened: asyncio.Future[None]
+    done: asyncio.Future[None]
+    answered: int = 0
+    events: int = 0
+
+
 class Sink(asyncio.Protocol):
-    def __init__(self, counts: list[int], opened: asyncio.Future[None], done: asyncio.Future[None], total: int) -> None:
-        self._counts, self._opened, self._done, self._total = counts, opened, done, total
+    """One stream's connection of the client: counts the events read from it."""
+
+    def __init__(self, tally: Tally) -> None:
+        self._tally = tally
         self._answered = False
+        # An event's `data: ` split between two reads is counted once whole.
+        self._tail = b""
 
     def data_received(self, data: bytes) -> None:
+        tally = self._tally
         if not self._answered:
             self._answered = True
-            self._counts[1] += 1
-            if self._counts[1] == self._counts[2] and not self._opened.done():
-                self._opened.set_result(None)
-        self._counts[0] += data.count(b"data: ")
-        if self._counts[0] >= self._total and not self._done.done():
-            self._done.set_result(None)
+            tally.answered += 1
+            if tally.answered == tally.streams:
+                tally.opened.set_result(None)
+        data = self._tail + data
+        self._tail = data[-5:]
+        tally.events += data.count(b"data: ")
+        if tally.events >= tally.total and not tally.done.done():
+            tally.done.set_result(None)
 
 
 async def client(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
-    total = args.streams * int(args.seconds * 1000 / args.itl_ms)
-    counts = [0, 0, args.streams]  # events, streams answered, streams
-    opened, done = loop.create_future(), loop.create_future()
+    tally = Tally(args.streams, args.streams * tokens_per_stream(args), loop.create_future(), loop.create_future())
     for k in range(args.streams):
-        transport, _ = await loop.create_connection(lambda: Sink(counts, opened, done, total), HOST, args.gateway_port)
+        transport, _ = await loop.create_connection(lambda: Sink(tally), HOST, args.gateway_port)
         transport.write(b"%d\n" % k)
-    await asyncio.wait_for(opened, 10)
+    await asyncio.wait_for(tally.opened, 10)
     print("ready", flush=True)
-    await asyncio.wait_for(done, args.seconds + 30)
-    print(f"events {counts[0]}", flush=True)
+    await asyncio.wait_for(tally.done, args.seconds + 30)
+    print(f"events {tally.events}", flush=True)
 
 
 STYLES = ("callbacks", "tasks")
