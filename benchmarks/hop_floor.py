@@ -40,7 +40,6 @@ metrics, the progress record, the simulator in the worker).
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -56,6 +55,7 @@ import hiredis
 import uvloop
 
 from benchmarks.harness import cpu_seconds
+from services.cli.launcher import free_port
 from shared.redis_pipe import Endpoint, RedisPipe, pack
 
 TARGET_MS = 0.06
@@ -284,12 +284,6 @@ async def client(args: argparse.Namespace) -> None:
 
 STYLES = ("callbacks", "tasks")
 ROLES = {"worker": worker, "sessions": sessions, "gateway": gateway, "client": client}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def start(role: str, forwarded: list[str]) -> subprocess.Popen[str]:
