@@ -81,7 +81,7 @@ def traffic(stack: Stack, gateway: Service, sessions: Service, database_url: str
         json={
             "model": SIM_MODEL,
             "messages": [{"role": "user", "content": "stream"}],
-            "max_tokens": 6,
+            "max_tokens": 24,  # 0.12 s of tokens: more than one chunk on a busy machine too
             "stream": True,
             "stream_options": {"include_usage": True},
         },
@@ -90,7 +90,7 @@ def traffic(stack: Stack, gateway: Service, sessions: Service, database_url: str
         lines = list(streamed.iter_lines())
     assert "data: [DONE]" in lines
     # The worker sends tokens that come while it publishes in one chunk (its Coalescer): on a busy
-    # machine the six tokens come in fewer chunks, and the session manager times the gaps between those.
+    # machine the tokens come in fewer chunks, and the session manager times the gaps between those.
     streamed_chunks = sum(1 for line in lines if line.startswith("data: {") and json.loads(line[6:])["choices"])
     completion = httpx.post(
         f"{gateway.url}/v1/completions",

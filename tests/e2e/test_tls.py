@@ -99,12 +99,12 @@ def test_the_openai_client_completes_and_streams_over_https(
         assert completion.usage is not None and completion.usage.completion_tokens == 8
         assert len((completion.choices[0].message.content or "").split()) == 8
 
-        stream = client.chat.completions.create(model=SIM_MODEL, messages=messages, max_tokens=12, stream=True)
+        stream = client.chat.completions.create(model=SIM_MODEL, messages=messages, max_tokens=40, stream=True)
         pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
         # Streamed in pieces: one a token, or fewer where the worker, slowed by a busy machine,
         # put tokens that came while it was publishing into one chunk (its `Coalescer`).
-        assert 1 < len([p for p in pieces if p]) <= 12
-        assert len("".join(pieces).split()) == 12
+        assert 1 < len([p for p in pieces if p]) <= 40
+        assert len("".join(pieces).split()) == 40
 
 
 def test_plain_http_and_untrusting_clients_get_nothing(tls_gateway: Service) -> None:
