@@ -394,9 +394,10 @@ def test_owner_and_worker_killed_mid_batch_every_line_once(stack: Stack, gateway
 
 
 def test_an_interactive_request_takes_a_batch_lines_sequence(stack: Stack, gateway: Service, api_key: str) -> None:
-    """A worker of two sequences, both running batch lines (2 s answers): an interactive request
-    starts at once, in the sequence of a line that is stopped and handed back, and every line's
-    answer is still the one the same request gets online (resumed from its published tokens)."""
+    """A worker of two sequences, both running batch lines (3 s answers, no other line to start
+    when one ends): an interactive request starts at once, in the sequence of a line that is
+    stopped and handed back, and every line's answer is still the one the same request gets online
+    (resumed from its published tokens)."""
     model = "preempt-batch-sim"
     worker = sim_worker(
         stack,
@@ -409,7 +410,7 @@ def test_an_interactive_request_takes_a_batch_lines_sequence(stack: Stack, gatew
     )
     client = client_for(gateway, api_key)
     wait_listed(client, model)
-    lines = [_line(f"p-{i}", model=model, max_tokens=40) for i in range(4)]
+    lines = [_line(f"p-{i}", model=model, max_tokens=60) for i in range(2)]
     batch = client.batches.create(input_file_id=upload(client, _jsonl(lines)), endpoint=CHAT, completion_window="24h")
     deadline = time.monotonic() + 30
     while metric(worker, "axon_worker_batch_sequences", model=model) < 2:
@@ -429,12 +430,12 @@ def test_an_interactive_request_takes_a_batch_lines_sequence(stack: Stack, gatew
     done = wait_status(client, batch.id, {"completed", "failed"})
     assert done.status == "completed" and done.output_file_id is not None
     output = content_lines(client, done.output_file_id)
-    assert sorted(line["custom_id"] for line in output) == [f"p-{i}" for i in range(4)]
+    assert sorted(line["custom_id"] for line in output) == [f"p-{i}" for i in range(2)]
     for line in output:
         request = next(raw for raw in lines if raw["custom_id"] == line["custom_id"])["body"]
         online = client.chat.completions.create(**request)
         assert line["response"]["body"]["choices"][0]["message"]["content"] == online.choices[0].message.content
-        assert line["response"]["body"]["usage"]["completion_tokens"] == 40
+        assert line["response"]["body"]["usage"]["completion_tokens"] == 60
     worker.stop()
 
 
