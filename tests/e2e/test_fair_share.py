@@ -21,6 +21,7 @@ from tests.conftest import create_key
 from tests.e2e.stack import ADMIN_TOKEN, Stack
 from tests.e2e.test_batches import _jsonl, _line, upload, wait_status
 from tests.e2e.test_workers import client_for, metric, sim_worker, wait_listed
+from tests.waiting import until
 
 # `alone` (make test runs it with no other test beside it): it times first tokens beside a burst.
 pytestmark = [pytest.mark.e2e, pytest.mark.alone]
@@ -197,8 +198,11 @@ def test_a_lone_tenant_gets_every_sequence_and_a_late_one_no_credit_for_idle_tim
         )
         try:
             await asyncio.sleep(1.5)
-            running = await asyncio.to_thread(metric, worker, "axon_worker_running_sequences", model=MODEL)
-            assert running == SEQS
+
+            async def every_sequence() -> bool:  # a sample may fall between an answer and its stream's next
+                return await asyncio.to_thread(metric, worker, "axon_worker_running_sequences", model=MODEL) == SEQS
+
+            await until(every_sequence, timeout_s=5, what="the lone tenant in every sequence")
             # Idle until now, the late tenant starts level with the one served all along.
             before = fair().get("fair-one", 0.0)
             await ask(aclient(gateway, tenants["fair-late"]), 4)

@@ -111,13 +111,17 @@ def test_sigterm_drains_in_flight_jobs_then_exits_0(stack: Stack, gateway: Servi
     results: list = []
 
     def ask() -> None:
-        response = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=150)
+        response = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=300)
         results.append((response.choices[0].finish_reason, response.usage.completion_tokens))
 
     threads = [threading.Thread(target=ask) for _ in range(3)]
     for t in threads:
         t.start()
-    holder([worker], model)
+    # All three running: a job still in the queue when the drain stops taking jobs waits there for
+    # another worker of the model, and there is none.
+    wait_for(
+        lambda: metric(worker, "axon_worker_running_sequences", model=model) >= 3, timeout_s=10, what="three running"
+    )
     worker.process.send_signal(signal.SIGTERM)
     ready = wait_for(
         lambda: (r := httpx.get(f"{worker.url}/ready", timeout=5)).status_code == 503 and r,
@@ -128,7 +132,7 @@ def test_sigterm_drains_in_flight_jobs_then_exits_0(stack: Stack, gateway: Servi
     assert worker.process.wait(timeout=20) == 0
     for t in threads:
         t.join(timeout=20)
-    assert results == [("length", 150)] * 3
+    assert results == [("length", 300)] * 3
 
 
 def test_drain_timeout_hands_jobs_back_and_another_worker_finishes_them(
