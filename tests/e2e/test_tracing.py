@@ -252,7 +252,7 @@ def test_a_failed_over_job_joins_its_requests_trace(traced: Stack, receiver: Otl
         lines = []
         for line in streamed.iter_lines():
             lines.append(line)
-            if len(lines) == 40 and killed is None:  # 20 events, each a data line and a blank one
+            if len(lines) == 40 and killed is None:  # 13 events, each an id, a data and a blank line
                 killed = holder(workers, MODEL)
                 killed.kill()
         assert "data: [DONE]" in lines

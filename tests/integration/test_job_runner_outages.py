@@ -149,7 +149,9 @@ async def test_a_job_nobody_reads_stops_within_a_step_and_its_worker_records_its
     assert took_s < 1
     assert delivery.settled == ["ack"] and count(metrics, "unheard") == 1
     assert (row["tenant"], row["key_id"]) == ("acme", "key_outages")
-    assert 1 <= row["completion_tokens"] <= 5
+    # Charged what it generated until the first publish came back unheard: a token every 5 ms for
+    # that round trip, a few on an idle machine, more on a busy one; far short of the 2,000.
+    assert 1 <= row["completion_tokens"] <= 100
 
 
 async def test_a_job_with_a_chunk_log_runs_on_with_nobody_listening(engine, names, service_urls) -> None:
@@ -204,7 +206,7 @@ async def test_a_handed_back_job_is_resumed_uncounted_or_dropped_at_once_when_no
     # Resumed where it stopped, to its end.
     assert resumed[0].seq == 2 and resumed[-1].usage is not None and resumed[-1].usage.completion_tokens == 20
     # Nobody reads the other: ended without generating, its two published tokens charged.
-    assert took_s < 0.5
+    assert took_s < 2
     assert (row["completion_tokens"], row["prompt_tokens"]) == (2, 3)
     # Both went on from the other worker's progress (the second only to end it, numbered and charged on).
     assert (count(metrics, "completed"), count(metrics, "resumed"), count(metrics, "unheard")) == (1, 2, 1)
