@@ -63,12 +63,15 @@ def _traffic(stack: Stack, client: OpenAI, http: httpx.Client) -> None:
     model = "keys-failover"
     workers = [sim_worker(stack, f"keys-{i}", model, AXON_SIM_ITL_MS="20") for i in range(2)]
     wait_listed(client, model)
-    pieces = []
+    pieces, text, killed = [], "", False
     for chunk in client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=60, stream=True):
         pieces.append(chunk)
-        if len(pieces) == 10:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if len(text.split()) >= 10 and not killed:  # the simulator's tokens are words; a chunk may carry several
             holder(workers, model).kill()
-    assert pieces[-1].choices[0].finish_reason == "length"
+            killed = True
+    assert killed and pieces[-1].choices[0].finish_reason == "length"
 
 
 def _shape(key: str, namespace: str) -> str:
